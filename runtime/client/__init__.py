@@ -1,0 +1,12 @@
+"""What clients import: ``Client`` (async) and ``SyncClient``."""
+
+from runtime.client.client import (
+    Client,
+    GenerationChunk,
+    GenerationResult,
+    RequestFailed,
+    ServiceUnavailable,
+    SyncClient,
+)
+
+__all__ = ["Client", "SyncClient", "GenerationResult", "GenerationChunk", "RequestFailed", "ServiceUnavailable"]

@@ -1,0 +1,248 @@
+"""ZeroMQ client for the runtime: async (``Client``) and synchronous (``SyncClient``)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from runtime.protocol import client as cp
+
+
+class ServiceUnavailable(ConnectionError):
+    """Nothing answered at the address in time."""
+
+
+class RequestFailed(RuntimeError):
+    """The service rejected a request or could not finish it; ``result`` has the details."""
+
+    def __init__(self, result: GenerationResult) -> None:
+        super().__init__(result.error or result.finish_reason)
+        self.result = result
+
+
+@dataclass
+class GenerationChunk:
+    """New tokens of a streaming request and the text they completed."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class GenerationResult:
+    """A finished request. ``finish_reason`` is "stop", "length", "abort" or "error"."""
+
+    rid: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+def _result(done: cp.Done) -> GenerationResult:
+    return GenerationResult(
+        rid=done.rid,
+        token_ids=list(done.token_ids),
+        text=done.text,
+        finish_reason=done.finish_reason,
+        prompt_tokens=done.prompt_tokens,
+        cached_tokens=done.cached_tokens,
+        error=done.error,
+    )
+
+
+class Client:
+    """Async client: ``async with Client(address) as c: await c.generate(prompt="...")``.
+
+    One DEALER socket; a background task routes replies to waiting requests by id.
+    """
+
+    def __init__(self, address: str, timeout_s: float | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def __aenter__(self) -> Client:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.address)
+        self._reader = asyncio.create_task(self._read())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._sock is not None:
+            self._sock.close(0)
+        if self._ctx is not None:
+            self._ctx.term()
+        self._sock = self._ctx = self._reader = None
+
+    async def _read(self) -> None:
+        assert self._sock is not None
+        while True:
+            payload = await self._sock.recv()
+            msg = cp.server_msg_decoder.decode(payload)
+            key = "abort:" + msg.rid if isinstance(msg, cp.AbortReply) else msg.rid
+            queue = self._queues.get(key)
+            if queue is not None:
+                queue.put_nowait(msg)
+
+    async def _call(self, msg: msgspec.Struct, rid: str) -> asyncio.Queue:
+        assert self._sock is not None, "use `async with Client(...)`"
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        await self._sock.send(cp.client_encoder.encode(msg))
+        return queue
+
+    async def _get(self, queue: asyncio.Queue, timeout: float | None = None):
+        limit = timeout if timeout is not None else self.timeout_s
+        try:
+            return await asyncio.wait_for(queue.get(), limit)
+        except asyncio.TimeoutError:
+            raise ServiceUnavailable(f"no reply from {self.address} within {limit} s") from None
+
+    @staticmethod
+    def _request(rid: str | None, stream: bool, prompt, token_ids, max_tokens, temperature, ignore_eos, stop_token_ids):
+        return cp.Generate(
+            rid=rid or uuid.uuid4().hex,
+            prompt=prompt,
+            token_ids=list(token_ids) if token_ids is not None else None,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            ignore_eos=ignore_eos,
+            stop_token_ids=list(stop_token_ids or []),
+            stream=stream,
+        )
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        ignore_eos: bool = False,
+        stop_token_ids: list[int] | None = None,
+        rid: str | None = None,
+    ) -> GenerationResult:
+        """Run one request to completion; finish_reason "error" comes back as a result, not raised."""
+        msg = self._request(rid, False, prompt, token_ids, max_tokens, temperature, ignore_eos, stop_token_ids)
+        queue = await self._call(msg, msg.rid)
+        try:
+            while True:
+                reply = await self._get(queue)
+                if isinstance(reply, cp.Done):
+                    return _result(reply)
+                if isinstance(reply, cp.ProtocolError):
+                    return GenerationResult(rid=msg.rid, finish_reason="error", error=reply.message)
+        finally:
+            self._queues.pop(msg.rid, None)
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        ignore_eos: bool = False,
+        stop_token_ids: list[int] | None = None,
+        rid: str | None = None,
+    ) -> AsyncIterator[GenerationChunk]:
+        """Yield chunks as tokens are produced; raises RequestFailed if the request errors."""
+        msg = self._request(rid, True, prompt, token_ids, max_tokens, temperature, ignore_eos, stop_token_ids)
+        queue = await self._call(msg, msg.rid)
+        try:
+            while True:
+                reply = await self._get(queue)
+                if isinstance(reply, cp.Chunk):
+                    yield GenerationChunk(token_ids=list(reply.token_ids), text=reply.text)
+                elif isinstance(reply, cp.Done):
+                    if reply.finish_reason == "error":
+                        raise RequestFailed(_result(reply))
+                    return
+                elif isinstance(reply, cp.ProtocolError):
+                    raise RequestFailed(GenerationResult(rid=msg.rid, finish_reason="error", error=reply.message))
+        finally:
+            self._queues.pop(msg.rid, None)
+
+    async def abort(self, rid: str) -> bool:
+        """End a waiting or running request; False if no such request was known."""
+        queue = await self._call(cp.Abort(rid=rid), "abort:" + rid)
+        try:
+            while True:
+                reply = await self._get(queue, timeout=self.timeout_s or 10.0)
+                if isinstance(reply, cp.AbortReply):
+                    return reply.found
+        finally:
+            self._queues.pop("abort:" + rid, None)
+
+    async def status(self, timeout: float = 5.0) -> cp.StatusReply:
+        """Model and queue facts; raises ServiceUnavailable when nothing answers."""
+        rid = "status:" + uuid.uuid4().hex
+        queue = await self._call(cp.StatusQuery(rid=rid), rid)
+        try:
+            return await self._get(queue, timeout=timeout)
+        finally:
+            self._queues.pop(rid, None)
+
+
+class SyncClient:
+    """Blocking wrapper for scripts: ``with SyncClient(address) as c: c.generate(prompt="...")``."""
+
+    def __init__(self, address: str, timeout_s: float | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._client = Client(address, timeout_s=timeout_s)
+
+    def __enter__(self) -> SyncClient:
+        self._loop.run_until_complete(self._client.__aenter__())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self._client.close())
+            self._loop.close()
+
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        return self._loop.run_until_complete(self._client.generate(prompt, **kwargs))
+
+    def stream(self, prompt: str | None = None, **kwargs):
+        """A plain iterator of GenerationChunk."""
+        agen = self._client.stream(prompt, **kwargs)
+        try:
+            while True:
+                try:
+                    yield self._loop.run_until_complete(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._loop.run_until_complete(agen.aclose())
+
+    def abort(self, rid: str) -> bool:
+        return self._loop.run_until_complete(self._client.abort(rid))
+
+    def status(self, timeout: float = 5.0) -> cp.StatusReply:
+        return self._loop.run_until_complete(self._client.status(timeout))

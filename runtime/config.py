@@ -1,0 +1,158 @@
+"""Service configuration: TOML in, frozen dataclasses out, every key checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A config file a person must fix; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """``[model]``: which model folder the worker loads."""
+
+    path: str = ""
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``[server]``: where clients connect.
+
+    ``ipc://`` (the default, a socket file in a private temp directory) or
+    ``tcp://HOST:PORT``; ``tcp://:PORT`` binds ``host`` (127.0.0.1 by default).
+    """
+
+    address: str = "ipc://"
+    host: str = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``[scheduler]``: batching limits."""
+
+    max_running: int = 64
+    max_step_tokens: int = 512
+    prefill_chunk: int = 256
+    max_context: int = 0
+    debug_invariants: bool = False
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """``[cache]``: the KV pool and the radix prefix cache over it.
+
+    The pool holds ``kv_slots`` tokens; 0 sizes it as ``kv_memory_fraction`` of
+    the device's memory, capped by ``max_running * max_context``.
+    """
+
+    enabled: bool = True
+    kv_slots: int = 0
+    kv_memory_fraction: float = 0.25
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """``[worker]``: the MLX process."""
+
+    startup_timeout_s: float = 600.0
+    restart: bool = True
+    blas: str = "auto"
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole service configuration, frozen after loading."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+
+def _check_type(key: str, value: object, hint: object) -> object:
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    expected = hint if isinstance(hint, type) else None
+    if expected is None or isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
+        name = getattr(hint, "__name__", str(hint))
+        raise ConfigError(f"config key '{key}' must be {name}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, table: dict, prefix: str) -> object:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in table.items():
+        dotted = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(f"unknown config key '{dotted}' (known: {', '.join(sorted(known))})")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key '{dotted}' must be a table")
+            values[key] = _build(hint, value, f"{dotted}.")
+        else:
+            values[key] = _check_type(dotted, value, hint)
+    return cls(**values)
+
+
+def parse_config(table: dict, base_dir: Path | None = None) -> Config:
+    """Build a Config from a parsed TOML table; relative model paths resolve against ``base_dir``."""
+    config = _build(Config, table, "")
+    assert isinstance(config, Config)
+    if not config.model.path:
+        raise ConfigError("config key 'model.path' is required (a folder holding an MLX model)")
+    path = Path(config.model.path).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        candidate = (base_dir / path).resolve()
+        # Configs in configs/ name repo paths relative to the repo root or to themselves.
+        path = candidate if candidate.exists() else path.resolve()
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(path)))
+    _validate(config)
+    return config
+
+
+def _validate(config: Config) -> None:
+    s, c = config.scheduler, config.cache
+    if s.max_running < 1:
+        raise ConfigError("config key 'scheduler.max_running' must be at least 1")
+    if s.max_step_tokens < 1 or s.prefill_chunk < 1:
+        raise ConfigError("config keys 'scheduler.max_step_tokens' and 'scheduler.prefill_chunk' must be at least 1")
+    if s.max_context < 0 or c.kv_slots < 0:
+        raise ConfigError("config keys 'scheduler.max_context' and 'cache.kv_slots' must not be negative")
+    if not 0.0 < c.kv_memory_fraction <= 0.95:
+        raise ConfigError("config key 'cache.kv_memory_fraction' must be in (0, 0.95]")
+    addr = config.server.address
+    if not (addr.startswith("ipc://") or addr.startswith("tcp://")):
+        raise ConfigError(f"config key 'server.address' must start with ipc:// or tcp://, got {addr!r}")
+    if config.worker.blas not in ("auto", "bundled"):
+        raise ConfigError("config key 'worker.blas' must be 'auto' or 'bundled'")
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a TOML config file."""
+    path = Path(path)
+    try:
+        table = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    return parse_config(table, base_dir=path.parent)
+
+
+def config_to_dict(config: Config) -> dict:
+    """Plain-dict form, for handing the config to the worker process."""
+    return dataclasses.asdict(config)
+
+
+__all__ = ["Config", "ConfigError", "load_config", "parse_config", "config_to_dict"]

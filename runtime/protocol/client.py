@@ -1,0 +1,93 @@
+"""Messages between clients and the scheduler (one ROUTER socket at the scheduler)."""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+
+class Generate(msgspec.Struct, tag="generate", omit_defaults=True, forbid_unknown_fields=True):
+    """Start a generation. Exactly one of ``prompt`` or ``token_ids`` is set."""
+
+    rid: str
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+    stream: bool = False
+
+
+class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
+    """End a running or waiting request; its result comes back with finish_reason "abort"."""
+
+    rid: str
+
+
+class StatusQuery(msgspec.Struct, tag="status", forbid_unknown_fields=True):
+    """Ask for model and queue facts."""
+
+    rid: str
+
+
+ClientMsg = Union[Generate, Abort, StatusQuery]
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class Chunk(msgspec.Struct, tag="chunk"):
+    """New tokens of a streaming request and the text they completed."""
+
+    rid: str
+    token_ids: list[int]
+    text: str
+
+
+class Done(msgspec.Struct, tag="done", omit_defaults=True):
+    """The final result of a request (also the error reply for a rejected one)."""
+
+    rid: str
+    finish_reason: FinishReason
+    token_ids: list[int] = []
+    text: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+class StatusReply(msgspec.Struct, tag="status_reply"):
+    """Model and queue facts for ``runtime status``."""
+
+    rid: str
+    model: str
+    model_type: str
+    waiting: int
+    running: int
+    kv_slots_total: int
+    kv_slots_free: int
+    kv_slots_cached: int
+    worker_restarts: int
+    max_context: int
+
+
+class ProtocolError(msgspec.Struct, tag="protocol_error"):
+    """Reply to a message that could not be decoded; ``rid`` is "" when unknown."""
+
+    rid: str
+    message: str
+
+
+class AbortReply(msgspec.Struct, tag="abort_reply"):
+    """Answer to ``Abort``: whether a request with that id was waiting or running."""
+
+    rid: str
+    found: bool
+
+
+ServerMsg = Union[Chunk, Done, StatusReply, ProtocolError, AbortReply]
+
+client_encoder = msgspec.msgpack.Encoder()
+client_msg_decoder = msgspec.msgpack.Decoder(ClientMsg)
+server_msg_decoder = msgspec.msgpack.Decoder(ServerMsg)

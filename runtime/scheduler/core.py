@@ -1,0 +1,315 @@
+"""Scheduling policy: admission, continuous batching, chunked prefill, prefix reuse.
+
+Pure Python over ints (no mlx, no sockets). The server asks ``next_step()`` for the
+next worker step and feeds results back through ``on_step_done``; up to two steps are
+in flight, so a step is planned before the previous one's tokens are known. Requests
+that finish are released at once; their tokens in a step already in flight are dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.protocol.worker import DecodeBatch, PrefillChunk, Step
+from runtime.scheduler.radix import RadixCache
+from runtime.scheduler.request import Request
+from runtime.scheduler.rows import RowAllocator
+from runtime.scheduler.slots import SlotAllocator
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the worker reported it can hold, plus batching knobs."""
+
+    num_slots: int
+    max_rows: int
+    max_context: int
+    vocab_size: int
+    max_step_tokens: int = 512
+    prefill_chunk: int = 256
+    cache_enabled: bool = True
+
+
+@dataclass
+class PlannedStep:
+    """A step sent to the worker, with the requests whose tokens it will return."""
+
+    step: Step
+    decode_reqs: list[Request]
+    prefill_reqs: list[Request] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    """New tokens for one request after a step, and whether it finished."""
+
+    req: Request
+    new_ids: list[int]
+    finished: bool
+
+
+class RequestRejected(ValueError):
+    """The request can never be served; the message says why."""
+
+
+class Scheduler:
+    """Waiting queue, running set, KV slots, rows and the radix cache."""
+
+    def __init__(self, limits: Limits, eos_ids: frozenset[int], debug_invariants: bool = False) -> None:
+        self.limits = limits
+        self.eos_ids = eos_ids
+        self.debug_invariants = debug_invariants
+        self.slots = SlotAllocator(limits.num_slots, reserve_zero=True)
+        self.rows = RowAllocator(limits.max_rows)
+        self.tree = RadixCache(self.slots) if limits.cache_enabled else None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.inflight: dict[int, PlannedStep] = {}
+        self.reserved = 0
+        self._next_step_id = 0
+
+    # ---- admission -------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], max_tokens: int, temperature: float) -> int:
+        """Check a request against the limits; return its effective max new tokens."""
+        lim = self.limits
+        if not prompt_ids:
+            raise RequestRejected("the prompt is empty: send at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < lim.vocab_size]
+        if bad:
+            raise RequestRejected(f"unknown token ids {bad[:5]}: the vocabulary has ids 0..{lim.vocab_size - 1}")
+        if max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be at least 1, got {max_tokens}")
+        if temperature < 0:
+            raise RequestRejected(f"temperature must be >= 0, got {temperature}")
+        n = len(prompt_ids)
+        if n >= lim.max_context:
+            raise RequestRejected(
+                f"the prompt has {n} tokens; this service's context holds at most {lim.max_context - 1} prompt tokens"
+            )
+        max_new = min(max_tokens, lim.max_context - n)
+        if n + max_new > self.slots.capacity:
+            raise RequestRejected(
+                f"prompt ({n} tokens) plus max_tokens ({max_new}) exceeds the KV pool of {self.slots.capacity} "
+                f"tokens; lower max_tokens or raise cache.kv_slots"
+            )
+        return max_new
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def _try_admit(self, req: Request) -> bool:
+        if self.rows.free_count == 0:
+            return False
+        match = None
+        prefix_slots: list[int] = []
+        if self.tree is not None and req.prefill_target > 0:
+            match = self.tree.match_prefix(req.prompt_ids[: req.prefill_target])
+            prefix_slots = match.slots
+            self.tree.lock(match.node)
+        need = (req.prefill_target - len(prefix_slots)) + req.max_new
+        evictable = self.tree.evictable_size if self.tree is not None else 0
+        if self.slots.free_count + evictable - self.reserved < need:
+            if match is not None:
+                self.tree.unlock(match.node)
+            return False
+        row = self.rows.alloc()
+        assert row is not None
+        req.row = row
+        req.slots = list(prefix_slots)
+        req.prefix_len = req.prefilled = req.cached_len = len(prefix_slots)
+        req.tree_node = match.node if match is not None else None
+        req.reserved = need
+        self.reserved += need
+        self.running.append(req)
+        return True
+
+    def _alloc(self, req: Request, n: int) -> list[int]:
+        if self.slots.free_count < n and self.tree is not None:
+            self.tree.evict(n - self.slots.free_count)
+        got = self.slots.alloc(n)
+        assert got is not None, "reservation accounting broke: no slots for an admitted request"
+        req.reserved -= n
+        self.reserved -= n
+        req.slots.extend(got)
+        return got
+
+    # ---- planning --------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return any(r.wants_decode or not r.prefill_done for r in self.running) or bool(self.waiting)
+
+    def next_step(self) -> PlannedStep | None:
+        """Plan the next worker step, or None when there is nothing to run."""
+        lim = self.limits
+        budget = lim.max_step_tokens - sum(1 for r in self.running if r.wants_decode)
+        prefills: list[PrefillChunk] = []
+        prefill_reqs: list[Request] = []
+        candidates = [r for r in self.running if not r.prefill_done]
+        while True:
+            for req in candidates:
+                if budget <= 0:
+                    break
+                n = min(req.prefill_target - req.prefilled, lim.prefill_chunk, budget)
+                start = req.prefilled
+                slot_ids = self._alloc(req, n)
+                prefix = req.slots[:start] if start == req.prefix_len and start > 0 else []
+                prefills.append(PrefillChunk(req.row, start, req.prompt_ids[start : start + n], slot_ids, prefix))
+                prefill_reqs.append(req)
+                req.prefilled += n
+                budget -= n
+                if req.prefill_done:
+                    self._cache_prompt(req)
+            candidates = []
+            while self.waiting and budget > 0 and self._try_admit(self.waiting[0]):
+                req = self.waiting.popleft()
+                if req.prefill_done:
+                    continue  # one-token prompt or full-prefix hit: straight to decode
+                candidates.append(req)
+            if not candidates:
+                break
+        decode_reqs = [r for r in self.running if r.wants_decode]
+        if not prefills and not decode_reqs:
+            return None
+        decode = None
+        if decode_reqs:
+            rows, tokens, positions, slot_ids, temps = [], [], [], [], []
+            for req in decode_reqs:
+                k = req.decodes_launched
+                rows.append(req.row)
+                tokens.append(req.prompt_ids[-1] if k == 0 else -1)
+                positions.append(req.prompt_len - 1 + k)
+                slot_ids.append(self._alloc(req, 1)[0])
+                temps.append(req.params.temperature)
+                req.decodes_launched += 1
+            decode = DecodeBatch(rows, tokens, positions, slot_ids, temps)
+        step = Step(step_id=self._next_step_id, prefills=prefills, decode=decode)
+        self._next_step_id += 1
+        planned = PlannedStep(step, decode_reqs, prefill_reqs)
+        self.inflight[step.step_id] = planned
+        return planned
+
+    def _cache_prompt(self, req: Request) -> None:
+        """Share a freshly prefilled prompt with later requests right away."""
+        if self.tree is None or req.prefill_target == 0:
+            return
+        self._insert(req, req.prompt_ids[: req.prefill_target])
+
+    def _insert(self, req: Request, tokens: list[int]) -> None:
+        assert self.tree is not None
+        n = len(tokens)
+        result = self.tree.insert(tokens, req.slots[:n])
+        req.dup_slots.extend(result.duplicate_slots)
+        match = self.tree.match_prefix(tokens)
+        assert len(match.slots) == n
+        self.tree.lock(match.node)
+        if req.tree_node is not None:
+            self.tree.unlock(req.tree_node)
+        req.tree_node = match.node
+        req.slots[:n] = match.slots
+        req.cached_len = n
+
+    # ---- results ---------------------------------------------------------------------
+    def on_step_done(self, step_id: int, tokens: list[int]) -> list[StepOutput]:
+        planned = self.inflight.pop(step_id)
+        assert len(tokens) == len(planned.decode_reqs), "worker returned a wrong number of tokens"
+        outputs = []
+        for req, token in zip(planned.decode_reqs, tokens):
+            if req.finished:
+                continue  # it finished in an earlier step; this chained token is dropped
+            req.output_ids.append(token)
+            reason = None
+            if (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
+                reason = "stop"
+            elif len(req.output_ids) >= req.max_new:
+                reason = "length"
+            if reason is not None:
+                self.finish(req, reason)
+            outputs.append(StepOutput(req, [token], reason is not None))
+        if self.debug_invariants:
+            self.check_invariants()
+        return outputs
+
+    def on_step_failed(self, step_id: int, error: str) -> list[Request]:
+        """A step raised in the worker: fail every running request (their device state is suspect)."""
+        self.inflight.pop(step_id, None)
+        failed = [r for r in self.running]
+        for req in failed:
+            req.error = f"the worker failed a step: {error}"
+            self.finish(req, "error")
+        return failed
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Release a request's row, slots and reservation; cache what it computed."""
+        if req.finished:
+            return
+        req.finish_reason = reason
+        if req in self.waiting:
+            self.waiting.remove(req)
+            return
+        if req not in self.running:
+            return
+        self.running.remove(req)
+        self.reserved -= req.reserved
+        req.reserved = 0
+        # K/V is known-written for the prompt's prefilled part and every decode input
+        # whose result came back, except the last token returned.
+        known = min(req.prefilled, req.prefill_target)
+        if req.prefill_done:
+            known = req.prompt_len + max(len(req.output_ids) - 1, 0) if req.output_ids else req.prefill_target
+        sequence = (req.prompt_ids + req.output_ids)[:known]
+        keep = 0
+        if self.tree is not None and reason != "error" and known > 0:
+            self._insert(req, sequence)
+            keep = known
+        if self.tree is not None and req.tree_node is not None:
+            self.tree.unlock(req.tree_node)
+            req.tree_node = None
+        own = req.slots[max(keep, req.cached_len) :]
+        if self.tree is None or reason == "error":
+            own = req.slots[req.cached_len :]
+        self.slots.free(own + req.dup_slots)
+        req.slots = []
+        req.dup_slots = []
+        self.rows.free(req.row)
+
+    def abort(self, rid: str) -> Request | None:
+        for req in list(self.waiting) + self.running:
+            if req.rid == rid:
+                self.finish(req, "abort")
+                return req
+        return None
+
+    def fail_all(self, reason: str) -> list[Request]:
+        """The worker died: fail running requests, forget in-flight steps, reset the cache."""
+        failed = list(self.running)
+        for req in failed:
+            req.error = reason
+            self.finish(req, "error")
+        self.inflight.clear()
+        if self.tree is not None:
+            self.tree.reset()
+        return failed
+
+    # ---- invariants ------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Every slot is exactly one of: free, owned by a running request, held by the tree."""
+        self.slots.check_invariants()
+        self.rows.check_invariants()
+        tree_slots = self.tree.owned_slots() if self.tree is not None else set()
+        if self.tree is not None:
+            self.tree.check_invariants()
+        owned: list[int] = []
+        for req in self.running:
+            owned.extend(req.slots[req.cached_len :])
+            owned.extend(req.dup_slots)
+            assert set(req.slots[: req.cached_len]) <= tree_slots, f"{req.rid}: cached slots not in tree"
+        assert len(owned) == len(set(owned)), "a slot is owned twice"
+        assert not (set(owned) & tree_slots), "a slot is owned by a request and the tree"
+        free = self.slots.free_count
+        assert free + len(owned) + len(tree_slots) == self.slots.capacity, (
+            f"slot leak: free {free} + requests {len(owned)} + tree {len(tree_slots)} != {self.slots.capacity}"
+        )
+        assert self.reserved == sum(r.reserved for r in self.running)
+        evictable = self.tree.evictable_size if self.tree is not None else 0
+        assert free + evictable >= self.reserved, "reservations exceed reclaimable slots"
+        assert self.rows.free_count + len(self.running) == self.rows.max_rows

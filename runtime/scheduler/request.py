@@ -1,0 +1,69 @@
+"""One record per request, holding everything the scheduler tracks about it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """What the client asked for, validated."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(eq=False)
+class Request:
+    """A request from admission to completion.
+
+    Positions ``0..prompt_len-2`` are prefilled in chunks; the last prompt token is the
+    input of the first decode step, which yields the first output token. ``slots[p]``
+    holds the K/V of position p. The first ``cached_len`` slots belong to the radix tree
+    (locked through ``tree_node``); the rest belong to this request.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new: int
+    client: Any = None
+    stream: bool = False
+    row: int = -1
+    slots: list[int] = field(default_factory=list)
+    prefix_len: int = 0
+    prefilled: int = 0
+    decodes_launched: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    cached_len: int = 0
+    tree_node: Any = None
+    dup_slots: list[int] = field(default_factory=list)
+    reserved: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    detok: Any = None
+    arrived_at: float = 0.0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prefill_target(self) -> int:
+        """Positions that go through prefill: all but the last prompt token."""
+        return self.prompt_len - 1
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled >= self.prefill_target
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def wants_decode(self) -> bool:
+        return self.prefill_done and not self.finished and self.decodes_launched < self.max_new

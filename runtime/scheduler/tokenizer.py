@@ -1,0 +1,75 @@
+"""Tokenizer and incremental detokenizer, loaded from the model folder (no mlx)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _as_ids(value: Any) -> set[int]:
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list):
+        return {v for v in value if isinstance(v, int)}
+    return set()
+
+
+class Tokenizer:
+    """Wraps the model folder's Hugging Face tokenizer; EOS ids as mlx-lm collects them."""
+
+    def __init__(self, path: str) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(path)
+        eos = _as_ids(self._tok.eos_token_id)
+        for name in ("config.json", "generation_config.json"):
+            file = Path(path) / name
+            if file.exists():
+                data = json.loads(file.read_text())
+                eos |= _as_ids(data.get("eos_token_id"))
+                eos |= _as_ids(data.get("text_config", {}).get("eos_token_id"))
+        self.eos_ids = frozenset(eos)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding everything.
+
+    Holds back text ending in an incomplete UTF-8 sequence (U+FFFD) until it completes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def add(self, new_ids: list[int]) -> str:
+        """Append tokens; return the newly completed text."""
+        self.ids.extend(new_ids)
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Whatever is held back, at the end of the request."""
+        full = self.tokenizer.decode(self.ids)
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text += delta
+        return delta

@@ -1,0 +1,1 @@
+"""The MLX worker process: owns the model, the KV pool and every MLX array."""

@@ -1,0 +1,153 @@
+"""Find the attention modules of an mlx-lm model and describe its cache layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+ATTENTION_ATTRS = ("self_attn", "attention", "attn", "mixer", "self_attention")
+
+
+class UnsupportedModel(ValueError):
+    """The model cannot be served correctly; the message says why."""
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """K/V geometry of one softmax-attention layer."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Which layers are attention (KV pool) and which carry auxiliary state.
+
+    ``kv_index[layer]`` is the layer's index into the KV pool, or -1.
+    """
+
+    num_layers: int
+    attention_layers: tuple[int, ...]
+    aux_layers: tuple[int, ...]
+    kv_index: tuple[int, ...]
+    attn_attr: tuple[str | None, ...]
+    kv_shape: AttentionShape | None
+    kv_dtype: mx.Dtype
+
+    @property
+    def has_aux(self) -> bool:
+        return bool(self.aux_layers)
+
+
+def model_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a model or of its language model."""
+    for owner in (model, getattr(model, "language_model", None), getattr(model, "model", None)):
+        if owner is None:
+            continue
+        layers = getattr(owner, "layers", None)
+        if isinstance(layers, (list, tuple)) and layers:
+            return list(layers)
+    raise UnsupportedModel("model has no `layers` list; cannot find its decoder layers")
+
+
+def _int_attr(module: nn.Module, *names: str) -> int | None:
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _out_features(proj: nn.Module) -> int:
+    weight = proj["weight"] if isinstance(proj, dict) else proj.weight
+    width = weight.shape[0]
+    return width
+
+
+def is_softmax_attention(module: nn.Module) -> bool:
+    """True for q/k/v/o attention with RoPE, a scale and head counts (not a linear mixer)."""
+    has_proj = all(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    has_heads = _int_attr(module, "n_heads", "num_attention_heads", "num_heads") is not None
+    has_scale = isinstance(getattr(module, "scale", None), float)
+    has_rope = hasattr(module, "rope") or hasattr(module, "rotary_emb")
+    return has_proj and has_heads and has_scale and has_rope
+
+
+def attention_shape(module: nn.Module) -> AttentionShape:
+    """Head counts from either spelling; head_dim from the module or the k projection."""
+    n_heads = _int_attr(module, "n_heads", "num_attention_heads", "num_heads")
+    n_kv = _int_attr(module, "n_kv_heads", "num_key_value_heads", "num_kv_heads") or n_heads
+    head_dim = _int_attr(module, "head_dim")
+    if head_dim is None:
+        k_width = _out_features(module.k_proj)
+        if hasattr(module.k_proj, "bits"):  # quantized: packed uint32 columns
+            k_width = module.k_proj.weight.shape[0]
+        head_dim = k_width // n_kv
+    assert n_heads is not None
+    return AttentionShape(n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim)
+
+
+def kv_dtype(module: nn.Module, fallback: mx.Dtype) -> mx.Dtype:
+    """A float dtype for K/V even when the projections are quantized."""
+    proj = module.k_proj
+    for name in ("weight", "scales"):
+        arr = getattr(proj, name, None)
+        if isinstance(arr, mx.array) and mx.issubdtype(arr.dtype, mx.floating):
+            return arr.dtype
+    return fallback
+
+
+def find_attention(layer: nn.Module) -> str | None:
+    """The attribute name of a layer's softmax attention, or None."""
+    for name in ATTENTION_ATTRS:
+        module = getattr(layer, name, None)
+        if module is not None and is_softmax_attention(module):
+            return name
+    return None
+
+
+def discover(model: nn.Module) -> CacheLayout:
+    """Build the cache layout; refuse models whose caches the runtime cannot serve."""
+    layers = model_layers(model)
+    caches = model.make_cache() if hasattr(model, "make_cache") else None
+    attn_attr: list[str | None] = []
+    attention, aux, kv_index = [], [], []
+    shape: AttentionShape | None = None
+    dtype = mx.float32
+    for i, layer in enumerate(layers):
+        name = find_attention(layer)
+        attn_attr.append(name)
+        cache_kind = type(caches[i]).__name__ if caches is not None and i < len(caches) else "KVCache"
+        if name is not None and cache_kind == "KVCache":
+            module = getattr(layer, name)
+            this = attention_shape(module)
+            if shape is not None and this != shape:
+                raise UnsupportedModel(f"attention layers have different K/V shapes ({shape} vs {this})")
+            shape = this
+            dtype = kv_dtype(module, dtype)
+            kv_index.append(len(attention))
+            attention.append(i)
+        elif cache_kind in ("RotatingKVCache", "ChunkedKVCache"):
+            raise UnsupportedModel(
+                f"layer {i} uses {cache_kind} (sliding-window or chunked attention), which this runtime does not serve yet"
+            )
+        elif name is None and cache_kind == "KVCache":
+            raise UnsupportedModel(f"layer {i} has a KV cache but no attention module the runtime recognises")
+        else:
+            kv_index.append(-1)
+            aux.append(i)
+    if caches is not None and len(caches) != len(layers):
+        raise UnsupportedModel(f"model makes {len(caches)} caches for {len(layers)} layers")
+    return CacheLayout(
+        num_layers=len(layers),
+        attention_layers=tuple(attention),
+        aux_layers=tuple(aux),
+        kv_index=tuple(kv_index),
+        attn_attr=tuple(attn_attr),
+        kv_shape=shape,
+        kv_dtype=dtype,
+    )

@@ -1,0 +1,84 @@
+"""Load a model folder with mlx-lm and size the KV pool."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from runtime.config import Config
+from runtime.worker.discovery import CacheLayout, UnsupportedModel, discover
+from runtime.worker.kv_pool import KVPool
+
+DEFAULT_MAX_CONTEXT = 4096
+
+
+@dataclass
+class LoadedModel:
+    """The model, its cache layout and the pool sizes chosen for it."""
+
+    model: nn.Module
+    model_type: str
+    layout: CacheLayout
+    vocab_size: int
+    max_context: int
+    num_slots: int
+
+
+def _total_memory() -> int:
+    try:
+        info = mx.device_info()
+        size = int(info.get("memory_size", 0))
+        if size:
+            return size
+    except Exception:  # device_info is missing on some backends
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def load(config: Config) -> LoadedModel:
+    """Load the folder named by the config; raise with the loader's message on failure."""
+    from mlx_lm.utils import load_model
+
+    path = Path(config.model.path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no config.json in model folder {path}")
+    model, model_config = load_model(path)
+    layout = discover(model)
+    if layout.kv_shape is None:
+        raise UnsupportedModel("model has no softmax-attention layers")
+    if layout.has_aux:
+        raise UnsupportedModel(
+            f"model has {len(layout.aux_layers)} layers with recurrent state (hybrid model); not supported yet"
+        )
+    text_config = model_config.get("text_config", model_config)
+    model_max = text_config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT
+    max_context = config.scheduler.max_context or min(int(model_max), DEFAULT_MAX_CONTEXT)
+    vocab_size = int(text_config.get("vocab_size", 0))
+    num_slots = config.cache.kv_slots
+    if not num_slots:
+        per_slot = KVPool.bytes_per_slot(len(layout.attention_layers), layout.kv_shape, layout.kv_dtype)
+        budget = int(_total_memory() * config.cache.kv_memory_fraction) // per_slot
+        num_slots = min(budget, config.scheduler.max_running * max_context + 1)
+    if num_slots < 2:
+        raise ValueError(f"KV pool of {num_slots} slots is too small; raise cache.kv_slots")
+    return LoadedModel(
+        model=model,
+        model_type=str(model_config.get("model_type", "unknown")),
+        layout=layout,
+        vocab_size=vocab_size,
+        max_context=max_context,
+        num_slots=num_slots,
+    )
+
+
+def model_type_of(path: str) -> str:
+    """The model_type of a folder, read without loading it."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("model_type", "unknown")
+    except (OSError, ValueError):
+        return "unknown"

@@ -1,0 +1,76 @@
+"""Per-layer cache objects handed to mlx-lm models so their attention reads/writes the KV pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from runtime.worker.kv_pool import KVPool
+
+
+@dataclass
+class ForwardBatch:
+    """What one forward pass needs to address the pool.
+
+    ``write_slots``: slot of every new token, batch-major (B * L,).
+    ``gather_index``: (B, T) slots of every position each row attends to, or None when
+    the new tokens are the whole sequence (a prefill from position 0, single row).
+    ``offset``: the position of the first new token (int for one row, (B,) array for many).
+    ``mask``: the attention mask for the decode batch (None, or (B, 1, 1, T) bool).
+    """
+
+    write_slots: mx.array
+    gather_index: mx.array | None
+    offset: int | mx.array
+    mask: mx.array | None
+    num_new: int
+
+
+class PoolLayerCache:
+    """Stands in for mlx-lm's KVCache in one attention layer during one forward pass."""
+
+    def __init__(self, pool: KVPool, kv_layer: int, batch: ForwardBatch) -> None:
+        self.pool = pool
+        self.kv_layer = kv_layer
+        self.batch = batch
+
+    @property
+    def offset(self) -> int | mx.array:
+        return self.batch.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        b, h, length, d = keys.shape
+        flat_k = keys.transpose(0, 2, 1, 3).reshape(b * length, h, d)
+        flat_v = values.transpose(0, 2, 1, 3).reshape(b * length, h, d)
+        self.pool.write(self.kv_layer, self.batch.write_slots, flat_k, flat_v)
+        if self.batch.gather_index is None:
+            # The new tokens are the whole sequence: attend to them directly, as mlx-lm's KVCache does.
+            return keys, values
+        return self.pool.gather(self.kv_layer, self.batch.gather_index)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        if self.batch.mask is not None:
+            return self.batch.mask
+        if n == 1:
+            return None
+        if return_array or window_size is not None:
+            offset = self.batch.offset
+            assert isinstance(offset, int)
+            rinds = mx.arange(offset + n)[None]
+            linds = mx.arange(offset, offset + n)[:, None]
+            mask = linds >= rinds
+            if window_size is not None:
+                mask = mask & (linds < rinds + window_size)
+            return mask
+        return "causal"
+
+    @property
+    def state(self):
+        return []
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return False

@@ -1,0 +1,677 @@
+"""Tiny random-weight models of real mlx-lm architectures, for tests.
+
+Every model is written as an ordinary model folder (``config.json``,
+``model.safetensors`` + index, ``tokenizer.json``, ``tokenizer_config.json``)
+that loads through the real ``mlx_lm.load(path)`` / ``mlx_lm.utils.load_model``
+code path, fully offline.
+
+Public API::
+
+    build_tokenizer(folder, vocab_size=256)
+    make_model(arch, folder, *, dtype="float32", seed=0, **overrides) -> Path
+    reference_greedy(folder, prompt_ids, max_tokens) -> list[int]
+    ARCHS
+
+Notes
+-----
+* The tokenizer is a byte-level BPE trained with ``tokenizers`` on a fixed,
+  deterministically generated English-ish corpus.  Ids 0 and 1 are the
+  specials ``<|endoftext|>`` (EOS) and ``<|pad|>``.  A full byte alphabet
+  needs 256 symbols, so with ``vocab_size < 258`` the 13 byte values that can
+  never occur in valid UTF-8 (0xC0, 0xC1, 0xF5-0xFF) are left out of the
+  alphabet; every Python ``str`` still round-trips through encode/decode.
+  With the default 256 this leaves 11 merges, i.e. text is encoded almost
+  byte per token.
+* ``overrides`` update the model config (for nested configs such as
+  ``qwen3_5`` they go into ``text_config``).  ``vocab_size`` is also used for
+  the tokenizer.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import random
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN)
+
+# Minimal plain-text chat template so chat-style code paths work too.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+# --------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------
+
+_DETERMINERS = ["the", "a", "one", "every", "some", "this", "that", "my", "your", "our"]
+_ADJECTIVES = [
+    "small", "large", "quick", "lazy", "bright", "dark", "quiet", "loud", "happy",
+    "old", "young", "green", "red", "blue", "cold", "warm", "tiny", "strange",
+    "clever", "gentle", "brave", "calm", "empty", "heavy", "simple",
+]
+_NOUNS = [
+    "cat", "dog", "bird", "river", "mountain", "city", "teacher", "student",
+    "garden", "window", "machine", "house", "forest", "song", "story", "friend",
+    "computer", "model", "server", "token", "table", "door", "road", "child",
+    "village", "ocean", "letter", "market", "engine", "cloud",
+]
+_VERBS = [
+    "sees", "likes", "finds", "builds", "carries", "follows", "watches", "helps",
+    "reads", "writes", "opens", "closes", "paints", "moves", "answers", "visits",
+    "remembers", "serves", "generates", "loads",
+]
+_ADVERBS = [
+    "quickly", "slowly", "quietly", "happily", "often", "never", "always",
+    "carefully", "suddenly", "again",
+]
+_PREPOSITIONS = ["near", "under", "over", "behind", "beside", "inside", "across", "with"]
+_NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Mallory", "Trent", "Peggy"]
+
+
+def _synthetic_corpus(n_sentences: int = 3000, seed: int = 1234) -> List[str]:
+    """Deterministic English-ish sentences built from small word lists."""
+    rng = random.Random(seed)
+
+    def np_() -> str:
+        if rng.random() < 0.15:
+            return rng.choice(_NAMES)
+        words = [rng.choice(_DETERMINERS)]
+        if rng.random() < 0.6:
+            words.append(rng.choice(_ADJECTIVES))
+        words.append(rng.choice(_NOUNS))
+        return " ".join(words)
+
+    out = []
+    for i in range(n_sentences):
+        kind = rng.random()
+        subj = np_()
+        if kind < 0.45:
+            s = f"{subj} {rng.choice(_VERBS)} {np_()}"
+        elif kind < 0.7:
+            s = f"{subj} {rng.choice(_ADVERBS)} {rng.choice(_VERBS)} {np_()} {rng.choice(_PREPOSITIONS)} {np_()}"
+        elif kind < 0.85:
+            s = f"{subj} {rng.choice(_VERBS)} {np_()} and {np_()}"
+        else:
+            s = f"does {np_()} {rng.choice(_VERBS).rstrip('s')} {np_()}"
+            s = s[0].upper() + s[1:] + "?"
+            out.append(s)
+            continue
+        s = s[0].upper() + s[1:]
+        if rng.random() < 0.2:
+            s += f", {rng.randint(0, 999)} times"
+        s += rng.choice([".", ".", ".", "!"])
+        out.append(s)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _bytes_to_unicode() -> Dict[int, str]:
+    """GPT-2 byte -> printable unicode char mapping (same as tokenizers' ByteLevel)."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+# Byte values that never appear in valid UTF-8.
+_INVALID_UTF8_BYTES = frozenset([0xC0, 0xC1] + list(range(0xF5, 0x100)))
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    n_special = len(SPECIAL_TOKENS)
+    b2u = _bytes_to_unicode()
+    if vocab_size >= 256 + n_special:
+        alphabet = [b2u[b] for b in range(256)]
+    else:
+        alphabet = [b2u[b] for b in range(256) if b not in _INVALID_UTF8_BYTES]
+    if vocab_size < len(alphabet) + n_special:
+        raise ValueError(
+            f"vocab_size={vocab_size} too small for a byte-level tokenizer "
+            f"(needs >= {len(alphabet) + n_special})"
+        )
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tok.train_from_iterator(_synthetic_corpus(), trainer=trainer)
+    assert tok.token_to_id(EOS_TOKEN) == 0 and tok.token_to_id(PAD_TOKEN) == 1
+    assert tok.get_vocab_size() <= vocab_size
+    return tok.to_str(pretty=True)
+
+
+def build_tokenizer(folder: Union[str, Path], vocab_size: int = 256) -> None:
+    """Write tokenizer.json + tokenizer_config.json (+ special_tokens_map.json)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(_tokenizer_json(int(vocab_size)), encoding="utf-8")
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "bos_token": None,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 2048,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    (folder / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}, indent=2)
+    )
+
+
+def tokenizer_eos_id(folder: Union[str, Path]) -> int:
+    data = json.loads((Path(folder) / "tokenizer.json").read_text(encoding="utf-8"))
+    for t in data["added_tokens"]:
+        if t["content"] == EOS_TOKEN:
+            return int(t["id"])
+    raise KeyError(EOS_TOKEN)
+
+
+# --------------------------------------------------------------------------
+# Model configs
+# --------------------------------------------------------------------------
+
+HIDDEN = 64
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 16
+INTERMEDIATE = 128
+VOCAB = 256
+MAX_POS = 2048
+
+
+def _cfg_llama() -> dict:
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 2,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POS,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+
+
+def _cfg_qwen3() -> dict:
+    return {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 2,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POS,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    }
+
+
+def _linear_attn_fields() -> dict:
+    return {
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+    }
+
+
+def _cfg_qwen3_next() -> dict:
+    return {
+        "model_type": "qwen3_next",
+        "architectures": ["Qwen3NextForCausalLM"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 4,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        **_linear_attn_fields(),
+        # dense MLP everywhere
+        "num_experts": 0,
+        "num_experts_per_tok": 0,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 0,
+        "moe_intermediate_size": 0,
+        "mlp_only_layers": [0, 1, 2, 3],
+        "norm_topk_prob": True,
+        # layers 0,2 linear (gated delta net); 1,3 full attention
+        "full_attention_interval": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POS,
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+    }
+
+
+def _cfg_qwen3_5() -> dict:
+    text_config = {
+        "model_type": "qwen3_5_text",
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 4,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        **_linear_attn_fields(),
+        "num_experts": 0,  # dense MLP
+        "full_attention_interval": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POS,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+    }
+    return {
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": text_config,
+        "tie_word_embeddings": False,
+        "vocab_size": VOCAB,
+    }
+
+
+def _cfg_mamba2() -> dict:
+    return {
+        "model_type": "mamba2",
+        "architectures": ["Mamba2ForCausalLM"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 2,
+        "num_heads": 8,
+        "head_dim": 16,  # intermediate = num_heads * head_dim = 128
+        "intermediate_size": 128,
+        "state_size": 16,
+        "n_groups": 1,
+        "conv_kernel": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "layer_norm_epsilon": 1e-5,
+        "time_step_limit": [0.0, 100.0],  # finite: keeps config.json strict JSON
+        "time_step_rank": "auto",
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POS,
+        "tie_word_embeddings": True,
+    }
+
+
+def _cfg_nemotron_h() -> dict:
+    return {
+        "model_type": "nemotron_h",
+        "architectures": ["NemotronHForCausalLM"],
+        "hidden_size": HIDDEN,
+        "hybrid_override_pattern": ["M", "*", "M", "-"],
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "attention_bias": False,
+        "intermediate_size": INTERMEDIATE,
+        "mlp_bias": False,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "mamba_proj_bias": False,
+        "ssm_state_size": 16,
+        "conv_kernel": 4,
+        "n_groups": 1,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "layer_norm_epsilon": 1e-5,
+        "time_step_limit": [0.0, 100.0],
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POS,
+        "tie_word_embeddings": False,
+    }
+
+
+def _cfg_gemma3_text() -> dict:
+    return {
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 4,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POS,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": HEAD_DIM,
+        # layers 0 and 2 are sliding-window (RotatingKVCache), 1 and 3 global.
+        "sliding_window": 16,
+        "sliding_window_pattern": 2,
+    }
+
+
+_CONFIGS: Dict[str, Callable[[], dict]] = {
+    "llama": _cfg_llama,
+    "qwen3": _cfg_qwen3,
+    "qwen3_next": _cfg_qwen3_next,
+    "qwen3_5": _cfg_qwen3_5,
+    "mamba2": _cfg_mamba2,
+    "nemotron_h": _cfg_nemotron_h,
+    "gemma3_text": _cfg_gemma3_text,
+}
+
+ARCHS: tuple = tuple(_CONFIGS)
+
+# Archs whose config nests the language model under "text_config".
+_NESTED = {"qwen3_5"}
+
+_EMBED_STD = 0.25
+_EMBED_STD_TIED = 0.05
+_TIED_FINAL_NORM = 5.0
+
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def make_config(arch: str, **overrides: Any) -> dict:
+    """The (tiny) config dict for ``arch`` with overrides applied."""
+    if arch not in _CONFIGS:
+        raise ValueError(f"unknown arch {arch!r}; supported: {ARCHS}")
+    cfg = _CONFIGS[arch]()
+    if arch in _NESTED:
+        overrides = dict(overrides)
+        if "text_config" in overrides:
+            cfg["text_config"].update(overrides.pop("text_config"))
+        for k in ("architectures", "eos_token_id"):
+            if k in overrides:
+                cfg[k] = overrides.pop(k)
+        cfg["text_config"].update(overrides)
+        for k in ("vocab_size", "tie_word_embeddings"):
+            cfg[k] = cfg["text_config"][k]
+    else:
+        cfg.update(overrides)
+    return cfg
+
+
+def _is_tied(cfg: dict) -> bool:
+    tc = cfg.get("text_config", cfg)
+    if tc.get("model_type", cfg["model_type"]).startswith("gemma3"):
+        return False  # gemma3_text ties only when lm_head.weight is absent
+    return bool(tc.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True)))
+
+
+def _vocab_size(cfg: dict) -> int:
+    return int(cfg.get("text_config", cfg)["vocab_size"])
+
+
+# --------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------
+
+
+# Names of the final (pre-lm_head) norm scale, per weight layout.
+_FINAL_NORMS = ("model.norm.weight", "backbone.norm_f.weight", "language_model.model.norm.weight")
+
+# Archs made only of softmax-attention blocks: for them a repeated-token run
+# "X X ... X" gives the same last hidden state whatever its length, so a
+# token that is its own greedy successor is an absorbing state.
+_PURE_ATTENTION = {"llama", "qwen3", "gemma3_text"}
+
+
+def _init_weights(model: nn.Module, seed: int, tied: bool) -> None:
+    """Deterministic random init of all matrices (Linear / Embedding / conv).
+
+    1-D parameters (norm scales, biases, SSM dt_bias / A_log / D) keep the
+    model's own initialisation (norms at identity etc.), which is
+    deterministic given ``mx.random.seed(seed)`` before construction; the one
+    exception is the final norm of tied-embedding models (see below).
+    """
+    params = tree_flatten(model.parameters())
+    keys = mx.random.split(mx.random.key(seed), max(len(params), 1))
+    new = []
+    for i, (name, p) in enumerate(params):
+        if p.ndim < 2:
+            continue
+        w = mx.random.normal(p.shape, key=keys[i])
+        if "embed" in name:
+            # Equal-norm rows, so that with tied embeddings (logit_j = h . E_j)
+            # no token is favoured just for having a long embedding.
+            w = w * (w.shape[-1] ** 0.5) / mx.linalg.norm(w, axis=-1, keepdims=True)
+            # With tied embeddings the current token's own embedding, left in
+            # the residual stream, scores e_cur . e_cur against every other
+            # token: it must be small next to what the blocks (which see
+            # normalised inputs) add, or greedy decoding repeats tokens.
+            std = _EMBED_STD_TIED if tied else _EMBED_STD
+        elif "conv1d" in name:
+            std = 0.5  # depthwise conv over the kernel taps
+        else:
+            std = 1.0 / (p.shape[-1] ** 0.5)  # fan-in scaling
+        new.append((name, (w * std).astype(p.dtype)))
+    if tied:
+        # Small tied embeddings make flat logits; scaling the final norm
+        # (a per-channel constant) spreads them without changing the argmax.
+        flat = dict(params)
+        for n in _FINAL_NORMS:
+            if n in flat:
+                new.append((n, mx.full(flat[n].shape, _TIED_FINAL_NORM, flat[n].dtype)))
+    model.update(tree_unflatten(new))
+    mx.eval(model.parameters())
+
+
+def _cast(model: nn.Module, dtype: mx.Dtype) -> None:
+    pred = getattr(model, "cast_predicate", None)
+    if not callable(pred):
+        pred = lambda _: True  # noqa: E731
+    params = tree_flatten(model.parameters())
+    model.update(
+        tree_unflatten(
+            [
+                (k, v.astype(dtype) if (mx.issubdtype(v.dtype, mx.floating) and pred(k)) else v)
+                for k, v in params
+            ]
+        )
+    )
+    mx.eval(model.parameters())
+
+
+_CHECK_PROMPTS = (
+    "The quick brown fox jumps over",
+    "Alice sees a small cat.",
+    "hello",
+)
+
+
+def _fast_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(_tokenizer_json(int(vocab_size)))
+
+
+def _is_lively(
+    model: nn.Module,
+    vocab_size: int,
+    prompts: Sequence[Sequence[int]],
+    *,
+    run_len: int = 8,
+    n_tokens: int = 30,
+    min_distinct: int = 8,
+    fixed_points: bool = True,
+) -> bool:
+    # 1) Repeated-token fixed points: for attention models the output after
+    #    "X X ... X" does not depend on the run length (all values equal), so
+    #    argmax == X means greedy decoding gets stuck on X forever once it
+    #    emits it.  Checked for every token in one batch.
+    ids = mx.repeat(mx.arange(vocab_size)[:, None], run_len, axis=1)
+    logits = model(ids)[:, -1, :].astype(mx.float32)
+    if not bool(mx.all(mx.isfinite(logits)).item()):
+        return False
+    if fixed_points and bool(
+        mx.any(mx.argmax(logits, axis=-1) == mx.arange(vocab_size)).item()
+    ):
+        return False
+    # 2) Greedy continuations of a few ordinary prompts.
+    for p in prompts:
+        if len(set(greedy_tokens(model, p, n_tokens))) < min_distinct:
+            return False
+    return True
+
+
+def make_model(
+    arch: str,
+    folder: Union[str, Path],
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    check: bool = True,
+    max_attempts: int = 64,
+    **overrides: Any,
+) -> Path:
+    """Build a tiny random ``arch`` model folder loadable by ``mlx_lm.load``.
+
+    Weights are a deterministic function of ``seed``.  With ``check`` (default)
+    the init is re-drawn (from seeds derived from ``seed``) until greedy decoding
+    is "lively": no token is a greedy fixed point of a run of itself, and 30
+    greedy tokens from each of a few fixed prompts contain >= 8 distinct ids.
+    """
+    from mlx_lm.utils import save_config, save_model, _get_classes
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
+
+    cfg = make_config(arch, **overrides)
+    vocab_size = _vocab_size(cfg)
+    build_tokenizer(folder, vocab_size=vocab_size)
+    eos_id = tokenizer_eos_id(folder)
+    cfg.setdefault("eos_token_id", eos_id)
+    cfg.setdefault("pad_token_id", 1)
+    cfg["torch_dtype"] = dtype
+
+    model_class, args_class = _get_classes(cfg)
+    tokenizer = _fast_tokenizer(vocab_size)
+    check_prompts = [tokenizer.encode(p).ids for p in _CHECK_PROMPTS]
+    for attempt in range(max_attempts):
+        # Attempt 0 uses `seed` itself; later attempts derive new seeds from it,
+        # so the result is still a pure function of (arch, config, dtype, seed).
+        s = seed if attempt == 0 else (seed * 1_000_003 + attempt * 7919) % (2**31)
+        mx.random.seed(s)
+        model = model_class(args_class.from_dict(copy.deepcopy(cfg)))
+        _init_weights(model, s, tied=_is_tied(cfg))
+        _cast(model, _DTYPES[dtype])
+        if not check or _is_lively(
+            model, vocab_size, check_prompts, fixed_points=arch in _PURE_ATTENTION
+        ):
+            break
+    else:
+        raise RuntimeError(
+            f"{arch}: no non-degenerate random init found in {max_attempts} attempts"
+        )
+
+    save_model(folder, model)
+    save_config(copy.deepcopy(cfg), folder / "config.json")
+    return folder
+
+
+# --------------------------------------------------------------------------
+# Reference generation
+# --------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _load_cached(folder: str):
+    from mlx_lm import load
+
+    model, tokenizer = load(folder)
+    return model, tokenizer
+
+
+def load_cached(folder: Union[str, Path]):
+    """``mlx_lm.load(folder)`` memoised per resolved folder path."""
+    return _load_cached(str(Path(folder).resolve()))
+
+
+def greedy_tokens(model: nn.Module, prompt_ids: Sequence[int], max_tokens: int) -> List[int]:
+    """mlx-lm greedy tokens via ``generate_step`` (no EOS stopping)."""
+    from mlx_lm.generate import generate_step
+
+    out: List[int] = []
+    if max_tokens <= 0:
+        return out
+    prompt = mx.array(list(prompt_ids), dtype=mx.uint32)
+    for tok, _ in generate_step(
+        prompt, model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, axis=-1)
+    ):
+        out.append(int(tok))
+    return out
+
+
+def reference_greedy(
+    folder: Union[str, Path], prompt_ids: Sequence[int], max_tokens: int
+) -> List[int]:
+    """Load (cached per folder) and return mlx-lm's greedy continuation."""
+    model, _ = load_cached(folder)
+    return greedy_tokens(model, prompt_ids, max_tokens)
+
+
+__all__ = [
+    "ARCHS",
+    "EOS_TOKEN",
+    "PAD_TOKEN",
+    "build_tokenizer",
+    "make_config",
+    "make_model",
+    "reference_greedy",
+    "greedy_tokens",
+    "load_cached",
+    "tokenizer_eos_id",
+]
