@@ -416,8 +416,8 @@ ARCHS: tuple = tuple(_CONFIGS)
 _NESTED = {"qwen3_5"}
 
 _EMBED_STD = 0.25
-_EMBED_STD_TIED = 0.05
-_TIED_FINAL_NORM = 5.0
+_EMBED_STD_TIED = 0.02
+_TIED_FINAL_NORM = 12.5
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

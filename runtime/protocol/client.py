@@ -70,6 +70,7 @@ class StatusReply(msgspec.Struct, tag="status_reply"):
     kv_slots_cached: int
     worker_restarts: int
     max_context: int
+    worker_pid: int
 
 
 class ProtocolError(msgspec.Struct, tag="protocol_error"):

@@ -186,6 +186,7 @@ class Server:
             kv_slots_cached=s.tree.total_size if s.tree is not None else 0,
             worker_restarts=self.restarts,
             max_context=self.ready.max_context,
+            worker_pid=self.worker.pid or 0,
         )
 
     def _emit(self, out: StepOutput) -> None:

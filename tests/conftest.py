@@ -1,0 +1,123 @@
+"""Shared fixtures: tiny model folders and a real `runtime up` service per test."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from model_factory import make_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """Build (once per session) a tiny model folder for an architecture."""
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = make_model(arch, tmp_path_factory.mktemp(arch))
+        return built[arch]
+
+    return get
+
+
+@dataclass
+class Service:
+    """A running `runtime up` process group."""
+
+    proc: subprocess.Popen
+    address: str
+    lines: list[str] = field(default_factory=list)
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+
+def _reader(proc: subprocess.Popen, out: queue.Queue, lines: list[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        out.put(line)
+    out.put(None)
+
+
+def start_runtime(config_file: Path, env: dict | None = None) -> tuple[subprocess.Popen, queue.Queue, list[str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli", "up", "-c", str(config_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
+    lines: list[str] = []
+    out: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(proc, out, lines), daemon=True).start()
+    return proc, out, lines
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+@contextmanager
+def running_service(tmp_path: Path, model: Path, extra: str = "", timeout: float = 90.0):
+    """Start `runtime up` on an ipc socket in a temp dir; always tear the whole group down."""
+    config_file = tmp_path / "service.toml"
+    config_file.write_text(f'[model]\npath = "{model}"\n[server]\naddress = "ipc://"\n{extra}\n')
+    proc, out, lines = start_runtime(config_file)
+    try:
+        deadline = time.monotonic() + timeout
+        address = None
+        while address is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("service did not start:\n" + "".join(lines))
+            try:
+                line = out.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise RuntimeError("service exited during start-up:\n" + "".join(lines))
+            match = re.search(r"on ((?:ipc|tcp)://\S+)", line)
+            if "serving" in line and match:
+                address = match.group(1)
+        yield Service(proc=proc, address=address, lines=lines)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        kill_group(proc)
+
+
+@pytest.fixture
+def service_factory(tmp_path):
+    """`with service_factory(model_folder, extra_toml) as svc:` starts a real service."""
+
+    def factory(model: Path, extra: str = ""):
+        return running_service(tmp_path, model, extra)
+
+    return factory

@@ -1,0 +1,99 @@
+"""Drive the real Scheduler and the real worker Engine in one process, without sockets.
+
+Same pipeline as the service: up to two steps launched, the older one read back first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+from runtime.config import parse_config
+from runtime.scheduler.core import Limits, Scheduler
+from runtime.scheduler.request import Request, SamplingParams
+from runtime.scheduler.tokenizer import Tokenizer
+
+
+class InProcessService:
+    """A scheduler and an engine wired directly together for fast, exact tests."""
+
+    def __init__(
+        self,
+        folder: str | Path,
+        *,
+        kv_slots: int = 4096,
+        max_running: int = 16,
+        max_context: int = 512,
+        max_step_tokens: int = 512,
+        prefill_chunk: int = 256,
+        cache: bool = True,
+    ) -> None:
+        from runtime.worker.engine import Engine
+        from runtime.worker.kv_pool import KVPool
+        from runtime.worker.loader import load
+
+        config = parse_config(
+            {
+                "model": {"path": str(folder)},
+                "cache": {"enabled": cache, "kv_slots": kv_slots},
+                "scheduler": {
+                    "max_running": max_running,
+                    "max_context": max_context,
+                    "max_step_tokens": max_step_tokens,
+                    "prefill_chunk": prefill_chunk,
+                },
+            }
+        )
+        loaded = load(config)
+        layout = loaded.layout
+        self.pool = KVPool(len(layout.attention_layers), loaded.num_slots, layout.kv_shape, layout.kv_dtype)
+        self.engine = Engine(loaded.model, layout, self.pool, max_running, loaded.max_context)
+        self.tokenizer = Tokenizer(str(folder))
+        limits = Limits(
+            num_slots=loaded.num_slots,
+            max_rows=max_running,
+            max_context=loaded.max_context,
+            vocab_size=loaded.vocab_size,
+            max_step_tokens=max_step_tokens,
+            prefill_chunk=prefill_chunk,
+            cache_enabled=cache,
+        )
+        self.sched = Scheduler(limits, self.tokenizer.eos_ids, debug_invariants=True)
+        self.steps_run = 0
+
+    def request(self, rid: str, prompt_ids: list[int], max_tokens: int, **params) -> Request:
+        max_new = self.sched.validate(prompt_ids, max_tokens, params.get("temperature", 0.0))
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=params.get("temperature", 0.0),
+            ignore_eos=params.get("ignore_eos", True),
+            stop_token_ids=frozenset(params.get("stop_token_ids", ())),
+        )
+        return Request(rid=rid, prompt_ids=list(prompt_ids), params=sp, max_new=max_new)
+
+    def run(self, arrivals: dict[int, list[Request]], aborts: dict[int, list[str]] | None = None) -> None:
+        """Run until idle; ``arrivals[k]``/``aborts[k]`` take effect before completion event k."""
+        aborts = aborts or {}
+        pending: deque = deque()
+        event = 0
+        last_event = max(list(arrivals) + list(aborts) + [0])
+        while True:
+            for req in arrivals.get(event, []):
+                self.sched.add(req)
+            for rid in aborts.get(event, []):
+                self.sched.abort(rid)
+            while len(pending) < 2:
+                planned = self.sched.next_step()
+                if planned is None:
+                    break
+                pending.append((planned.step.step_id, self.engine.launch(planned.step)))
+                self.steps_run += 1
+            if not pending:
+                if event >= last_event:
+                    break
+                event += 1
+                continue
+            step_id, launched = pending.popleft()
+            self.sched.on_step_done(step_id, self.engine.finalize(launched))
+            event += 1
+        self.sched.check_invariants()
