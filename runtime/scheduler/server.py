@@ -210,7 +210,13 @@ class Server:
                 planned = s.next_step()
                 if planned is None:
                     break
-                await self.worker_sock.send(wp.worker_encoder.encode(planned.step), copy=False)
+                try:
+                    self.worker_sock.send(wp.worker_encoder.encode(planned.step), flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    # PAIR refuses sends only when no worker is connected.
+                    code = self.worker.exit_code()
+                    await self._restart_worker(f"worker died (exit status {code})" if code is not None else "worker disconnected")
+                    break
             if not s.inflight:
                 self.wakeup.clear()
                 try:
@@ -249,11 +255,11 @@ class Server:
                 req.error = "the service is shutting down"
                 self.scheduler.finish(req, "error")
                 self._reply_done(req)
-        if self.worker_sock is not None and self.worker.exit_code() is None:
+        if self.worker_sock is not None and self.worker.proc is not None and self.worker.exit_code() is None:
             try:
-                await self.worker_sock.send(wp.worker_encoder.encode(wp.Shutdown()))
+                self.worker_sock.send(wp.worker_encoder.encode(wp.Shutdown()), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
-                pass
+                pass  # no peer: the worker is gone already
         self.worker.stop(timeout=3.0)
         self.clients.close(0)
         if self.worker_sock is not None:

@@ -1,0 +1,113 @@
+"""The `runtime` command line: config errors, load failures, status, generate, shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, kill_group, running_service, start_runtime
+from model_factory import reference_greedy
+
+
+def _runtime(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runtime.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ('[model]\npath = "/x"\nbogus = 1\n', "model.bogus"),
+        ('[model]\npath = "/x"\n[scheduler]\nmax_running = "many"\n', "scheduler.max_running"),
+        ('[model]\npath = "/x"\n[nonsense]\na = 1\n', "nonsense"),
+        ('[server]\naddress = "ipc://"\n', "model.path"),
+        ('[model]\npath = "/x"\n[cache]\nenabled = "yes"\n', "cache.enabled"),
+        ("[model\n", "not valid TOML"),
+    ],
+)
+def test_bad_config_exits_2_naming_the_key(tmp_path, body, needle):
+    config = tmp_path / "bad.toml"
+    config.write_text(body)
+    done = _runtime("up", "-c", str(config))
+    assert done.returncode == 2
+    assert needle in done.stderr
+
+
+def test_minimal_config_is_enough(model_dir, tmp_path):
+    """Only [model] path and [server] address: everything else defaults."""
+    folder = model_dir("llama")
+    with running_service(tmp_path, folder) as svc:
+        done = _runtime("status", "-a", svc.address)
+    assert done.returncode == 0
+    assert "model_type: llama" in done.stdout
+
+
+def test_unloadable_model_exits_nonzero_with_loader_error(model_dir, tmp_path):
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((model_dir("llama") / name).read_bytes())
+    config = tmp_path / "c.toml"
+    config.write_text(f'[model]\npath = "{folder}"\n[server]\naddress = "ipc://"\n')
+    done = _runtime("up", "-c", str(config), timeout=120)
+    assert done.returncode != 0
+    assert "No safetensors found" in done.stderr
+
+
+def test_status_with_nothing_listening_fails_fast(tmp_path):
+    start = time.monotonic()
+    done = _runtime("status", "-a", f"ipc://{tmp_path}/nothing.sock", "--timeout", "2")
+    assert done.returncode != 0
+    assert time.monotonic() - start < 20
+    assert "no reply" in done.stderr
+
+
+def test_generate_json_and_streaming(model_dir, tmp_path):
+    folder = model_dir("llama")
+    with running_service(tmp_path, folder) as svc:
+        as_json = _runtime("generate", "-a", svc.address, "--json", "--max-tokens", "6", "--ignore-eos", "hello world")
+        streamed = _runtime("generate", "-a", svc.address, "--max-tokens", "6", "--ignore-eos", "hello world")
+    assert as_json.returncode == 0, as_json.stderr
+    result = json.loads(as_json.stdout)
+    assert set(result) >= {"token_ids", "text", "finish_reason", "prompt_tokens", "cached_tokens"}
+    assert result["finish_reason"] == "length"
+    from runtime.scheduler.tokenizer import Tokenizer
+
+    prompt = Tokenizer(str(folder)).encode("hello world")
+    assert result["token_ids"] == reference_greedy(folder, prompt, 6)
+    assert result["prompt_tokens"] == len(prompt)
+    assert streamed.returncode == 0
+    assert streamed.stdout.rstrip("\n") == result["text"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_shuts_down_within_10s_leaving_no_process(model_dir, tmp_path, sig):
+    folder = model_dir("llama")
+    config = tmp_path / "c.toml"
+    config.write_text(f'[model]\npath = "{folder}"\n[server]\naddress = "ipc://"\n')
+    proc, out, lines = start_runtime(config)
+    try:
+        deadline = time.monotonic() + 90
+        while not any("serving" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            line = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, "".join(lines)
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert children, "the worker process should be a child of the scheduler"
+        start = time.monotonic()
+        proc.send_signal(sig)
+        proc.wait(timeout=10)
+        assert time.monotonic() - start < 10
+        for pid in children:
+            with pytest.raises(ProcessLookupError):
+                os.kill(int(pid), 0)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
