@@ -163,7 +163,11 @@ class Scheduler:
             while self.waiting and budget > 0 and self._try_admit(self.waiting[0]):
                 req = self.waiting.popleft()
                 if req.prefill_done:
-                    continue  # one-token prompt or full-prefix hit: straight to decode
+                    # One-token prompt or full-prefix hit: straight to decode; the worker
+                    # still needs the cached prefix's slots in the request's table row.
+                    if req.prefix_len:
+                        prefills.append(PrefillChunk(req.row, req.prefix_len, [], [], list(req.slots)))
+                    continue
                 candidates.append(req)
             if not candidates:
                 break

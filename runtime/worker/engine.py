@@ -50,6 +50,8 @@ class Engine:
         row, start, n = chunk.row, chunk.start, len(chunk.token_ids)
         if chunk.prefix_slots:
             self.slot_table[row, : len(chunk.prefix_slots)] = chunk.prefix_slots
+        if n == 0:
+            return  # a full-prefix hit only sets the table row
         self.slot_table[row, start : start + n] = chunk.slot_ids
         gather = None if start == 0 else mx.array(self.slot_table[row : row + 1, : start + n])
         batch = ForwardBatch(
