@@ -49,12 +49,16 @@ class CacheConfig:
     """``[cache]``: the KV pool and the radix prefix cache over it.
 
     The pool holds ``kv_slots`` tokens; 0 sizes it as ``kv_memory_fraction`` of
-    the device's memory, capped by ``max_running * max_context``.
+    the device's memory, capped by ``max_running * max_context``. Hybrid models also
+    get ``aux_slots`` recurrent-state slots (0: eight per running request), and their
+    state is snapshotted every ``track_chunk`` prompt tokens for prefix reuse.
     """
 
     enabled: bool = True
     kv_slots: int = 0
     kv_memory_fraction: float = 0.25
+    aux_slots: int = 0
+    track_chunk: int = 64
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,8 @@ def _validate(config: Config) -> None:
         raise ConfigError("config keys 'scheduler.max_step_tokens' and 'scheduler.prefill_chunk' must be at least 1")
     if s.max_context < 0 or c.kv_slots < 0:
         raise ConfigError("config keys 'scheduler.max_context' and 'cache.kv_slots' must not be negative")
+    if c.aux_slots < 0 or c.track_chunk < 1:
+        raise ConfigError("config keys 'cache.aux_slots' must not be negative and 'cache.track_chunk' must be at least 1")
     if not 0.0 < c.kv_memory_fraction <= 0.95:
         raise ConfigError("config key 'cache.kv_memory_fraction' must be in (0, 0.95]")
     addr = config.server.address

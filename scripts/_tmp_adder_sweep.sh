@@ -2,18 +2,14 @@
 # TEMPORARY sweep driver (to be deleted)
 export OMP_NUM_THREADS=1
 cd "$(dirname "$0")"
-python3 _tmp_adder_sweep_torch.py --d 32 --L 1 --f 64 --bs 64 --lr 1e-3 --examples 2000 --eval_every 1000 || exit 1
-EX=${EX:-700000}
+EX=450000
 : > $OUT/cfgs.txt
-for m in "48 2 192" "64 2 256" "64 3 256" "96 2 384" "128 2 512" "128 3 512"; do
- set -- $m
- for bs in 64 128; do for lr in 1e-3 3e-3; do
-  echo "--d $1 --L $2 --f $3 --bs $bs --lr $lr --examples $EX" >> $OUT/cfgs.txt
- done; done
+for s in 0 1 2; do
+ for lr in 1e-3 2e-3 3e-3; do echo "--d 48 --L 2 --f 192 --bs 128 --lr $lr --seed $s --examples $EX" >> $OUT/cfgs.txt; done
+ echo "--d 48 --L 2 --f 192 --bs 64 --lr 1e-3 --seed $s --examples $EX" >> $OUT/cfgs.txt
 done
-echo "--d 64 --L 2 --f 256 --bs 256 --lr 3e-3 --examples $EX" >> $OUT/cfgs.txt
-echo "--d 96 --L 2 --f 384 --bs 256 --lr 3e-3 --examples $EX" >> $OUT/cfgs.txt
-echo "--d 64 --L 4 --f 256 --bs 64 --lr 3e-3 --examples $EX" >> $OUT/cfgs.txt
-echo "--d 64 --L 4 --f 256 --bs 128 --lr 3e-3 --examples $EX" >> $OUT/cfgs.txt
-cat $OUT/cfgs.txt | xargs -P 16 -I{} sh -c "python3 _tmp_adder_sweep_torch.py {} >> $OUT/results.jsonl 2>>$OUT/err.txt"
+for s in 1 2; do echo "--d 64 --L 2 --f 256 --bs 128 --lr 1e-3 --seed $s --examples $EX" >> $OUT/cfgs.txt; done
+for s in 0 1; do echo "--d 32 --L 2 --f 128 --bs 128 --lr 3e-3 --seed $s --examples $EX" >> $OUT/cfgs.txt; done
+for s in 0 1; do echo "--d 48 --L 3 --f 192 --bs 128 --lr 2e-3 --seed $s --examples $EX" >> $OUT/cfgs.txt; done
+cat $OUT/cfgs.txt | xargs -P 18 -I{} sh -c "python3 _tmp_adder_sweep_torch.py {} --eval_every 25000 >> $OUT/results.jsonl 2>>$OUT/err.txt"
 wc -l $OUT/results.jsonl

@@ -169,7 +169,7 @@ def main():
             nxt_eval += a.eval_every
             acc = accuracy(model, ha, hb, tabs)
             hist.append((seen, round(loss.item(), 4), acc))
-            print(json.dumps(dict(cfg=f"d{a.d} L{a.L} f{a.f} bs{a.bs} lr{a.lr}", seen=seen, loss=hist[-1][1], acc=acc, t=round(time.time()-t0,1))), flush=True)
+            print(json.dumps(dict(cfg=f"d{a.d} L{a.L} f{a.f} bs{a.bs} lr{a.lr} s{a.seed}", seen=seen, loss=hist[-1][1], acc=acc, t=round(time.time()-t0,1))), flush=True)
     print(json.dumps(dict(final=True, **vars(a), P=P, hist=hist, secs=round(time.time() - t0, 1))), flush=True)
 
 

@@ -27,15 +27,16 @@ class InProcessService:
         max_step_tokens: int = 512,
         prefill_chunk: int = 256,
         cache: bool = True,
+        aux_slots: int = 0,
+        track_chunk: int = 64,
     ) -> None:
         from runtime.worker.engine import Engine
-        from runtime.worker.kv_pool import KVPool
         from runtime.worker.loader import load
 
         config = parse_config(
             {
                 "model": {"path": str(folder)},
-                "cache": {"enabled": cache, "kv_slots": kv_slots},
+                "cache": {"enabled": cache, "kv_slots": kv_slots, "aux_slots": aux_slots, "track_chunk": track_chunk},
                 "scheduler": {
                     "max_running": max_running,
                     "max_context": max_context,
@@ -46,8 +47,8 @@ class InProcessService:
         )
         loaded = load(config)
         layout = loaded.layout
-        self.pool = KVPool(len(layout.attention_layers), loaded.num_slots, layout.kv_shape, layout.kv_dtype)
-        self.engine = Engine(loaded.model, layout, self.pool, max_running, loaded.max_context)
+        self.pool, self.aux_pool = loaded.make_pools()
+        self.engine = Engine(loaded.model, layout, self.pool, max_running, loaded.max_context, self.aux_pool)
         self.tokenizer = Tokenizer(str(folder))
         limits = Limits(
             num_slots=loaded.num_slots,
@@ -57,6 +58,8 @@ class InProcessService:
             max_step_tokens=max_step_tokens,
             prefill_chunk=prefill_chunk,
             cache_enabled=cache,
+            aux_slots=loaded.aux_slots,
+            track_chunk=track_chunk,
         )
         self.sched = Scheduler(limits, self.tokenizer.eos_ids, debug_invariants=True)
         self.steps_run = 0

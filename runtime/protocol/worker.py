@@ -7,12 +7,21 @@ from typing import Union
 import msgspec
 
 
+AUX_FRESH = -2
+AUX_CONTINUE = -1
+
+
 class PrefillChunk(msgspec.Struct, array_like=True):
     """Run ``token_ids`` at positions ``start..`` of request row ``row``; no token is sampled.
 
     ``prefix_slots`` (set on a request's first chunk) are the slots of positions
     ``0..start`` already in the KV pool (a prefix-cache hit); ``slot_ids`` receive
     the new tokens' K/V.
+
+    Hybrid models: ``aux_slot`` is the request's live auxiliary-state slot;
+    ``aux_source`` says where the state comes from before this chunk (AUX_FRESH: empty,
+    AUX_CONTINUE: the live slot, a slot id: restore that snapshot); ``aux_snapshot``,
+    when set, receives a copy of the state after this chunk.
     """
 
     row: int
@@ -20,6 +29,9 @@ class PrefillChunk(msgspec.Struct, array_like=True):
     token_ids: list[int]
     slot_ids: list[int]
     prefix_slots: list[int] = []
+    aux_slot: int = -1
+    aux_source: int = AUX_CONTINUE
+    aux_snapshot: int = -1
 
 
 class DecodeBatch(msgspec.Struct, array_like=True):
@@ -27,7 +39,8 @@ class DecodeBatch(msgspec.Struct, array_like=True):
 
     ``token_ids[i]`` is the input token of row i, or -1 to chain from the token the
     worker sampled for that row in the previous step (not read back yet).
-    ``positions[i]`` is the token's position; ``slot_ids[i]`` receives its K/V.
+    ``positions[i]`` is the token's position; ``slot_ids[i]`` receives its K/V;
+    ``aux_slots[i]`` (hybrid models) is the row's live auxiliary-state slot.
     """
 
     rows: list[int]
@@ -35,6 +48,7 @@ class DecodeBatch(msgspec.Struct, array_like=True):
     positions: list[int]
     slot_ids: list[int]
     temperatures: list[float]
+    aux_slots: list[int] = []
 
 
 class Step(msgspec.Struct, tag="step"):
@@ -63,6 +77,8 @@ class Ready(msgspec.Struct, tag="ready"):
     vocab_size: int
     dtype: str
     pool_bytes: int
+    aux_slots: int = 0
+    aux_bytes: int = 0
 
 
 class LoadFailed(msgspec.Struct, tag="load_failed"):

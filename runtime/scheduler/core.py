@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.protocol.worker import DecodeBatch, PrefillChunk, Step
-from runtime.scheduler.radix import RadixCache
+from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, DecodeBatch, PrefillChunk, Step
+from runtime.scheduler.aux_state import AuxTracker
+from runtime.scheduler.radix import InsertResult, RadixCache
 from runtime.scheduler.request import Request
 from runtime.scheduler.rows import RowAllocator
 from runtime.scheduler.slots import SlotAllocator
@@ -29,6 +30,8 @@ class Limits:
     max_step_tokens: int = 512
     prefill_chunk: int = 256
     cache_enabled: bool = True
+    aux_slots: int = 0
+    track_chunk: int = 64
 
 
 @dataclass
@@ -62,7 +65,11 @@ class Scheduler:
         self.debug_invariants = debug_invariants
         self.slots = SlotAllocator(limits.num_slots, reserve_zero=True)
         self.rows = RowAllocator(limits.max_rows)
-        self.tree = RadixCache(self.slots) if limits.cache_enabled else None
+        self.aux = AuxTracker(limits.aux_slots, limits.track_chunk) if limits.aux_slots else None
+        on_evict_aux = self.aux.on_evict if self.aux is not None else None
+        self.tree = RadixCache(self.slots, on_evict_aux) if limits.cache_enabled else None
+        if self.aux is not None:
+            self.aux.attach(self.tree)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.inflight: dict[int, PlannedStep] = {}
@@ -105,11 +112,13 @@ class Scheduler:
         prefix_slots: list[int] = []
         if self.tree is not None and req.prefill_target > 0:
             match = self.tree.match_prefix(req.prompt_ids[: req.prefill_target])
-            prefix_slots = match.slots
+            usable = len(match.slots) if self.aux is None else AuxTracker.usable_prefix(match)
+            prefix_slots = match.slots[:usable]
             self.tree.lock(match.node)
         need = (req.prefill_target - len(prefix_slots)) + req.max_new
         evictable = self.tree.evictable_size if self.tree is not None else 0
-        if self.slots.free_count + evictable - self.reserved < need:
+        fits = self.slots.free_count + evictable - self.reserved >= need
+        if not fits or (self.aux is not None and not self.aux.admit(req, match, len(prefix_slots))):
             if match is not None:
                 self.tree.unlock(match.node)
             return False
@@ -149,11 +158,21 @@ class Scheduler:
             for req in candidates:
                 if budget <= 0:
                     break
-                n = min(req.prefill_target - req.prefilled, lim.prefill_chunk, budget)
                 start = req.prefilled
+                n = min(req.prefill_target - start, lim.prefill_chunk, budget)
+                if self.aux is not None:
+                    n = self.aux.clip_chunk(req, start, n)
                 slot_ids = self._alloc(req, n)
                 prefix = req.slots[:start] if start == req.prefix_len and start > 0 else []
-                prefills.append(PrefillChunk(req.row, start, req.prompt_ids[start : start + n], slot_ids, prefix))
+                aux_slot, aux_source, aux_snapshot = (
+                    self.aux.chunk_fields(req, start + n) if self.aux is not None else (-1, AUX_CONTINUE, -1)
+                )
+                prefills.append(
+                    PrefillChunk(
+                        req.row, start, req.prompt_ids[start : start + n], slot_ids, prefix,
+                        aux_slot, aux_source, aux_snapshot,
+                    )
+                )
                 prefill_reqs.append(req)
                 req.prefilled += n
                 budget -= n
@@ -165,7 +184,13 @@ class Scheduler:
                 if req.prefill_done:
                     # One-token prompt or full-prefix hit: straight to decode; the worker
                     # still needs the cached prefix's slots in the request's table row.
-                    if req.prefix_len:
+                    if self.aux is not None:
+                        # Restore the prefix's saved state (or clear the live slot).
+                        aux_slot, aux_source, _ = self.aux.chunk_fields(req, req.prefix_len)
+                        prefills.append(
+                            PrefillChunk(req.row, req.prefix_len, [], [], list(req.slots), aux_slot, aux_source)
+                        )
+                    elif req.prefix_len:
                         prefills.append(PrefillChunk(req.row, req.prefix_len, [], [], list(req.slots)))
                     continue
                 candidates.append(req)
@@ -185,7 +210,8 @@ class Scheduler:
                 slot_ids.append(self._alloc(req, 1)[0])
                 temps.append(req.params.temperature)
                 req.decodes_launched += 1
-            decode = DecodeBatch(rows, tokens, positions, slot_ids, temps)
+            aux_slots = [r.aux_slot for r in decode_reqs] if self.aux is not None else []
+            decode = DecodeBatch(rows, tokens, positions, slot_ids, temps, aux_slots)
         step = Step(step_id=self._next_step_id, prefills=prefills, decode=decode)
         self._next_step_id += 1
         planned = PlannedStep(step, decode_reqs, prefill_reqs)
@@ -196,12 +222,19 @@ class Scheduler:
         """Share a freshly prefilled prompt with later requests right away."""
         if self.tree is None or req.prefill_target == 0:
             return
+        if self.aux is not None:
+            # Hybrid: a prefix is only reusable where its state was snapshotted.
+            for length, slot in req.aux_snapshots:
+                result = self._insert(req, req.prompt_ids[:length], aux_slot=slot)
+                self.aux.hand_over(req, slot, result.aux_accepted)
+            req.aux_snapshots = []
+            return
         self._insert(req, req.prompt_ids[: req.prefill_target])
 
-    def _insert(self, req: Request, tokens: list[int]) -> None:
+    def _insert(self, req: Request, tokens: list[int], aux_slot: int | None = None) -> InsertResult:
         assert self.tree is not None
         n = len(tokens)
-        result = self.tree.insert(tokens, req.slots[:n])
+        result = self.tree.insert(tokens, req.slots[:n], aux_slot)
         req.dup_slots.extend(result.duplicate_slots)
         match = self.tree.match_prefix(tokens)
         assert len(match.slots) == n
@@ -211,6 +244,7 @@ class Scheduler:
         req.tree_node = match.node
         req.slots[:n] = match.slots
         req.cached_len = n
+        return result
 
     # ---- results ---------------------------------------------------------------------
     def on_step_done(self, step_id: int, tokens: list[int]) -> list[StepOutput]:
@@ -260,10 +294,15 @@ class Scheduler:
         known = min(req.prefilled, req.prefill_target)
         if req.prefill_done:
             known = req.prompt_len + max(len(req.output_ids) - 1, 0) if req.output_ids else req.prefill_target
+        aux_len = self.aux.live_coverage(req) if self.aux is not None and reason != "error" else None
+        if aux_len:
+            known = aux_len  # the live state covers exactly this much once launched steps run
         sequence = (req.prompt_ids + req.output_ids)[:known]
         keep = 0
         if self.tree is not None and reason != "error" and known > 0:
-            self._insert(req, sequence)
+            result = self._insert(req, sequence, aux_slot=req.aux_slot if aux_len else None)
+            if aux_len:
+                self.aux.hand_over(req, req.aux_slot, result.aux_accepted)
             keep = known
         if self.tree is not None and req.tree_node is not None:
             self.tree.unlock(req.tree_node)
@@ -272,6 +311,8 @@ class Scheduler:
         if self.tree is None or reason == "error":
             own = req.slots[req.cached_len :]
         self.slots.free(own + req.dup_slots)
+        if self.aux is not None:
+            self.aux.release(req)
         req.slots = []
         req.dup_slots = []
         self.rows.free(req.row)
@@ -317,3 +358,5 @@ class Scheduler:
         evictable = self.tree.evictable_size if self.tree is not None else 0
         assert free + evictable >= self.reserved, "reservations exceed reclaimable slots"
         assert self.rows.free_count + len(self.running) == self.rows.max_rows
+        if self.aux is not None:
+            self.aux.check_invariants(self.running)

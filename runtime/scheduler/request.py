@@ -46,6 +46,14 @@ class Request:
     error: str | None = None
     detok: Any = None
     arrived_at: float = 0.0
+    # Hybrid models: live aux slot, where its state starts, snapshot points and slots.
+    aux_slot: int = -1
+    aux_source: int = -2
+    aux_started: bool = False
+    aux_points: list[int] = field(default_factory=list)
+    aux_snapshots: list[tuple[int, int]] = field(default_factory=list)
+    aux_owned: list[int] = field(default_factory=list)
+    aux_reserved: int = 0
 
     @property
     def prompt_len(self) -> int:

@@ -79,6 +79,8 @@ class Server:
             max_step_tokens=s.max_step_tokens,
             prefill_chunk=s.prefill_chunk,
             cache_enabled=c.enabled,
+            aux_slots=ready.aux_slots,
+            track_chunk=c.track_chunk,
         )
         return Scheduler(limits, self.tokenizer.eos_ids, debug_invariants=s.debug_invariants)
 

@@ -25,9 +25,11 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """Which layers are attention (KV pool) and which carry auxiliary state.
+    """Which cache entries are attention (KV pool) and which carry auxiliary state.
 
-    ``kv_index[layer]`` is the layer's index into the KV pool, or -1.
+    ``num_layers`` counts cache entries (one per layer for most models);
+    ``kv_index[entry]`` is the entry's index into the KV pool, or -1;
+    ``attn_attr[layer]`` is the attribute holding a layer's attention, or None.
     """
 
     num_layers: int
@@ -110,20 +112,35 @@ def find_attention(layer: nn.Module) -> str | None:
     return None
 
 
+AUX_CACHE_KINDS = ("ArraysCache", "MambaCache")
+KV_CACHE_KINDS = ("KVCache",)
+
+
 def discover(model: nn.Module) -> CacheLayout:
-    """Build the cache layout; refuse models whose caches the runtime cannot serve."""
+    """Build the cache layout over the model's cache entries; refuse what cannot be served.
+
+    Entries come from ``model.make_cache()`` when the model has it (hybrids, and models
+    whose cache list skips MLP-only blocks), else one KV entry per layer.
+    """
     layers = model_layers(model)
+    attn_attr = [find_attention(layer) for layer in layers]
     caches = model.make_cache() if hasattr(model, "make_cache") else None
-    attn_attr: list[str | None] = []
+    kinds = [type(c).__name__ for c in caches] if caches is not None else ["KVCache"] * len(layers)
+    per_layer = len(kinds) == len(layers)
+    attention_modules = [getattr(layer, name) for layer, name in zip(layers, attn_attr) if name is not None]
     attention, aux, kv_index = [], [], []
     shape: AttentionShape | None = None
     dtype = mx.float32
-    for i, layer in enumerate(layers):
-        name = find_attention(layer)
-        attn_attr.append(name)
-        cache_kind = type(caches[i]).__name__ if caches is not None and i < len(caches) else "KVCache"
-        if name is not None and cache_kind == "KVCache":
-            module = getattr(layer, name)
+    for i, kind in enumerate(kinds):
+        if kind in KV_CACHE_KINDS:
+            if per_layer:
+                name = attn_attr[i]
+                module = getattr(layers[i], name) if name is not None else None
+            else:
+                j = len(attention)
+                module = attention_modules[j] if j < len(attention_modules) else None
+            if module is None:
+                raise UnsupportedModel(f"cache entry {i} is a KV cache but no attention module the runtime recognises")
             this = attention_shape(module)
             if shape is not None and this != shape:
                 raise UnsupportedModel(f"attention layers have different K/V shapes ({shape} vs {this})")
@@ -131,19 +148,15 @@ def discover(model: nn.Module) -> CacheLayout:
             dtype = kv_dtype(module, dtype)
             kv_index.append(len(attention))
             attention.append(i)
-        elif cache_kind in ("RotatingKVCache", "ChunkedKVCache"):
-            raise UnsupportedModel(
-                f"layer {i} uses {cache_kind} (sliding-window or chunked attention), which this runtime does not serve yet"
-            )
-        elif name is None and cache_kind == "KVCache":
-            raise UnsupportedModel(f"layer {i} has a KV cache but no attention module the runtime recognises")
-        else:
+        elif kind in AUX_CACHE_KINDS:
             kv_index.append(-1)
             aux.append(i)
-    if caches is not None and len(caches) != len(layers):
-        raise UnsupportedModel(f"model makes {len(caches)} caches for {len(layers)} layers")
+        else:
+            raise UnsupportedModel(
+                f"cache entry {i} is a {kind} (sliding-window, chunked or quantized cache), which this runtime does not serve"
+            )
     return CacheLayout(
-        num_layers=len(layers),
+        num_layers=len(kinds),
         attention_layers=tuple(attention),
         aux_layers=tuple(aux),
         kv_index=tuple(kv_index),

@@ -9,7 +9,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from runtime.protocol.worker import DecodeBatch, PrefillChunk, Step
+from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, DecodeBatch, PrefillChunk, Step
+from runtime.worker.aux_pool import AuxPool
 from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.pool_cache import ForwardBatch, PoolLayerCache
@@ -31,27 +32,63 @@ class Engine:
     for that row in the previous decode batch, as a lazy array (never read back first).
     """
 
-    def __init__(self, model: nn.Module, layout: CacheLayout, pool: KVPool, max_rows: int, max_context: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: CacheLayout,
+        pool: KVPool,
+        max_rows: int,
+        max_context: int,
+        aux_pool: AuxPool | None = None,
+    ) -> None:
         self.model = model
         self.layout = layout
         self.pool = pool
+        self.aux_pool = aux_pool
         self.max_context = max_context
         self.slot_table = np.zeros((max_rows, max_context), dtype=np.int32)
         self._prev_tokens: mx.array | None = None
         self._prev_index: dict[int, int] = {}
 
-    def _caches(self, batch: ForwardBatch) -> list:
-        return [
-            PoolLayerCache(self.pool, kv_i, batch) if kv_i >= 0 else None
-            for kv_i in self.layout.kv_index
-        ]
+    def _caches(self, batch: ForwardBatch, aux: list | None = None) -> list:
+        """One cache object per entry: pool views for attention, ArraysCache for auxiliary state."""
+        caches: list = []
+        aux_iter = iter(aux or [])
+        for kv_i in self.layout.kv_index:
+            caches.append(PoolLayerCache(self.pool, kv_i, batch) if kv_i >= 0 else next(aux_iter))
+        return caches
+
+    def _aux_caches(self, source: mx.array | None) -> list:
+        """Fresh (source None) or pool-loaded ArraysCache objects for every auxiliary entry."""
+        from mlx_lm.models.cache import ArraysCache
+
+        assert self.aux_pool is not None
+        caches = []
+        for k in range(len(self.layout.aux_layers)):
+            cache = ArraysCache(len(self.aux_pool.states[k]))
+            if source is not None:
+                cache.cache = self.aux_pool.read(k, source)
+            caches.append(cache)
+        return caches
+
+    def _store_aux(self, caches: list, slots: list[int]) -> None:
+        assert self.aux_pool is not None
+        index = mx.array(slots, dtype=mx.int32)
+        for k, cache in enumerate(caches):
+            self.aux_pool.write(k, index, cache.cache)
 
     def _prefill(self, chunk: PrefillChunk) -> None:
         row, start, n = chunk.row, chunk.start, len(chunk.token_ids)
         if chunk.prefix_slots:
             self.slot_table[row, : len(chunk.prefix_slots)] = chunk.prefix_slots
+        hybrid = self.aux_pool is not None
         if n == 0:
-            return  # a full-prefix hit only sets the table row
+            # A full-prefix hit only sets the table row (and restores the prefix's state).
+            if hybrid and chunk.aux_source >= 0:
+                self.aux_pool.copy(chunk.aux_source, chunk.aux_slot)
+            elif hybrid and chunk.aux_source == AUX_FRESH:
+                self.aux_pool.zero(chunk.aux_slot)
+            return
         self.slot_table[row, start : start + n] = chunk.slot_ids
         gather = None if start == 0 else mx.array(self.slot_table[row : row + 1, : start + n])
         batch = ForwardBatch(
@@ -61,7 +98,17 @@ class Engine:
             mask=None,
             num_new=n,
         )
-        self.model(mx.array(chunk.token_ids, dtype=mx.int32)[None], cache=self._caches(batch))
+        aux = None
+        if hybrid:
+            source = None if chunk.aux_source == AUX_FRESH else (
+                chunk.aux_slot if chunk.aux_source == AUX_CONTINUE else chunk.aux_source
+            )
+            aux = self._aux_caches(None if source is None else mx.array([source], dtype=mx.int32))
+        self.model(mx.array(chunk.token_ids, dtype=mx.int32)[None], cache=self._caches(batch, aux))
+        if aux is not None:
+            targets = [chunk.aux_slot] + ([chunk.aux_snapshot] if chunk.aux_snapshot >= 0 else [])
+            for slot in targets:
+                self._store_aux(aux, [slot])
 
     def _decode_inputs(self, decode: DecodeBatch) -> mx.array:
         rows, token_ids = decode.rows, decode.token_ids
@@ -98,7 +145,12 @@ class Engine:
             num_new=1,
         )
         inputs = self._decode_inputs(decode)
-        logits = self.model(inputs[:, None], cache=self._caches(batch))[:, -1, :]
+        aux = None
+        if self.aux_pool is not None:
+            aux = self._aux_caches(mx.array(decode.aux_slots, dtype=mx.int32))
+        logits = self.model(inputs[:, None], cache=self._caches(batch, aux))[:, -1, :]
+        if aux is not None:
+            self._store_aux(aux, decode.aux_slots)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = mx.argmax(logprobs, axis=-1).astype(mx.int32)
         temps = decode.temperatures
@@ -115,16 +167,19 @@ class Engine:
         for chunk in step.prefills:
             self._prefill(chunk)
         tokens = self._decode(step.decode) if step.decode is not None and step.decode.rows else None
-        targets = self.pool.arrays() + ([tokens] if tokens is not None else [])
+        targets = self._state_arrays() + ([tokens] if tokens is not None else [])
         mx.async_eval(*targets)
         return LaunchedStep(step.step_id, tokens, time.perf_counter())
 
     def finalize(self, launched: LaunchedStep) -> list[int]:
         """Read a launched step's sampled tokens back as plain ints."""
         if launched.tokens is None:
-            mx.eval(self.pool.arrays())
+            mx.eval(self._state_arrays())
             return []
         return launched.tokens.tolist()
+
+    def _state_arrays(self) -> list[mx.array]:
+        return self.pool.arrays() + (self.aux_pool.arrays() if self.aux_pool is not None else [])
 
     def reset_chain(self) -> None:
         self._prev_tokens = None

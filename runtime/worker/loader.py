@@ -11,7 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from runtime.config import Config
-from runtime.worker.discovery import CacheLayout, UnsupportedModel, discover
+from runtime.worker.aux_pool import AuxPool
+from runtime.worker.discovery import AttentionShape, CacheLayout, UnsupportedModel, discover
 from runtime.worker.kv_pool import KVPool
 
 DEFAULT_MAX_CONTEXT = 4096
@@ -27,6 +28,18 @@ class LoadedModel:
     vocab_size: int
     max_context: int
     num_slots: int
+    aux_templates: list | None = None
+    aux_slots: int = 0
+
+    @property
+    def kv_shape(self) -> AttentionShape:
+        """K/V geometry; a placeholder for models without attention (the pool then has no layers)."""
+        return self.layout.kv_shape or AttentionShape(1, 1, 1)
+
+    def make_pools(self) -> tuple[KVPool, AuxPool | None]:
+        kv = KVPool(len(self.layout.attention_layers), self.num_slots, self.kv_shape, self.layout.kv_dtype)
+        aux = AuxPool(self.aux_templates, self.aux_slots) if self.aux_templates is not None else None
+        return kv, aux
 
 
 def _total_memory() -> int:
@@ -49,20 +62,18 @@ def load(config: Config) -> LoadedModel:
         raise FileNotFoundError(f"no config.json in model folder {path}")
     model, model_config = load_model(path)
     layout = discover(model)
-    if layout.kv_shape is None:
-        raise UnsupportedModel("model has no softmax-attention layers")
-    if layout.has_aux:
-        raise UnsupportedModel(
-            f"model has {len(layout.aux_layers)} layers with recurrent state (hybrid model); not supported yet"
-        )
+    if layout.kv_shape is None and not layout.has_aux:
+        raise UnsupportedModel("model has neither attention layers nor recurrent-state layers")
+    aux_templates = AuxPool.probe(model, layout) if layout.has_aux else None
+    aux_slots = (config.cache.aux_slots or 8 * config.scheduler.max_running) + 1 if layout.has_aux else 0
     text_config = model_config.get("text_config", model_config)
     model_max = text_config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT
     max_context = config.scheduler.max_context or min(int(model_max), DEFAULT_MAX_CONTEXT)
     vocab_size = int(text_config.get("vocab_size", 0))
     num_slots = config.cache.kv_slots
     if not num_slots:
-        per_slot = KVPool.bytes_per_slot(len(layout.attention_layers), layout.kv_shape, layout.kv_dtype)
-        budget = int(_total_memory() * config.cache.kv_memory_fraction) // per_slot
+        per_slot = KVPool.bytes_per_slot(len(layout.attention_layers), layout.kv_shape or AttentionShape(1, 1, 1), layout.kv_dtype)
+        budget = int(_total_memory() * config.cache.kv_memory_fraction) // max(per_slot, 1)
         num_slots = min(budget, config.scheduler.max_running * max_context + 1)
     if num_slots < 2:
         raise ValueError(f"KV pool of {num_slots} slots is too small; raise cache.kv_slots")
@@ -73,6 +84,8 @@ def load(config: Config) -> LoadedModel:
         vocab_size=vocab_size,
         max_context=max_context,
         num_slots=num_slots,
+        aux_templates=aux_templates,
+        aux_slots=aux_slots,
     )
 
 

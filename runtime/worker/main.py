@@ -40,15 +40,13 @@ def serve(config: Config, address: str) -> int:
         import mlx.core as mx
 
         from runtime.worker.engine import Engine
-        from runtime.worker.kv_pool import KVPool
         from runtime.worker.loader import load
 
         mx.random.seed(config.model.seed)
         loaded = load(config)
         layout = loaded.layout
-        assert layout.kv_shape is not None
-        pool = KVPool(len(layout.attention_layers), loaded.num_slots, layout.kv_shape, layout.kv_dtype)
-        engine = Engine(loaded.model, layout, pool, config.scheduler.max_running, loaded.max_context)
+        pool, aux_pool = loaded.make_pools()
+        engine = Engine(loaded.model, layout, pool, config.scheduler.max_running, loaded.max_context, aux_pool)
     except Exception as exc:  # report the loader's error, then exit non-zero
         sock.send(worker_encoder.encode(LoadFailed(error=f"{type(exc).__name__}: {exc}")))
         time.sleep(0.2)
@@ -63,6 +61,8 @@ def serve(config: Config, address: str) -> int:
                 vocab_size=loaded.vocab_size,
                 dtype=str(layout.kv_dtype).replace("mlx.core.", ""),
                 pool_bytes=pool.nbytes,
+                aux_slots=loaded.aux_slots,
+                aux_bytes=aux_pool.nbytes if aux_pool is not None else 0,
             )
         )
     )

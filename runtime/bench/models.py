@@ -1,0 +1,231 @@
+"""Synthetic random-weight model folders (mlx-lm layout) for benchmarking.
+
+A folder is written once per shape under ``<work_dir>/models/`` and reused; a marker
+file written last tells a complete folder from an interrupted one. Weights are drawn
+tensor by tensor with ``mx.random`` and flushed to safetensors shards as they fill, so
+writing never holds much more than one shard in memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+FORMAT_VERSION = 1
+MARKER = "bench-complete.json"
+EOS_TOKEN = "<eos>"
+SHARD_BYTES = 4 << 30  # split weights into files of about this size
+
+_BASE: dict = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "rms_norm_eps": 1e-5,
+    "attention_bias": False,
+    "mlp_bias": False,
+}
+
+SHAPES: dict[str, dict] = {
+    # CPU-sized: hidden 256, 4 layers, vocab 1000, float32.
+    "tiny": {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 1024,
+        "vocab_size": 1000,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 8192,
+        "torch_dtype": "float32",
+    },
+    # Llama-3.2-1B geometry.
+    "llama-1b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 8192,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+        "torch_dtype": "bfloat16",
+    },
+    # Llama-3.1-8B geometry.
+    "llama-8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def shape_config(shape: str) -> dict:
+    """The full config.json of a synthetic shape (EOS is the last id)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown synthetic shape {shape!r}; choose from {', '.join(SHAPES)}")
+    cfg = {**copy.deepcopy(_BASE), **copy.deepcopy(SHAPES[shape])}
+    cfg["eos_token_id"] = cfg["vocab_size"] - 1
+    return cfg
+
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A WordLevel tokenizer: ids 0..V-2 are ``t0``.., id V-1 is the EOS token.
+
+    The bench sends token ids only; the tokenizer just has to load with
+    ``transformers.AutoTokenizer`` and decode ids.
+    """
+    vocab = {f"t{i}": i for i in range(vocab_size - 1)}
+    vocab[EOS_TOKEN] = vocab_size - 1
+    tok = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": vocab_size - 1,
+                "content": EOS_TOKEN,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": None,
+        "decoder": None,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": EOS_TOKEN},
+    }
+    (folder / "tokenizer.json").write_text(json.dumps(tok), encoding="utf-8")
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "unk_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "bos_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 131072,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+
+
+def _param_specs(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of the model's parameters, from a lazily built (never evaluated) model."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(cfg)
+    model = model_class(args_class.from_dict(copy.deepcopy(cfg)))
+    return [(name, tuple(p.shape)) for name, p in tree_flatten(model.parameters())]
+
+
+def _init(name: str, shape: tuple[int, ...], dtype: mx.Dtype, key: mx.array) -> mx.array:
+    """Norm scales are ones; embeddings N(0, 0.02); other matrices N(0, 1/fan_in)."""
+    if len(shape) < 2:
+        return mx.ones(shape, dtype=dtype)
+    std = 0.02 if "embed" in name else shape[-1] ** -0.5
+    return (mx.random.normal(shape, key=key) * std).astype(dtype)
+
+
+def write_weights(
+    folder: Path,
+    cfg: dict,
+    seed: int = 0,
+    shard_bytes: int = SHARD_BYTES,
+    log: Callable[[str], None] | None = None,
+) -> int:
+    """Draw every parameter and save ``model-0000i-of-0000N.safetensors`` + index; return bytes."""
+    dtype = _DTYPES[cfg["torch_dtype"]]
+    specs = _param_specs(cfg)
+    keys = mx.random.split(mx.random.key(seed), len(specs))
+    shards: list[list[str]] = [[]]
+    current: dict[str, mx.array] = {}
+    current_bytes = total = 0
+    tmp_names: list[Path] = []
+
+    def flush() -> None:
+        nonlocal current, current_bytes
+        if not current:
+            return
+        path = folder / f"shard-{len(tmp_names):05d}.tmp.safetensors"
+        mx.save_safetensors(str(path), current, metadata={"format": "mlx"})
+        tmp_names.append(path)
+        if log is not None:
+            log(f"wrote weight shard {len(tmp_names)} ({current_bytes / 2**30:.2f} GiB)")
+        shards.append([])
+        current, current_bytes = {}, 0
+
+    for i, (name, shape) in enumerate(specs):
+        w = _init(name, shape, dtype, keys[i])
+        mx.eval(w)
+        if current and current_bytes + w.nbytes > shard_bytes:
+            flush()
+        current[name] = w
+        shards[-1].append(name)
+        current_bytes += w.nbytes
+        total += w.nbytes
+    flush()
+    n = len(tmp_names)
+    weight_map = {}
+    for i, path in enumerate(tmp_names):
+        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        path.rename(folder / final)
+        for name in shards[i]:
+            weight_map[name] = final
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return total
+
+
+def synthetic_model(
+    shape: str, work_dir: Path, seed: int = 0, log: Callable[[str], None] | None = None
+) -> Path:
+    """Return the folder of a synthetic model, writing it first if it is not complete."""
+    cfg = shape_config(shape)
+    folder = Path(work_dir) / "models" / f"synthetic-{shape}-s{seed}"
+    marker = folder / MARKER
+    if marker.exists():
+        info = json.loads(marker.read_text())
+        if info.get("format") == FORMAT_VERSION and info.get("config") == cfg:
+            return folder
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    if log is not None:
+        log(f"writing synthetic {shape} model to {folder}")
+    write_tokenizer(folder, cfg["vocab_size"])
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    total = write_weights(folder, cfg, seed=seed, log=log)
+    marker.write_text(json.dumps({"format": FORMAT_VERSION, "config": cfg, "bytes": total}))
+    return folder
+
+
+def model_vocab(folder: Path) -> tuple[int, set[int]]:
+    """(vocab_size, EOS ids) read from a model folder's config.json."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    vocab = int(text.get("vocab_size") or cfg.get("vocab_size"))
+    eos = cfg.get("eos_token_id", text.get("eos_token_id"))
+    eos_ids = set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
+    return vocab, eos_ids

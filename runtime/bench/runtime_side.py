@@ -1,0 +1,96 @@
+"""Drive a running service through the async client and time every streamed token."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+
+from runtime.bench.measure import StreamTiming
+from runtime.client import Client, RequestFailed
+from runtime.client.client import GenerationResult
+from runtime.protocol import client as cp
+
+REPLY_TIMEOUT_S = 600.0
+
+
+async def _stream_one(client: Client, prompt: list[int], gen_len: int, timing: StreamTiming) -> None:
+    """One streaming request, greedy and ignoring EOS; chunks are stamped as they arrive.
+
+    ``Client.stream`` yields chunks only; to also read the final ``Done`` (for
+    ``cached_tokens``) this speaks the same messages through the client's own
+    request/queue helpers.
+    """
+    msg = client._request(None, True, None, prompt, gen_len, 0.0, True, None)
+    queue = await client._call(msg, msg.rid)
+    try:
+        while True:
+            reply = await client._get(queue)
+            if isinstance(reply, cp.Chunk):
+                timing.add(list(reply.token_ids))
+            elif isinstance(reply, cp.Done):
+                if reply.finish_reason == "error":
+                    raise RequestFailed(GenerationResult(rid=msg.rid, finish_reason="error", error=reply.error))
+                timing.cached_tokens = reply.cached_tokens
+                if not timing.token_ids and reply.token_ids:
+                    timing.add(list(reply.token_ids))
+                return
+            elif isinstance(reply, cp.ProtocolError):
+                raise RequestFailed(GenerationResult(rid=msg.rid, finish_reason="error", error=reply.message))
+    finally:
+        client._queues.pop(msg.rid, None)
+
+
+async def _together(address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int]) -> list[StreamTiming]:
+    async with Client(address, timeout_s=REPLY_TIMEOUT_S) as client:
+        start = time.perf_counter()
+        timings = [StreamTiming(start=start) for _ in prompts]
+        await asyncio.gather(*(_stream_one(client, p, g, t) for p, g, t in zip(prompts, gen_lens, timings)))
+        return timings
+
+
+def run_together(address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int]) -> list[StreamTiming]:
+    """Send all requests at once (one client, concurrent streams); the shared start is t=0 for TTFT."""
+    return asyncio.run(_together(address, prompts, gen_lens))
+
+
+async def _pooled(
+    address: str,
+    prompts: Sequence[list[int]],
+    gen_lens: Sequence[int],
+    concurrency: int,
+    on_done: Callable[[int], None] | None,
+) -> list[StreamTiming]:
+    timings: list[StreamTiming | None] = [None] * len(prompts)
+    next_index = 0
+    done = 0
+
+    async def worker(client: Client) -> None:
+        nonlocal next_index, done
+        while next_index < len(prompts):
+            i = next_index
+            next_index += 1
+            timing = StreamTiming(start=time.perf_counter())
+            await _stream_one(client, prompts[i], gen_lens[i], timing)
+            timings[i] = timing
+            done += 1
+            if on_done is not None:
+                on_done(done)
+
+    async with Client(address, timeout_s=REPLY_TIMEOUT_S) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    return [t for t in timings if t is not None]
+
+
+def run_pooled(
+    address: str,
+    prompts: Sequence[list[int]],
+    gen_lens: Sequence[int],
+    concurrency: int,
+    on_done: Callable[[int], None] | None = None,
+) -> list[StreamTiming]:
+    """Keep ``concurrency`` requests in flight until all are done; ``on_done(n)`` after each.
+
+    Each timing starts when its own request is sent.
+    """
+    return asyncio.run(_pooled(address, prompts, gen_lens, concurrency, on_done))

@@ -1,0 +1,194 @@
+"""Start and stop ``runtime up`` services for the bench, and read their memory use."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_SERVING = re.compile(r"runtime: serving .* on ((?:ipc|tcp)://\S+)")
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """The config knobs the bench sets; everything else keeps the runtime's defaults."""
+
+    model: Path
+    max_running: int
+    max_context: int
+    kv_slots: int
+    cache_enabled: bool = True
+    max_step_tokens: int = 2048
+    prefill_chunk: int = 512
+
+    def toml(self) -> str:
+        """The config file text (keys as in runtime/config.py)."""
+        return (
+            f"[model]\npath = {str(self.model)!r}\n\n"
+            '[server]\naddress = "ipc://"\n\n'
+            "[scheduler]\n"
+            f"max_running = {self.max_running}\n"
+            f"max_context = {self.max_context}\n"
+            f"max_step_tokens = {self.max_step_tokens}\n"
+            f"prefill_chunk = {self.prefill_chunk}\n\n"
+            "[cache]\n"
+            f"enabled = {'true' if self.cache_enabled else 'false'}\n"
+            f"kv_slots = {self.kv_slots}\n"
+        )
+
+
+class ServiceError(RuntimeError):
+    """The service did not start; the message carries its output."""
+
+
+class Service:
+    """A ``python -m runtime.cli up`` process group, killed on ``stop()`` / context exit."""
+
+    def __init__(self, spec: ServiceSpec, config_path: Path, startup_timeout_s: float = 900.0) -> None:
+        self.spec = spec
+        self.config_path = config_path
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+        self.banner = ""
+        self.lines: deque[str] = deque(maxlen=200)
+        self._lines_q: queue.Queue = queue.Queue()
+
+    def __enter__(self) -> Service:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Launch the service and wait for its "serving" line."""
+        self.config_path.parent.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(self.spec.toml())
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONUNBUFFERED"] = "1"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime.cli", "up", "-c", str(self.config_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            cwd=REPO_ROOT,
+            env=env,
+            start_new_session=True,
+        )
+        threading.Thread(target=self._drain, daemon=True).start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ServiceError(f"service did not start within {self.startup_timeout_s} s:\n{self.log()}")
+            try:
+                line = self._lines_q.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if line is None:
+                raise ServiceError(f"service exited during start-up:\n{self.log()}")
+            match = _SERVING.search(line)
+            if match:
+                self.address = match.group(1)
+                self.banner = line.strip()
+                return
+
+    def _drain(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self._lines_q.put(line)
+        self._lines_q.put(None)
+
+    def log(self) -> str:
+        """The last lines the service printed."""
+        return "".join(self.lines)
+
+    def stop(self) -> None:
+        """SIGTERM the ``runtime up`` process (a clean shutdown), then SIGKILL its whole group."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=10.0)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left: the worker, if it outlived the parent
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                pass
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def worker_pid(self) -> int | None:
+        """The worker: the (python) child process of the ``runtime up`` process."""
+        children = child_pids(self.pid)
+        return children[0] if children else None
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc on Linux, ``ps`` elsewhere), oldest first."""
+    proc = Path("/proc")
+    if proc.is_dir():
+        out = []
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # Fields after the parenthesised command name: state, ppid, ...
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                out.append(int(entry.name))
+        return sorted(out)
+    res = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, check=False)
+    kids = []
+    for line in res.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and int(parts[1]) == pid:
+            kids.append(int(parts[0]))
+    return sorted(kids)
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident set size of ``pid``: VmRSS from /proc on Linux, ``ps -o rss=`` on macOS."""
+    status = Path(f"/proc/{pid}/status")
+    if status.exists():
+        try:
+            for line in status.read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+    res = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True, check=False)
+    text = res.stdout.strip()
+    return int(text) * 1024 if text.isdigit() else None

@@ -1,0 +1,129 @@
+"""Auxiliary-state slot lifecycle for hybrid models (recurrent/conv state), no mlx.
+
+Each running request owns a live slot; prefill snapshots the state into extra slots at
+chunk-aligned prompt positions and at the end of the prompt, and those snapshots
+become radix-tree values, so a later request can restore the state at a cached prefix.
+Invariant: every aux slot is free, owned by one running request, or held by the tree.
+"""
+
+from __future__ import annotations
+
+from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH
+from runtime.scheduler.radix import MatchResult, RadixCache
+from runtime.scheduler.request import Request
+from runtime.scheduler.slots import SlotAllocator
+
+
+class AuxTracker:
+    """Aux slot allocator plus per-request live slots, snapshot points and reservations."""
+
+    def __init__(self, num_slots: int, track_chunk: int) -> None:
+        self.slots = SlotAllocator(num_slots, reserve_zero=True)
+        self.track_chunk = track_chunk
+        self.tree: RadixCache | None = None
+        self.reserved = 0
+
+    def attach(self, tree: RadixCache | None) -> None:
+        self.tree = tree
+
+    @staticmethod
+    def usable_prefix(match: MatchResult | None) -> int:
+        """A hybrid prefix is reusable only as far as a saved state reaches."""
+        if match is None or match.aux_slot is None:
+            return 0
+        return match.aux_len
+
+    def snapshot_points(self, req: Request, prefix_len: int) -> list[int]:
+        """Prompt lengths whose state is kept: the last chunk multiple past the prefix, and the prompt end."""
+        target = req.prefill_target
+        points = []
+        aligned = prefix_len + (target - prefix_len) // self.track_chunk * self.track_chunk
+        if prefix_len < aligned < target:
+            points.append(aligned)
+        if target > prefix_len:
+            points.append(target)
+        return points if self.tree is not None else []
+
+    def _make_room(self, n: int) -> bool:
+        while self.slots.free_count - self.reserved < n:
+            if self.tree is None or self.tree.evict(1) == 0:
+                return False
+        return True
+
+    def admit(self, req: Request, match: MatchResult | None, prefix_len: int) -> bool:
+        """Take a live slot and reserve the snapshot slots; False (taking nothing) if none can be had."""
+        points = self.snapshot_points(req, prefix_len)
+        if not self._make_room(1 + len(points)):
+            return False
+        live = self.slots.alloc(1)
+        assert live is not None
+        req.aux_slot = live[0]
+        req.aux_owned = [live[0]]
+        req.aux_points = points
+        req.aux_reserved = len(points)
+        self.reserved += len(points)
+        req.aux_source = match.aux_slot if prefix_len > 0 and match is not None else AUX_FRESH
+        req.aux_snapshots = []
+        req.aux_started = False
+        return True
+
+    def clip_chunk(self, req: Request, start: int, n: int) -> int:
+        """Split prefill so a chunk ends exactly at every snapshot point."""
+        for point in req.aux_points:
+            if start < point < start + n:
+                return point - start
+        return n
+
+    def chunk_fields(self, req: Request, end: int) -> tuple[int, int, int]:
+        """(aux_slot, aux_source, aux_snapshot) for a chunk of ``req`` ending at prompt length ``end``."""
+        source = AUX_CONTINUE if req.aux_started else req.aux_source
+        req.aux_started = True
+        snapshot = -1
+        if end in req.aux_points:
+            got = self.slots.alloc(1)
+            assert got is not None, "aux reservation broke"
+            snapshot = got[0]
+            req.aux_reserved -= 1
+            self.reserved -= 1
+            req.aux_owned.append(snapshot)
+            req.aux_snapshots.append((end, snapshot))
+        return req.aux_slot, source, snapshot
+
+    def hand_over(self, req: Request, slot: int, accepted: bool) -> None:
+        """A snapshot or live slot was offered to the tree: it owns it now, or it is freed."""
+        req.aux_owned.remove(slot)
+        if not accepted:
+            self.slots.free([slot])
+
+    def release(self, req: Request) -> None:
+        """Free whatever aux slots the request still owns, and its reservation."""
+        self.reserved -= req.aux_reserved
+        req.aux_reserved = 0
+        if req.aux_owned:
+            self.slots.free(req.aux_owned)
+        req.aux_owned = []
+        req.aux_slot = -1
+
+    def on_evict(self, slot: int) -> None:
+        self.slots.free([slot])
+
+    def live_coverage(self, req: Request) -> int | None:
+        """How many tokens the live state will cover once launched steps run, if all are known."""
+        if not req.aux_started:
+            return None
+        if not req.prefill_done:
+            return req.prefilled
+        covered = req.prompt_len + req.decodes_launched - 1
+        return covered if covered <= req.prompt_len + len(req.output_ids) else None
+
+    def check_invariants(self, running: list[Request]) -> None:
+        self.slots.check_invariants()
+        owned = [s for r in running for s in r.aux_owned]
+        tree_aux = self.tree.owned_aux_slots() if self.tree is not None else set()
+        assert len(owned) == len(set(owned)) and not (set(owned) & tree_aux), "aux slot owned twice"
+        assert self.slots.free_count + len(owned) + len(tree_aux) == self.slots.capacity, (
+            f"aux slot leak: free {self.slots.free_count} + requests {len(owned)} + tree {len(tree_aux)} "
+            f"!= {self.slots.capacity}"
+        )
+        assert self.reserved == sum(r.aux_reserved for r in running)
+        assert self.slots.free_count >= self.reserved

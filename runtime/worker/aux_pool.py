@@ -1,0 +1,73 @@
+"""Auxiliary-state pool: recurrent/conv state of hybrid layers, addressed by slot id."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from runtime.worker.discovery import CacheLayout
+
+
+class AuxPool:
+    """``states[k][j]``: (num_slots, *shape) array for state j of the k-th auxiliary cache entry.
+
+    A slot holds one request's state (live) or a snapshot. Writing a slot copies
+    values in, so a snapshot never changes when the live state moves on.
+    """
+
+    def __init__(self, templates: list[list[tuple[tuple[int, ...], mx.Dtype]]], num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.states = [[mx.zeros((num_slots, *shape), dtype=dtype) for shape, dtype in entry] for entry in templates]
+        mx.eval(self.states)
+
+    @staticmethod
+    def probe(model: nn.Module, layout: CacheLayout) -> list[list[tuple[tuple[int, ...], mx.Dtype]]]:
+        """Run one token through a fresh mlx-lm cache to learn each auxiliary state's shape."""
+        caches = model.make_cache()
+        model(mx.array([[1]], dtype=mx.int32), cache=caches)
+        templates = []
+        for entry in layout.aux_layers:
+            states = caches[entry].cache
+            if any(s is None for s in states):
+                raise ValueError(f"cache entry {entry}: a state stayed empty after a forward pass")
+            templates.append([(tuple(s.shape[1:]), s.dtype) for s in states])
+        mx.eval([s for t in caches for s in getattr(t, "cache", []) if s is not None])
+        return templates
+
+    @staticmethod
+    def bytes_per_slot(templates: list[list[tuple[tuple[int, ...], mx.Dtype]]]) -> int:
+        total = 0
+        for entry in templates:
+            for shape, dtype in entry:
+                n = dtype.size
+                for d in shape:
+                    n *= d
+                total += n
+        return total
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for entry in self.states for a in entry)
+
+    def read(self, k: int, slots: mx.array) -> list[mx.array]:
+        """States of auxiliary entry k at ``slots`` (B,), batch-major."""
+        return [a[slots] for a in self.states[k]]
+
+    def write(self, k: int, slots: mx.array, values: list[mx.array]) -> None:
+        for j, value in enumerate(values):
+            self.states[k][j][slots] = value.astype(self.states[k][j].dtype)
+
+    def copy(self, src: int, dst: int) -> None:
+        """Snapshot/restore/fork: copy slot ``src`` into slot ``dst`` for every entry."""
+        for entry in self.states:
+            for a in entry:
+                a[dst : dst + 1] = a[src : src + 1]
+
+    def zero(self, slot: int) -> None:
+        """Clear a slot: the state of a request that has seen no tokens."""
+        for entry in self.states:
+            for a in entry:
+                a[slot : slot + 1] = mx.zeros((1, *a.shape[1:]), dtype=a.dtype)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for entry in self.states for a in entry]
