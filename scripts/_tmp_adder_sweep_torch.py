@@ -7,6 +7,7 @@ PAD, BOS, EOS = 0, 1, 2
 D0, PLUS, EQ = 4, 14, 15
 V = 18
 T = 13
+USE_BOS = False
 
 
 class RMS(nn.Module):
@@ -97,8 +98,11 @@ def build(a, b, tabs):
     tok = torch.where(j == eq[:, None], torch.full_like(tok, EQ), tok)
     tok = torch.where((j >= st[:, None]) & (j < eos[:, None]), gs, tok)
     tok = torch.where(j == eos[:, None], torch.full_like(tok, EOS), tok)
+    if USE_BOS:
+        tok = torch.cat([torch.full((len(a), 1), BOS, device=a.device, dtype=torch.long), tok], 1)
+        eq = eq + 1; eos = eos + 1
     x, y = tok[:, :-1], tok[:, 1:]
-    jj = torch.arange(T - 1, device=a.device)[None]
+    jj = torch.arange(tok.shape[1] - 1, device=a.device)[None]
     m = ((jj >= eq[:, None]) & (jj < eos[:, None])).float()
     return x, y, m, eq + 1  # prompt length
 
@@ -108,6 +112,7 @@ def accuracy(model, a, b, tabs):
     x, y, m, plen = build(a, b, tabs)
     full = torch.cat([x, y[:, -1:]], 1)
     correct = 0
+    okall = torch.zeros(len(a), dtype=torch.bool, device=a.device)
     for L in plen.unique().tolist():
         sel = plen == L
         seq = full[sel][:, :L]
@@ -123,6 +128,8 @@ def accuracy(model, a, b, tabs):
         for r in range(6):
             ok &= torch.where(r <= eos_pos, gen[:, r] == want[:, r], torch.ones_like(ok))
         correct += ok.sum().item()
+        okall[sel] = ok
+    accuracy.last = okall
     return correct / len(a)
 
 
@@ -134,7 +141,10 @@ def main():
     p.add_argument("--wd", type=float, default=0.01); p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--nd", type=int, default=3); p.add_argument("--tag", default="")
     p.add_argument("--eval_every", type=int, default=10000)
+    p.add_argument("--bos", action="store_true")
     a = p.parse_args()
+    global USE_BOS
+    USE_BOS = a.bos
     dev = "cuda"
     torch.manual_seed(a.seed)
     gen = torch.Generator(device=dev); gen.manual_seed(a.seed)
@@ -169,7 +179,14 @@ def main():
             nxt_eval += a.eval_every
             acc = accuracy(model, ha, hb, tabs)
             hist.append((seen, round(loss.item(), 4), acc))
-            print(json.dumps(dict(cfg=f"d{a.d} L{a.L} f{a.f} bs{a.bs} lr{a.lr} s{a.seed}", seen=seen, loss=hist[-1][1], acc=acc, t=round(time.time()-t0,1))), flush=True)
+            print(json.dumps(dict(cfg=f"d{a.d} L{a.L} f{a.f} bs{a.bs} lr{a.lr} bos{int(a.bos)} s{a.seed}", seen=seen, loss=hist[-1][1], acc=acc, t=round(time.time()-t0,1))), flush=True)
+    ha, hb = sample(g2, 4000, a.nd, dev), sample(g2, 4000, a.nd, dev)
+    acc = accuracy(model, ha, hb, tabs); ok = accuracy.last
+    la = torch.tensor([len(str(v)) for v in ha.tolist()], device=dev); lb = torch.tensor([len(str(v)) for v in hb.tolist()], device=dev)
+    combo = {f"{i}+{j}": round(ok[(la == i) & (lb == j)].float().mean().item(), 3) for i in range(1, 4) for j in range(1, 4)}
+    carry = (ha + hb) >= 10 ** torch.maximum(la, lb)
+    combo["newdigit"] = round(ok[carry].float().mean().item(), 3); combo["nonew"] = round(ok[~carry].float().mean().item(), 3)
+    print(json.dumps(dict(combo=combo, acc4000=acc, cfg=f"d{a.d} L{a.L} f{a.f} bs{a.bs} lr{a.lr} bos{int(a.bos)} s{a.seed}")), flush=True)
     print(json.dumps(dict(final=True, **vars(a), P=P, hist=hist, secs=round(time.time() - t0, 1))), flush=True)
 
 

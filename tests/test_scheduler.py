@@ -56,7 +56,7 @@ def test_validation_messages():
 
 
 def test_chunked_prefill_then_chained_decode():
-    s = make(budget=16, chunk=8)
+    s = make(budget=8, chunk=8)
     r = req(s, "a", list(range(1, 21)), 3)  # 20 tokens: 19 prefill positions, then decode
     p1 = s.next_step()
     assert [(c.start, len(c.token_ids)) for c in p1.step.prefills] == [(0, 8)]

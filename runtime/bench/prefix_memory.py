@@ -31,9 +31,12 @@ def prefix(
     A last cache-on run shares the same prefix with new suffixes ("prefix cached").
     """
     gens = [gen_len] * count
-    warm = _prefix_prompts(bench, count, prefix_len, unique)
-    warm_gens = [min(gen_len, WARMUP_GEN)] * count
-    bench.log(f"prefix: warm-up ({count} x {prefix_len}+{unique[0]}..{unique[1]})")
+    # Warm-up: enough requests to fill one mlx-lm prefill batch and several runtime
+    # prefill chunks of the timed shapes, without paying for the whole batch again.
+    n_warm = min(count, max(8, bench.mlx_prefill_batch))
+    warm = _prefix_prompts(bench, n_warm, prefix_len, unique)
+    warm_gens = [min(gen_len, WARMUP_GEN)] * n_warm
+    bench.log(f"prefix: warm-up ({n_warm} x {prefix_len}+{unique[0]}..{unique[1]})")
     runtime_side.run_together(address_on, warm, warm_gens)
     runtime_side.run_together(address_off, warm, warm_gens)
     bench.mlx.batch(warm, warm_gens, prefill_batch=bench.mlx_prefill_batch)

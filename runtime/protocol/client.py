@@ -71,6 +71,9 @@ class StatusReply(msgspec.Struct, tag="status_reply"):
     worker_restarts: int
     max_context: int
     worker_pid: int
+    aux_slots_total: int = 0
+    aux_slots_free: int = 0
+    aux_slots_cached: int = 0
 
 
 class ProtocolError(msgspec.Struct, tag="protocol_error"):

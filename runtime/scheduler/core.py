@@ -156,28 +156,27 @@ class Scheduler:
         candidates = [r for r in self.running if not r.prefill_done]
         while True:
             for req in candidates:
-                if budget <= 0:
-                    break
-                start = req.prefilled
-                n = min(req.prefill_target - start, lim.prefill_chunk, budget)
-                if self.aux is not None:
-                    n = self.aux.clip_chunk(req, start, n)
-                slot_ids = self._alloc(req, n)
-                prefix = req.slots[:start] if start == req.prefix_len and start > 0 else []
-                aux_slot, aux_source, aux_snapshot = (
-                    self.aux.chunk_fields(req, start + n) if self.aux is not None else (-1, AUX_CONTINUE, -1)
-                )
-                prefills.append(
-                    PrefillChunk(
-                        req.row, start, req.prompt_ids[start : start + n], slot_ids, prefix,
-                        aux_slot, aux_source, aux_snapshot,
+                while budget > 0 and not req.prefill_done:
+                    start = req.prefilled
+                    n = min(req.prefill_target - start, lim.prefill_chunk, budget)
+                    if self.aux is not None:
+                        n = self.aux.clip_chunk(req, start, n)
+                    slot_ids = self._alloc(req, n)
+                    prefix = req.slots[:start] if start == req.prefix_len and start > 0 else []
+                    aux_slot, aux_source, aux_snapshot = (
+                        self.aux.chunk_fields(req, start + n) if self.aux is not None else (-1, AUX_CONTINUE, -1)
                     )
-                )
-                prefill_reqs.append(req)
-                req.prefilled += n
-                budget -= n
-                if req.prefill_done:
-                    self._cache_prompt(req)
+                    prefills.append(
+                        PrefillChunk(
+                            req.row, start, req.prompt_ids[start : start + n], slot_ids, prefix,
+                            aux_slot, aux_source, aux_snapshot,
+                        )
+                    )
+                    prefill_reqs.append(req)
+                    req.prefilled += n
+                    budget -= n
+                    if req.prefill_done:
+                        self._cache_prompt(req)
             candidates = []
             while self.waiting and budget > 0 and self._try_admit(self.waiting[0]):
                 req = self.waiting.popleft()

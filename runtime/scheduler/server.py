@@ -189,6 +189,9 @@ class Server:
             worker_restarts=self.restarts,
             max_context=self.ready.max_context,
             worker_pid=self.worker.pid or 0,
+            aux_slots_total=s.aux.slots.capacity if s.aux is not None else 0,
+            aux_slots_free=s.aux.slots.free_count if s.aux is not None else 0,
+            aux_slots_cached=len(s.tree.owned_aux_slots()) if s.aux is not None and s.tree is not None else 0,
         )
 
     def _emit(self, out: StepOutput) -> None:

@@ -1,0 +1,131 @@
+"""Auxiliary-state lifecycle (SPEC section 4): scheduler side without MLX, worker pool with MLX."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH
+from runtime.scheduler.core import Limits, Scheduler
+from runtime.scheduler.request import Request, SamplingParams
+from runtime.worker.aux_pool import AuxPool
+
+
+def make(aux_slots=16, track_chunk=64, chunk=256, budget=512, num_slots=1024, max_rows=4) -> Scheduler:
+    limits = Limits(num_slots, max_rows, 512, 1000, max_step_tokens=budget, prefill_chunk=chunk,
+                    aux_slots=aux_slots, track_chunk=track_chunk)
+    return Scheduler(limits, frozenset({0}), debug_invariants=True)
+
+
+def add(s: Scheduler, rid: str, prompt: list[int], max_tokens: int) -> Request:
+    r = Request(rid=rid, prompt_ids=prompt, params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                max_new=s.validate(prompt, max_tokens, 0.0))
+    s.add(r)
+    return r
+
+
+def drain(s: Scheduler, token: int = 7) -> list:
+    steps, inflight = [], []
+    while True:
+        while len(inflight) < 2 and (p := s.next_step()) is not None:
+            inflight.append(p)
+            steps.append(p)
+        if not inflight:
+            return steps
+        p = inflight.pop(0)
+        s.on_step_done(p.step.step_id, [token] * len(p.decode_reqs))
+
+
+def test_seventy_new_tokens_run_as_64_plus_6_and_keep_the_state_after_64():
+    s = make()
+    prompt = list(range(1, 72))  # 71 tokens: 70 prefill positions, the last one decodes
+    r = add(s, "a", prompt, 2)
+    p = s.next_step()
+    chunks = p.step.prefills
+    assert [len(c.token_ids) for c in chunks] == [64, 6]
+    assert chunks[0].aux_source == AUX_FRESH and chunks[1].aux_source == AUX_CONTINUE
+    assert chunks[0].aux_slot == chunks[1].aux_slot == r.aux_slot
+    assert chunks[0].aux_snapshot > 0 and chunks[1].aux_snapshot > 0  # after 64 and at the prompt end
+    assert p.step.decode.aux_slots == [r.aux_slot]
+    # Both snapshots are tree values now, at lengths 64 and 70.
+    m64 = s.tree.match_prefix(prompt[:64])
+    assert m64.aux_slot == chunks[0].aux_snapshot and m64.aux_len == 64
+    m70 = s.tree.match_prefix(prompt[:70])
+    assert m70.aux_slot == chunks[1].aux_snapshot and m70.aux_len == 70
+    drain(s)
+    s.check_invariants()
+
+
+def test_prefix_hit_restores_the_state_at_a_chunk_boundary():
+    s = make()
+    shared = list(range(1, 81))
+    add(s, "a", shared + [500], 1)
+    drain(s)
+    b = add(s, "b", shared[:64] + [900 + i for i in range(30)], 1)
+    p = s.next_step()
+    assert b.prefix_len == 64  # the state saved after 64 tokens
+    first = p.step.prefills[0]
+    assert first.start == 64 and first.aux_source == s.tree.match_prefix(shared[:64]).aux_slot
+    drain(s)
+    s.check_invariants()
+
+
+def test_exact_full_prompt_hit_restores_and_reruns_the_last_token():
+    s = make()
+    prompt = list(range(1, 41))
+    add(s, "a", prompt, 3)
+    drain(s)
+    b = add(s, "b", prompt, 3)
+    p = s.next_step()
+    assert b.prefix_len == 39
+    (only,) = p.step.prefills
+    assert only.token_ids == [] and only.aux_source >= 0 and p.step.decode.token_ids == [40]
+    drain(s)
+    s.check_invariants()
+
+
+def test_no_aux_slot_leaks_under_pressure():
+    s = make(aux_slots=9, num_slots=400, max_rows=3)
+    for i in range(12):
+        add(s, f"r{i}", [1 + i % 3] * 5 + list(range(10, 10 + 60 + i)), 5)
+    drain(s)
+    s.check_invariants()
+    assert s.aux.slots.free_count + len(s.tree.owned_aux_slots()) == s.aux.slots.capacity
+    assert all(r.finished for r in [])  # nothing running
+    assert s.running == [] and not s.waiting
+
+
+def test_abort_mid_prefill_frees_aux_slots():
+    s = make(chunk=16)
+    r = add(s, "a", list(range(1, 200)), 4)
+    s.next_step()
+    s.abort("a")
+    assert r.aux_owned == [] and r.aux_slot == -1
+    s.check_invariants()
+
+
+def _pool() -> AuxPool:
+    return AuxPool([[((3, 4), mx.float32), ((2,), mx.float32)]], num_slots=6)
+
+
+def test_aux_pool_store_restore_fork_and_snapshots_are_copies():
+    pool = _pool()
+    live = mx.array([2])
+    state = [mx.ones((1, 3, 4)), mx.full((1, 2), 5.0)]
+    pool.write(0, live, state)
+    pool.copy(2, 4)  # snapshot live -> 4
+    pool.write(0, live, [mx.zeros((1, 3, 4)), mx.zeros((1, 2))])  # the live state moves on
+    snap = pool.read(0, mx.array([4]))
+    assert mx.array_equal(snap[0], state[0]) and mx.array_equal(snap[1], state[1])
+    pool.copy(4, 5)  # fork the snapshot into a new slot
+    assert mx.array_equal(pool.read(0, mx.array([5]))[1], state[1])
+    pool.copy(4, 2)  # restore into the live slot
+    assert mx.array_equal(pool.read(0, live)[0], state[0])
+    pool.zero(2)
+    assert float(pool.read(0, live)[0].sum()) == 0.0
+
+
+def test_batched_read_and_write_split_state_per_request():
+    pool = _pool()
+    pool.write(0, mx.array([1, 3]), [mx.stack([mx.full((3, 4), 1.0), mx.full((3, 4), 3.0)]), mx.array([[1.0, 1], [3, 3]])])
+    merged = pool.read(0, mx.array([3, 1]))
+    assert merged[0].shape == (2, 3, 4) and merged[1].tolist() == [[3, 3], [1, 1]]
