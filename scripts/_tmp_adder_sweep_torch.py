@@ -71,8 +71,12 @@ def digits_table(n, width, dev):
     return tab, lens
 
 
-def sample(gen, n, nd_max, dev):
-    nd = torch.randint(1, nd_max + 1, (n,), generator=gen, device=dev)
+NDP = None
+def sample(gen, n, nd_max, dev, train=False):
+    if train and NDP is not None:
+        nd = torch.multinomial(torch.tensor(NDP, device=dev), n, replacement=True, generator=gen) + 1
+    else:
+        nd = torch.randint(1, nd_max + 1, (n,), generator=gen, device=dev)
     lo = torch.where(nd == 1, torch.zeros_like(nd), 10 ** (nd - 1))
     hi = 10 ** nd
     return lo + (torch.rand(n, generator=gen, device=dev) * (hi - lo)).long()
@@ -142,9 +146,11 @@ def main():
     p.add_argument("--nd", type=int, default=3); p.add_argument("--tag", default="")
     p.add_argument("--eval_every", type=int, default=10000)
     p.add_argument("--bos", action="store_true")
+    p.add_argument("--ndp", default="")
     a = p.parse_args()
-    global USE_BOS
+    global USE_BOS, NDP
     USE_BOS = a.bos
+    NDP = [float(v) for v in a.ndp.split(",")] if a.ndp else None
     dev = "cuda"
     torch.manual_seed(a.seed)
     gen = torch.Generator(device=dev); gen.manual_seed(a.seed)
@@ -165,7 +171,7 @@ def main():
     seen = 0; nxt_eval = a.eval_every; hist = []
     for i in range(1, steps + 1):
         for gp in opt.param_groups: gp["lr"] = lr_at(i)
-        xa, xb = sample(gen, a.bs, a.nd, dev), sample(gen, a.bs, a.nd, dev)
+        xa, xb = sample(gen, a.bs, a.nd, dev, True), sample(gen, a.bs, a.nd, dev, True)
         x, y, m, _ = build(xa, xb, tabs)
         logits = model(x)
         ce = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1), reduction="none").view_as(m)
@@ -179,14 +185,14 @@ def main():
             nxt_eval += a.eval_every
             acc = accuracy(model, ha, hb, tabs)
             hist.append((seen, round(loss.item(), 4), acc))
-            print(json.dumps(dict(cfg=f"d{a.d} L{a.L} f{a.f} bs{a.bs} lr{a.lr} bos{int(a.bos)} s{a.seed}", seen=seen, loss=hist[-1][1], acc=acc, t=round(time.time()-t0,1))), flush=True)
+            print(json.dumps(dict(cfg=f"d{a.d} L{a.L} f{a.f} bs{a.bs} lr{a.lr} bos{int(a.bos)} ndp{a.ndp} s{a.seed}", seen=seen, loss=hist[-1][1], acc=acc, t=round(time.time()-t0,1))), flush=True)
     ha, hb = sample(g2, 4000, a.nd, dev), sample(g2, 4000, a.nd, dev)
     acc = accuracy(model, ha, hb, tabs); ok = accuracy.last
     la = torch.tensor([len(str(v)) for v in ha.tolist()], device=dev); lb = torch.tensor([len(str(v)) for v in hb.tolist()], device=dev)
     combo = {f"{i}+{j}": round(ok[(la == i) & (lb == j)].float().mean().item(), 3) for i in range(1, 4) for j in range(1, 4)}
     carry = (ha + hb) >= 10 ** torch.maximum(la, lb)
     combo["newdigit"] = round(ok[carry].float().mean().item(), 3); combo["nonew"] = round(ok[~carry].float().mean().item(), 3)
-    print(json.dumps(dict(combo=combo, acc4000=acc, cfg=f"d{a.d} L{a.L} f{a.f} bs{a.bs} lr{a.lr} bos{int(a.bos)} s{a.seed}")), flush=True)
+    print(json.dumps(dict(combo=combo, acc4000=acc, cfg=f"d{a.d} L{a.L} f{a.f} bs{a.bs} lr{a.lr} bos{int(a.bos)} ndp{a.ndp} s{a.seed}")), flush=True)
     print(json.dumps(dict(final=True, **vars(a), P=P, hist=hist, secs=round(time.time() - t0, 1))), flush=True)
 
 

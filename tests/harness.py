@@ -1,6 +1,6 @@
 """Drive the real Scheduler and the real worker Engine in one process, without sockets.
 
-Same pipeline as the service: up to two steps launched, the older one read back first.
+Same pipeline as the service: up to ``pipeline_depth`` steps launched, the oldest read back first.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class InProcessService:
                 self.sched.add(req)
             for rid in aborts.get(event, []):
                 self.sched.abort(rid)
-            while len(pending) < 2:
+            while len(pending) < self.sched.pipeline_depth:
                 planned = self.sched.next_step()
                 if planned is None:
                     break

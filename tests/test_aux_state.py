@@ -95,12 +95,17 @@ def test_no_aux_slot_leaks_under_pressure():
 
 
 def test_abort_mid_prefill_frees_aux_slots():
-    s = make(chunk=16)
+    s = make(chunk=16, budget=32)
     r = add(s, "a", list(range(1, 200)), 4)
-    s.next_step()
+    p = s.next_step()
+    assert r.prefilled == 32
     s.abort("a")
-    assert r.aux_owned == [] and r.aux_slot == -1
+    assert r in s.draining  # its launched chunk still writes the live slot
+    s.on_step_done(p.step.step_id, [])
+    assert r.aux_owned == [] and r.aux_slot == -1 and s.draining == []
     s.check_invariants()
+    # What it prefilled is cached, with the state that covers it.
+    assert s.tree.match_prefix(list(range(1, 200))).aux_len == 32
 
 
 def _pool() -> AuxPool:

@@ -74,6 +74,9 @@ class StatusReply(msgspec.Struct, tag="status_reply"):
     aux_slots_total: int = 0
     aux_slots_free: int = 0
     aux_slots_cached: int = 0
+    steps: int = 0
+    worker_idle_s: float = 0.0
+    worker_uptime_s: float = 0.0
 
 
 class ProtocolError(msgspec.Struct, tag="protocol_error"):

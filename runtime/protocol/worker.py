@@ -88,11 +88,16 @@ class LoadFailed(msgspec.Struct, tag="load_failed"):
 
 
 class StepDone(msgspec.Struct, tag="step_done"):
-    """Finalized tokens of a step's decode batch, in the batch's row order."""
+    """Finalized tokens of a step's decode batch, in the batch's row order.
+
+    ``idle_s``: total time so far the worker had no step launched on the device;
+    ``uptime_s``: time since the worker became ready (so idle share = idle_s / uptime_s).
+    """
 
     step_id: int
     tokens: list[int]
-    forward_s: float = 0.0
+    idle_s: float = 0.0
+    uptime_s: float = 0.0
 
 
 class StepFailed(msgspec.Struct, tag="step_failed"):

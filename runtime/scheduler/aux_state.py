@@ -95,10 +95,14 @@ class AuxTracker:
         if not accepted:
             self.slots.free([slot])
 
-    def release(self, req: Request) -> None:
-        """Free whatever aux slots the request still owns, and its reservation."""
+    def drop_reservation(self, req: Request) -> None:
+        """The request will take no more snapshots."""
         self.reserved -= req.aux_reserved
         req.aux_reserved = 0
+
+    def release(self, req: Request) -> None:
+        """Free whatever aux slots the request still owns, and its reservation."""
+        self.drop_reservation(req)
         if req.aux_owned:
             self.slots.free(req.aux_owned)
         req.aux_owned = []
@@ -106,15 +110,6 @@ class AuxTracker:
 
     def on_evict(self, slot: int) -> None:
         self.slots.free([slot])
-
-    def live_coverage(self, req: Request) -> int | None:
-        """How many tokens the live state will cover once launched steps run, if all are known."""
-        if not req.aux_started:
-            return None
-        if not req.prefill_done:
-            return req.prefilled
-        covered = req.prompt_len + req.decodes_launched - 1
-        return covered if covered <= req.prompt_len + len(req.output_ids) else None
 
     def check_invariants(self, running: list[Request]) -> None:
         self.slots.check_invariants()

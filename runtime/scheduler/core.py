@@ -1,9 +1,10 @@
 """Scheduling policy: admission, continuous batching, chunked prefill, prefix reuse.
 
 Pure Python over ints (no mlx, no sockets). The server asks ``next_step()`` for the
-next worker step and feeds results back through ``on_step_done``; up to two steps are
-in flight, so a step is planned before the previous one's tokens are known. Requests
-that finish are released at once; their tokens in a step already in flight are dropped.
+next worker step and feeds results back through ``on_step_done``; up to
+``pipeline_depth`` steps are in flight, so a step is planned before the previous ones'
+tokens are known. A request that finishes replies at once; its tokens from steps already
+in flight are dropped, and its slots are released (and cached) when those steps return.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ class RequestRejected(ValueError):
 class Scheduler:
     """Waiting queue, running set, KV slots, rows and the radix cache."""
 
+    # Steps in flight. With three, the worker always finds the next step waiting when it
+    # blocks to read one back, so the device has one step running and one queued.
+    pipeline_depth = 3
+
     def __init__(self, limits: Limits, eos_ids: frozenset[int], debug_invariants: bool = False) -> None:
         self.limits = limits
         self.eos_ids = eos_ids
@@ -72,6 +77,7 @@ class Scheduler:
             self.aux.attach(self.tree)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.draining: list[Request] = []
         self.inflight: dict[int, PlannedStep] = {}
         self.reserved = 0
         self._next_step_id = 0
@@ -214,6 +220,8 @@ class Scheduler:
         step = Step(step_id=self._next_step_id, prefills=prefills, decode=decode)
         self._next_step_id += 1
         planned = PlannedStep(step, decode_reqs, prefill_reqs)
+        for req in set(decode_reqs) | set(prefill_reqs):
+            req.inflight_steps += 1
         self.inflight[step.step_id] = planned
         return planned
 
@@ -250,9 +258,12 @@ class Scheduler:
         planned = self.inflight.pop(step_id)
         assert len(tokens) == len(planned.decode_reqs), "worker returned a wrong number of tokens"
         outputs = []
+        for req in set(planned.decode_reqs) | set(planned.prefill_reqs):
+            req.inflight_steps -= 1
         for req, token in zip(planned.decode_reqs, tokens):
             if req.finished:
-                continue  # it finished in an earlier step; this chained token is dropped
+                req.extra_ids.append(token)  # chained past its end: not returned, but its K/V is valid
+                continue
             req.output_ids.append(token)
             reason = None
             if (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
@@ -262,6 +273,9 @@ class Scheduler:
             if reason is not None:
                 self.finish(req, reason)
             outputs.append(StepOutput(req, [token], reason is not None))
+        for req in [r for r in self.draining if r.inflight_steps == 0]:
+            self.draining.remove(req)
+            self._release(req)
         if self.debug_invariants:
             self.check_invariants()
         return outputs
@@ -273,10 +287,17 @@ class Scheduler:
         for req in failed:
             req.error = f"the worker failed a step: {error}"
             self.finish(req, "error")
+        self._drop_draining()
         return failed
 
+    def _drop_draining(self) -> None:
+        for req in self.draining:
+            req.finish_reason = "error"  # its launched steps will never report: cache nothing
+            self._release(req)
+        self.draining = []
+
     def finish(self, req: Request, reason: str) -> None:
-        """Release a request's row, slots and reservation; cache what it computed."""
+        """End a request now; release its row, slots and state once no launched step still uses them."""
         if req.finished:
             return
         req.finish_reason = reason
@@ -288,28 +309,36 @@ class Scheduler:
         self.running.remove(req)
         self.reserved -= req.reserved
         req.reserved = 0
-        # K/V is known-written for the prompt's prefilled part and every decode input
-        # whose result came back, except the last token returned.
-        known = min(req.prefilled, req.prefill_target)
-        if req.prefill_done:
-            known = req.prompt_len + max(len(req.output_ids) - 1, 0) if req.output_ids else req.prefill_target
-        aux_len = self.aux.live_coverage(req) if self.aux is not None and reason != "error" else None
-        if aux_len:
-            known = aux_len  # the live state covers exactly this much once launched steps run
-        sequence = (req.prompt_ids + req.output_ids)[:known]
+        if self.aux is not None:
+            self.aux.drop_reservation(req)
+        if req.inflight_steps and reason != "error":
+            self.draining.append(req)  # released when its last launched step comes back
+        else:
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """Cache what the request computed (every token fed to a finished step) and free the rest."""
+        cache_it = self.tree is not None and req.finish_reason != "error"
+        fed = req.output_ids + req.extra_ids
+        if not req.prefill_done:
+            covered = req.prefilled
+        elif req.decodes_launched == 0:
+            covered = req.prefill_target
+        else:
+            covered = req.prompt_len + req.decodes_launched - 1
+        covered = min(covered, req.prompt_len + len(fed))
+        with_aux = self.aux is not None and req.aux_started and req.aux_slot >= 0
         keep = 0
-        if self.tree is not None and reason != "error" and known > 0:
-            result = self._insert(req, sequence, aux_slot=req.aux_slot if aux_len else None)
-            if aux_len:
+        if cache_it and covered > 0:
+            sequence = (req.prompt_ids + fed)[:covered]
+            result = self._insert(req, sequence, aux_slot=req.aux_slot if with_aux else None)
+            if with_aux:
                 self.aux.hand_over(req, req.aux_slot, result.aux_accepted)
-            keep = known
+            keep = covered
         if self.tree is not None and req.tree_node is not None:
             self.tree.unlock(req.tree_node)
             req.tree_node = None
-        own = req.slots[max(keep, req.cached_len) :]
-        if self.tree is None or reason == "error":
-            own = req.slots[req.cached_len :]
-        self.slots.free(own + req.dup_slots)
+        self.slots.free(req.slots[max(keep, req.cached_len) :] + req.dup_slots)
         if self.aux is not None:
             self.aux.release(req)
         req.slots = []
@@ -329,6 +358,7 @@ class Scheduler:
         for req in failed:
             req.error = reason
             self.finish(req, "error")
+        self._drop_draining()
         self.inflight.clear()
         if self.tree is not None:
             self.tree.reset()
@@ -343,7 +373,7 @@ class Scheduler:
         if self.tree is not None:
             self.tree.check_invariants()
         owned: list[int] = []
-        for req in self.running:
+        for req in self.running + self.draining:
             owned.extend(req.slots[req.cached_len :])
             owned.extend(req.dup_slots)
             assert set(req.slots[: req.cached_len]) <= tree_slots, f"{req.rid}: cached slots not in tree"
@@ -356,6 +386,6 @@ class Scheduler:
         assert self.reserved == sum(r.reserved for r in self.running)
         evictable = self.tree.evictable_size if self.tree is not None else 0
         assert free + evictable >= self.reserved, "reservations exceed reclaimable slots"
-        assert self.rows.free_count + len(self.running) == self.rows.max_rows
+        assert self.rows.free_count + len(self.running) + len(self.draining) == self.rows.max_rows
         if self.aux is not None:
-            self.aux.check_invariants(self.running)
+            self.aux.check_invariants(self.running + self.draining)

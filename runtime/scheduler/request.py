@@ -42,6 +42,8 @@ class Request:
     tree_node: Any = None
     dup_slots: list[int] = field(default_factory=list)
     reserved: int = 0
+    extra_ids: list[int] = field(default_factory=list)
+    inflight_steps: int = 0
     finish_reason: str | None = None
     error: str | None = None
     detok: Any = None

@@ -19,7 +19,6 @@ from runtime.scheduler.request import Request, SamplingParams
 from runtime.scheduler.tokenizer import Detokenizer, Tokenizer
 from runtime.scheduler.worker_process import WorkerProcess
 
-PIPELINE_DEPTH = 2  # steps in flight: the worker launches one while reading back the other
 WORKER_POLL_S = 0.5
 
 
@@ -45,6 +44,8 @@ class Server:
         self.wakeup = asyncio.Event()
         self.stopping = False
         self.owners: dict[str, bytes] = {}
+        self.last_step: wp.StepDone | None = None
+        self.steps_done = 0
 
     # ---- worker lifecycle ------------------------------------------------------------
     async def start_worker(self) -> wp.Ready:
@@ -192,6 +193,9 @@ class Server:
             aux_slots_total=s.aux.slots.capacity if s.aux is not None else 0,
             aux_slots_free=s.aux.slots.free_count if s.aux is not None else 0,
             aux_slots_cached=len(s.tree.owned_aux_slots()) if s.aux is not None and s.tree is not None else 0,
+            steps=self.steps_done,
+            worker_idle_s=self.last_step.idle_s if self.last_step is not None else 0.0,
+            worker_uptime_s=self.last_step.uptime_s if self.last_step is not None else 0.0,
         )
 
     def _emit(self, out: StepOutput) -> None:
@@ -211,7 +215,7 @@ class Server:
         while True:
             s = self.scheduler
             assert s is not None and self.worker_sock is not None
-            while len(s.inflight) < PIPELINE_DEPTH:
+            while len(s.inflight) < s.pipeline_depth:
                 planned = s.next_step()
                 if planned is None:
                     break
@@ -237,6 +241,8 @@ class Server:
                 continue
             reply = wp.worker_reply_decoder.decode(await self.worker_sock.recv())
             if isinstance(reply, wp.StepDone):
+                self.last_step = reply
+                self.steps_done += 1
                 for out in s.on_step_done(reply.step_id, reply.tokens):
                     self._emit(out)
             elif isinstance(reply, wp.StepFailed):

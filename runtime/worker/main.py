@@ -66,10 +66,12 @@ def serve(config: Config, address: str) -> int:
             )
         )
     )
+    clock = IdleClock()
     pending = None
     while True:
         if pending is not None and not sock.poll(0):
-            pending = _finish(engine, sock, pending)
+            pending = _finish(engine, sock, pending, clock)
+            clock.idle()
             continue
         if pending is None and not sock.poll(PARENT_POLL_MS):
             if os.getppid() != parent:
@@ -78,31 +80,54 @@ def serve(config: Config, address: str) -> int:
         cmd = worker_cmd_decoder.decode(sock.recv())
         if isinstance(cmd, Shutdown):
             if pending is not None:
-                _finish(engine, sock, pending)
+                _finish(engine, sock, pending, clock)
             return 0
         assert isinstance(cmd, Step)
+        clock.busy()
         try:
             launched = engine.launch(cmd)
         except Exception as exc:
             if pending is not None:
-                pending = _finish(engine, sock, pending)
+                pending = _finish(engine, sock, pending, clock)
             engine.reset_chain()
             traceback.print_exc()
             sock.send(worker_encoder.encode(StepFailed(step_id=cmd.step_id, error=f"{type(exc).__name__}: {exc}")))
             continue
         if pending is not None:
-            _finish(engine, sock, pending)
+            _finish(engine, sock, pending, clock)
         pending = launched
 
 
-def _finish(engine, sock: zmq.Socket, launched) -> None:
+class IdleClock:
+    """Time the device had nothing launched: from a read-back that left nothing in flight to the next launch."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.idle_total = 0.0
+        self._idle_since: float | None = self.started
+
+    def idle(self) -> None:
+        self._idle_since = time.perf_counter()
+
+    def idle_so_far(self, now: float) -> float:
+        return self.idle_total + (now - self._idle_since if self._idle_since is not None else 0.0)
+
+    def busy(self) -> None:
+        if self._idle_since is not None:
+            self.idle_total += time.perf_counter() - self._idle_since
+            self._idle_since = None
+
+
+def _finish(engine, sock: zmq.Socket, launched, clock: IdleClock) -> None:
     try:
         tokens = engine.finalize(launched)
     except Exception as exc:
         engine.reset_chain()
         sock.send(worker_encoder.encode(StepFailed(step_id=launched.step_id, error=f"{type(exc).__name__}: {exc}")))
         return None
-    sock.send(worker_encoder.encode(StepDone(step_id=launched.step_id, tokens=tokens)))
+    now = time.perf_counter()
+    done = StepDone(step_id=launched.step_id, tokens=tokens, idle_s=clock.idle_so_far(now), uptime_s=now - clock.started)
+    sock.send(worker_encoder.encode(done))
     return None
 
 
