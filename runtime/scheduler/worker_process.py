@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from runtime.config import Config, config_to_dict
+from runtime.scheduler.blas import worker_env
 
 
 class WorkerProcess:
@@ -19,7 +20,7 @@ class WorkerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        env = dict(os.environ)
+        env = worker_env(self.config.worker.blas, dict(os.environ))
         cmd = [
             sys.executable,
             "-m",
