@@ -77,7 +77,8 @@ class InProcessService:
     def run(self, arrivals: dict[int, list[Request]], aborts: dict[int, list[str]] | None = None) -> None:
         """Run until idle; ``arrivals[k]``/``aborts[k]`` take effect before completion event k."""
         aborts = aborts or {}
-        pending: deque = deque()
+        sent: deque = deque()  # planned steps the "worker" has not built yet
+        submitted = None  # the one step on the device, as in the worker loop
         event = 0
         last_event = max(list(arrivals) + list(aborts) + [0])
         while True:
@@ -85,18 +86,23 @@ class InProcessService:
                 self.sched.add(req)
             for rid in aborts.get(event, []):
                 self.sched.abort(rid)
-            while len(pending) < self.sched.pipeline_depth:
+            while len(self.sched.inflight) < self.sched.pipeline_depth:
                 planned = self.sched.next_step()
                 if planned is None:
                     break
-                pending.append((planned.step.step_id, self.engine.launch(planned.step)))
+                sent.append(planned)
+            if sent:
+                planned = sent.popleft()
+                built = self.engine.build(planned.step)  # chained on the submitted step
+                if submitted is not None:
+                    self.sched.on_step_done(submitted[0], self.engine.finalize(submitted[1]))
+                self.engine.submit(built)
+                submitted = (planned.step.step_id, built)
                 self.steps_run += 1
-            if not pending:
-                if event >= last_event:
-                    break
-                event += 1
-                continue
-            step_id, launched = pending.popleft()
-            self.sched.on_step_done(step_id, self.engine.finalize(launched))
+            elif submitted is not None:
+                self.sched.on_step_done(submitted[0], self.engine.finalize(submitted[1]))
+                submitted = None
+            elif event >= last_event:
+                break
             event += 1
         self.sched.check_invariants()

@@ -23,6 +23,7 @@ class LaunchedStep:
     step_id: int
     tokens: mx.array | None
     launched_at: float
+    written: mx.array | None = None
 
 
 class Engine:
@@ -162,20 +163,33 @@ class Engine:
         self._prev_index = {r: i for i, r in enumerate(decode.rows)}
         return tokens
 
-    def launch(self, step: Step) -> LaunchedStep:
-        """Queue a step's work on the device without waiting for it."""
+    def build(self, step: Step) -> LaunchedStep:
+        """Build a step's lazy graph (chained on the previous step's lazy tokens)."""
         for chunk in step.prefills:
             self._prefill(chunk)
         tokens = self._decode(step.decode) if step.decode is not None and step.decode.rows else None
-        targets = self._state_arrays() + ([tokens] if tokens is not None else [])
+        # One element of every pool array: evaluating it runs every pool write of this
+        # step, and the step's graph (not the pools themselves) holds the pools meanwhile.
+        written = mx.stack([a[0].reshape(-1)[0].astype(mx.float32) for a in self._state_arrays()]).sum()
+        return LaunchedStep(step.step_id, tokens, time.perf_counter(), written)
+
+    def submit(self, built: LaunchedStep) -> None:
+        """Queue a built step on the device without waiting for it."""
+        targets = [built.written] + ([built.tokens] if built.tokens is not None else [])
         mx.async_eval(*targets)
-        return LaunchedStep(step.step_id, tokens, time.perf_counter())
+
+    def launch(self, step: Step) -> LaunchedStep:
+        """Build and submit (for callers that read each step back before building the next)."""
+        built = self.build(step)
+        self.submit(built)
+        return built
 
     def finalize(self, launched: LaunchedStep) -> list[int]:
         """Read a launched step's sampled tokens back as plain ints."""
         if launched.tokens is None:
-            mx.eval(self._state_arrays())
+            mx.eval(launched.written)
             return []
+        mx.eval(launched.tokens, launched.written)
         return launched.tokens.tolist()
 
     def _state_arrays(self) -> list[mx.array]:

@@ -1,7 +1,9 @@
 """The worker process: receive steps, launch them, report finalized tokens.
 
-Loop shape: a step is launched (queued on the device) before the previous one is read
-back, so the device always has the next step while Python reads and reports the last.
+Loop shape: step N+1's graph is built from step N's lazy tokens while step N runs; then
+step N is read back, step N+1 is submitted, and step N's tokens are reported. Submitting
+only after the read-back keeps the KV/aux pool updates in place (a graph still in
+flight would hold the pools and force MLX to copy them on every write).
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def serve(config: Config, address: str) -> int:
     pending = None
     while True:
         if pending is not None and not sock.poll(0):
-            pending = _finish(engine, sock, pending, clock)
+            sock.send(worker_encoder.encode(_read_back(engine, pending, clock)))
+            pending = None
             clock.idle()
             continue
         if pending is None and not sock.poll(PARENT_POLL_MS):
@@ -80,22 +83,27 @@ def serve(config: Config, address: str) -> int:
         cmd = worker_cmd_decoder.decode(sock.recv())
         if isinstance(cmd, Shutdown):
             if pending is not None:
-                _finish(engine, sock, pending, clock)
+                sock.send(worker_encoder.encode(_read_back(engine, pending, clock)))
             return 0
         assert isinstance(cmd, Step)
-        clock.busy()
         try:
-            launched = engine.launch(cmd)
+            built = engine.build(cmd)
         except Exception as exc:
             if pending is not None:
-                pending = _finish(engine, sock, pending, clock)
+                sock.send(worker_encoder.encode(_read_back(engine, pending, clock)))
+                pending = None
             engine.reset_chain()
             traceback.print_exc()
             sock.send(worker_encoder.encode(StepFailed(step_id=cmd.step_id, error=f"{type(exc).__name__}: {exc}")))
             continue
-        if pending is not None:
-            _finish(engine, sock, pending, clock)
-        pending = launched
+        # Built from the previous step's lazy tokens; read that step back before submitting
+        # this one, so no in-flight graph holds the pools and their updates stay in place.
+        previous = _read_back(engine, pending, clock) if pending is not None else None
+        clock.busy()
+        engine.submit(built)
+        if previous is not None:
+            sock.send(worker_encoder.encode(previous))
+        pending = built
 
 
 class IdleClock:
@@ -118,17 +126,14 @@ class IdleClock:
             self._idle_since = None
 
 
-def _finish(engine, sock: zmq.Socket, launched, clock: IdleClock) -> None:
+def _read_back(engine, launched, clock: IdleClock) -> StepDone | StepFailed:
     try:
         tokens = engine.finalize(launched)
     except Exception as exc:
         engine.reset_chain()
-        sock.send(worker_encoder.encode(StepFailed(step_id=launched.step_id, error=f"{type(exc).__name__}: {exc}")))
-        return None
+        return StepFailed(step_id=launched.step_id, error=f"{type(exc).__name__}: {exc}")
     now = time.perf_counter()
-    done = StepDone(step_id=launched.step_id, tokens=tokens, idle_s=clock.idle_so_far(now), uptime_s=now - clock.started)
-    sock.send(worker_encoder.encode(done))
-    return None
+    return StepDone(step_id=launched.step_id, tokens=tokens, idle_s=clock.idle_so_far(now), uptime_s=now - clock.started)
 
 
 def main(argv: list[str] | None = None) -> int:
