@@ -111,3 +111,26 @@ def test_signal_shuts_down_within_10s_leaving_no_process(model_dir, tmp_path, si
     finally:
         if proc.poll() is None:
             kill_group(proc)
+
+
+def test_default_config_serves_the_embedded_adder(tmp_path):
+    """`runtime up -c configs/default.toml` plus one `runtime generate` gives a correct sum."""
+    proc, out, lines = start_runtime(REPO / "configs" / "default.toml")
+    try:
+        deadline = time.monotonic() + 90
+        address = None
+        while address is None:
+            line = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, "".join(lines)
+            if "serving" in line:
+                address = line.rsplit(" on ", 1)[1].strip()
+        done = _runtime("generate", "-a", address, "123+456=")
+        as_json = json.loads(_runtime("generate", "-a", address, "--json", "250+250=").stdout)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        finally:
+            kill_group(proc)
+    assert done.returncode == 0 and done.stdout.strip() == "579"
+    assert as_json["text"] == "500" and as_json["finish_reason"] == "stop"
