@@ -113,7 +113,12 @@ class Server:
         identity = self.owners.pop(req.rid, None)
         if identity is None:
             return
-        text = req.detok.text if req.detok is not None else ""
+        if req.stream or req.detok is None:
+            text = req.detok.text if req.detok is not None else ""
+        else:
+            # Non-streaming requests are detokenized once, at the end; a stop token is not text.
+            ids = req.output_ids[:-1] if req.finish_reason == "stop" else req.output_ids
+            text = self.tokenizer.decode(ids)
         self._send(
             identity,
             cp.Done(
@@ -200,13 +205,14 @@ class Server:
 
     def _emit(self, out: StepOutput) -> None:
         req = out.req
-        stop_token = out.finished and req.finish_reason == "stop"
-        delta = "" if stop_token else req.detok.add(out.new_ids)
-        if out.finished:
-            delta += req.detok.flush()
-        identity = self.owners.get(req.rid)
-        if identity is not None and req.stream:
-            self._send(identity, cp.Chunk(rid=req.rid, token_ids=out.new_ids, text=delta))
+        if req.stream:
+            stop_token = out.finished and req.finish_reason == "stop"
+            delta = "" if stop_token else req.detok.add(out.new_ids)
+            if out.finished:
+                delta += req.detok.flush()
+            identity = self.owners.get(req.rid)
+            if identity is not None:
+                self._send(identity, cp.Chunk(rid=req.rid, token_ids=out.new_ids, text=delta))
         if out.finished:
             self._reply_done(req)
 
