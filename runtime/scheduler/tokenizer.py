@@ -34,6 +34,11 @@ class Tokenizer:
                 eos |= _as_ids(data.get("text_config", {}).get("eos_token_id"))
         self.eos_ids = frozenset(eos)
 
+    @property
+    def backend(self) -> Any:
+        """The Rust `tokenizers.Tokenizer` behind a fast tokenizer, or None."""
+        return getattr(self._tok, "backend_tokenizer", None)
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
 
@@ -53,9 +58,22 @@ class Detokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
+        self._stream = None
+        if tokenizer.backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            # The tokenizers library's own incremental decoder: a few µs per token.
+            self._stream = DecodeStream(skip_special_tokens=True)
 
     def add(self, new_ids: list[int]) -> str:
         """Append tokens; return the newly completed text."""
+        if self._stream is not None:
+            self.ids.extend(new_ids)
+            backend = self.tokenizer.backend
+            pieces = [self._stream.step(backend, token) for token in new_ids]
+            delta = "".join(p for p in pieces if p)
+            self.text += delta
+            return delta
         self.ids.extend(new_ids)
         prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
