@@ -63,11 +63,18 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """``[worker]``: the MLX process."""
+    """``[worker]``: the MLX process.
+
+    ``overlap_submit_max_mb``: on a GPU, submit step N+1 before reading step N back when
+    the KV and aux pools together are at most this size. That hides the launch cost, but
+    MLX then copies the pools on each write (a graph in flight still holds them), so it
+    only pays for small pools. On the CPU the worker always reads back first.
+    """
 
     startup_timeout_s: float = 600.0
     restart: bool = True
     blas: str = "auto"
+    overlap_submit_max_mb: int = 1024
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
+import os
 import signal
 import sys
 from pathlib import Path
@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-step-tokens", type=int, default=2048, help="runtime [scheduler] max_step_tokens")
     p.add_argument("--prefill-chunk", type=int, default=512, help="runtime [scheduler] prefill_chunk")
     p.add_argument("--mlx-prefill-batch", type=int, default=8, help="mlx-lm BatchGenerator prefill_batch_size")
+    p.add_argument("--blas", choices=("auto", "bundled"), default="auto",
+                   help="runtime [worker] blas; the bench process (mlx-lm) is re-run with the same BLAS")
     p.add_argument("--seed", type=int, default=0, help="prompt and synthetic-weight seed")
     p.add_argument("--json", type=Path, help="write every number to this file")
     return p
@@ -88,7 +90,42 @@ def _service_spec(args: argparse.Namespace, model: Path, workloads: list[str], c
         cache_enabled=cache,
         max_step_tokens=args.max_step_tokens,
         prefill_chunk=args.prefill_chunk,
+        blas=args.blas,
     )
+
+
+def _log_gpu(log: Any, pids: dict[str, int | None]) -> None:
+    """A progress line with the device memory of the named processes, where nvidia-smi answers."""
+    from runtime.bench.service import gpu_memory_bytes
+
+    gpu = gpu_memory_bytes()
+    if gpu:
+        held = ", ".join(f"{name} {gpu.get(pid, 0) / 2**30:.1f} GiB" for name, pid in pids.items() if pid)
+        log(f"GPU memory: {held} (all processes: {sum(gpu.values()) / 2**30:.1f} GiB)")
+
+
+def _same_blas_as_worker(argv: list[str], mode: str) -> None:
+    """Re-exec this process with the environment the runtime gives its worker.
+
+    On Linux the runtime preloads a system OpenBLAS into the worker (``[worker] blas =
+    "auto"``), which makes float32 matmuls many times faster than the BLAS bundled with
+    the mlx-cpu wheel; mlx-lm runs in this process, so it must get the same library for
+    the comparison to be fair.
+    """
+    if os.environ.get("RUNTIME_BENCH_REEXEC"):
+        return
+    try:
+        from runtime.scheduler.blas import worker_env
+    except ImportError:
+        return
+    env = worker_env(mode, dict(os.environ))
+    if env.get("LD_PRELOAD", "") == os.environ.get("LD_PRELOAD", ""):
+        return
+    env["RUNTIME_BENCH_REEXEC"] = "1"
+    env["RUNTIME_BENCH_COMMAND"] = " ".join(getattr(sys, "orig_argv", sys.argv))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "runtime.bench", *argv], env)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -100,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
     from runtime.bench import prefix_memory, workloads
     from runtime.bench.measure import Progress
     from runtime.bench.models import model_vocab, synthetic_model
-    from runtime.bench.report import format_header, header, write_json
-    from runtime.bench.service import Service, rss_bytes
+    from runtime.bench.report import loadavg, format_header, header, write_json
+    from runtime.bench.service import Service, gpu_memory_bytes, rss_bytes
 
     log = Progress()
     hdr = header()
@@ -121,7 +158,6 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"header": hdr, "workloads": {}}
     warnings: list[str] = []
     chosen = [w for w in WORKLOADS if w in args.workloads]
-    served = [w for w in chosen if w != "memory"]
 
     def report(name: str, outcome: workloads.Outcome) -> None:
         results["workloads"][name] = outcome.data
@@ -132,51 +168,68 @@ def run(args: argparse.Namespace) -> int:
             print("\n" + "!" * 78 + f"\n{w}\n" + "!" * 78, flush=True)
             print(w, file=sys.stderr, flush=True)
 
-    with contextlib.ExitStack() as stack:
-        if served:
-            spec = _service_spec(args, model, served, cache=True)
-            log(f"starting the runtime (cache on): {spec}")
-            on = stack.enter_context(Service(spec, work / "configs" / "cache-on.toml"))
+    plans: list[Any] = []
+    if "single" in chosen:
+        plans.append(workloads.Single(bench, args.prompt_len, args.gen_len))
+    if "sweep" in chosen:
+        plans.append(workloads.Sweep(bench, args.concurrency, args.prompt_len, args.gen_len))
+    if "prefix" in chosen:
+        unique = (args.prefix_unique[0], args.prefix_unique[-1])
+        plans.append(prefix_memory.Prefix(bench, args.prefix_requests, args.prefix_len, unique, args.prefix_gen))
+    services: dict[str, Any] = {}
+    results["services"] = services
+    if plans:
+        # Phase 1: the runtime. Phase 2: mlx-lm in-process, after the services are gone,
+        # so neither side ever shares the device (memory, compute) with the other.
+        spec = _service_spec(args, model, [p.name for p in plans], cache=True)
+        log(f"starting the runtime (cache on): {spec}")
+        with Service(spec, work / "configs" / "cache-on.toml") as on:
             log(on.banner)
-            results["services"] = {"cache_on": vars(spec) | {"model": str(model)}}
-            if "single" in chosen:
-                report("single", workloads.single(bench, on.address, args.prompt_len, args.gen_len))
-            if "sweep" in chosen:
-                report("sweep", workloads.sweep(bench, on.address, args.concurrency, args.prompt_len, args.gen_len))
-            if "prefix" in chosen:
-                off_spec = _service_spec(args, model, ["prefix"], cache=False)
-                log("starting the runtime (cache off)")
-                with Service(off_spec, work / "configs" / "cache-off.toml") as off:
-                    results["services"]["cache_off"] = vars(off_spec) | {"model": str(model)}
-                    lo, hi = args.prefix_unique[0], args.prefix_unique[-1]
-                    report(
-                        "prefix",
-                        prefix_memory.prefix(
-                            bench, on.address, off.address, args.prefix_requests, args.prefix_len, (lo, hi),
-                            args.prefix_gen,
-                        ),
-                    )
-            stack.close()
-        if "memory" in chosen:
-            spec = _service_spec(args, model, ["memory"], cache=True)
-            log("starting a fresh runtime for the memory workload")
-            with Service(spec, work / "configs" / "memory.toml") as svc:
-                results.setdefault("services", {})["memory"] = vars(spec) | {"model": str(model)}
-                log(svc.banner)
-                worker = svc.worker_pid()
-                log(f"worker pid {worker}, scheduler pid {svc.pid}")
+            services["cache_on"] = vars(spec) | {"model": str(model)}
+            pids = {"worker": on.worker_pid()}
+            for plan in plans:
+                if plan.name != "prefix":
+                    plan.run_runtime({"on": on.address})
+                else:
+                    off_spec = _service_spec(args, model, ["prefix"], cache=False)
+                    log("starting the runtime (cache off)")
+                    with Service(off_spec, work / "configs" / "cache-off.toml") as off:
+                        services["cache_off"] = vars(off_spec) | {"model": str(model)}
+                        plan.run_runtime({"on": on.address, "off": off.address})
+                _log_gpu(log, pids)
+        from runtime.bench.mlx_side import MlxLm
 
-                def rss() -> dict[str, int | None]:
-                    return {"worker": rss_bytes(worker) if worker else None, "scheduler": rss_bytes(svc.pid)}
+        log("loading the model in-process for mlx-lm")
+        mlx = MlxLm(model)
+        for plan in plans:
+            plan.run_mlx(mlx)
+            _log_gpu(log, {"bench": os.getpid()})
+        mlx.release()
+        for plan in plans:
+            report(plan.name, plan.outcome())
+    if "memory" in chosen:
+        spec = _service_spec(args, model, ["memory"], cache=True)
+        log("starting a fresh runtime for the memory workload")
+        with Service(spec, work / "configs" / "memory.toml") as svc:
+            services["memory"] = vars(spec) | {"model": str(model)}
+            log(svc.banner)
+            worker = svc.worker_pid()
+            log(f"worker pid {worker}, scheduler pid {svc.pid}")
 
-                report(
-                    "memory",
-                    prefix_memory.memory(
-                        bench, svc.address, rss, args.memory_requests, args.memory_concurrency,
-                        MEMORY_PROMPT, MEMORY_GEN,
-                    ),
-                )
+            def probe() -> dict[str, int | None]:
+                gpu = gpu_memory_bytes()
+                return {
+                    "worker": rss_bytes(worker) if worker else None,
+                    "scheduler": rss_bytes(svc.pid),
+                    "worker_gpu": gpu.get(worker) if gpu is not None and worker else None,
+                }
+
+            report("memory", prefix_memory.memory(
+                bench, svc.address, probe, args.memory_requests, args.memory_concurrency, MEMORY_PROMPT, MEMORY_GEN,
+            ))
     results["warnings"] = warnings
+    results["loadavg_end"] = loadavg()
+    print(f"\nload average at the end: {results['loadavg_end']} (at start: {hdr['loadavg_start']})", flush=True)
     if args.json:
         write_json(args.json, results)
         log(f"wrote {args.json}")
@@ -185,10 +238,19 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``runtime bench`` and ``python -m runtime.bench``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]  # `runtime bench -- --synthetic tiny`: the CLI hands the separator on
     args = build_parser().parse_args(argv)
+    _same_blas_as_worker(argv, args.blas)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    from runtime.bench.service import ServiceError
+
     try:
         return run(args)
+    except ServiceError as exc:
+        print(f"runtime bench: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("runtime bench: interrupted; services stopped", file=sys.stderr)
         return 130

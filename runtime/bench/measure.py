@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -108,4 +109,12 @@ class Progress:
         self.t0 = time.perf_counter()
 
     def __call__(self, message: str) -> None:
-        print(f"[bench {time.perf_counter() - self.t0:7.1f}s] {message}", file=sys.stderr, flush=True)
+        print(f"[bench {time.perf_counter() - self.t0:7.1f}s, load {load_average()}] {message}", file=sys.stderr, flush=True)
+
+
+def load_average() -> str:
+    """The 1-minute load average (other work on the machine skews every number), or '?'."""
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except (AttributeError, OSError):
+        return "?"

@@ -74,3 +74,14 @@ class MlxLm:
             return [timings[uid] for uid in uids]
         finally:
             gen.close()
+
+    def logprob_gap(self, context: list[int], mlx_token: int, runtime_token: int) -> float:
+        """mlx-lm's logprob of its own next token minus that of the runtime's, after ``context``."""
+        logits = self.model(mx.array(context, dtype=mx.uint32)[None])[0, -1].astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits)
+        return float(logprobs[mlx_token] - logprobs[runtime_token])
+
+    def release(self) -> None:
+        """Drop the model and MLX's buffer cache, so a service started next gets the memory."""
+        del self.model
+        mx.clear_cache()

@@ -33,7 +33,8 @@ def header() -> dict[str, Any]:
         pass
     return {
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join(getattr(sys, "orig_argv", sys.argv)),
+        "command": os.environ.get("RUNTIME_BENCH_COMMAND") or " ".join(getattr(sys, "orig_argv", sys.argv)),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "cwd": os.getcwd(),
         "platform": platform.platform(),
         "machine": platform.machine(),
@@ -45,7 +46,33 @@ def header() -> dict[str, Any]:
         "mlx": getattr(mx, "__version__", _version("mlx")),
         "mlx_lm": _version("mlx-lm"),
         "runtime": _version("mlx-serving-runtime"),
+        "loadavg_start": loadavg(),
+        "runtime_source_sha256": source_fingerprint(),
     }
+
+
+def source_fingerprint() -> str:
+    """sha256 over the runtime's own sources (runtime/**/*.py, bench excluded), first 16 hex digits.
+
+    The tree may be edited between runs; this tells which code a set of numbers belongs to.
+    """
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "bench":
+            continue
+        digest.update(str(rel).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def format_header(h: dict[str, Any]) -> str:
@@ -55,7 +82,11 @@ def format_header(h: dict[str, Any]) -> str:
         f"command:  {h['command']}",
         f"machine:  {h['platform']} ({h['machine']}), {h['cpu_count']} CPUs",
         f"device:   {h['mlx_device']} {h['mlx_device_info'] or ''}".rstrip(),
-        f"versions: python {h['python']}, mlx {h['mlx']}, mlx-lm {h['mlx_lm']}, runtime {h['runtime']}",
+        f"blas:     {('LD_PRELOAD=' + h['ld_preload']) if h['ld_preload'] else 'as bundled with mlx'} "
+        "(bench process and runtime worker alike)",
+        f"versions: python {h['python']}, mlx {h['mlx']}, mlx-lm {h['mlx_lm']}, runtime {h['runtime']} "
+        f"(sources sha256 {h['runtime_source_sha256']})",
+        f"load:     {h['loadavg_start']} (1/5/15-min load average at start)",
     ]
     return "\n".join(lines)
 

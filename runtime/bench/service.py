@@ -29,6 +29,7 @@ class ServiceSpec:
     cache_enabled: bool = True
     max_step_tokens: int = 2048
     prefill_chunk: int = 512
+    blas: str = "auto"
 
     def toml(self) -> str:
         """The config file text (keys as in runtime/config.py)."""
@@ -42,7 +43,8 @@ class ServiceSpec:
             f"prefill_chunk = {self.prefill_chunk}\n\n"
             "[cache]\n"
             f"enabled = {'true' if self.cache_enabled else 'false'}\n"
-            f"kv_slots = {self.kv_slots}\n"
+            f"kv_slots = {self.kv_slots}\n\n"
+            f"[worker]\nblas = {self.blas!r}\n"
         )
 
 
@@ -192,3 +194,25 @@ def rss_bytes(pid: int) -> int | None:
     res = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True, check=False)
     text = res.stdout.strip()
     return int(text) * 1024 if text.isdigit() else None
+
+
+def gpu_memory_bytes() -> dict[int, int] | None:
+    """Device memory per process from ``nvidia-smi`` (None where there is no nvidia-smi).
+
+    On CUDA a process's RSS does not include what it holds on the GPU.
+    """
+    try:
+        res = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if res.returncode != 0:
+        return None
+    out: dict[int, int] = {}
+    for line in res.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            out[int(parts[0])] = int(parts[1]) * 2**20
+    return out

@@ -1,7 +1,10 @@
 """The single-stream and concurrency-sweep workloads: the runtime and mlx-lm on the same prompts.
 
-Every workload warms both sides up first with prompts of the same shape but different
-tokens (so the runtime's prefix cache cannot turn the timed run into cache hits).
+A workload draws its prompts up front, then runs its runtime side (``run_runtime``, while
+the services are up) and its mlx-lm side (``run_mlx``, in-process, after the services are
+gone, so the two never share the device), then ``outcome()`` compares them. Each side is
+warmed up first with prompts of the same shape but other tokens, so the runtime's prefix
+cache cannot turn a timed run into cache hits.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from runtime.bench.mlx_side import MlxLm
 from runtime.bench.report import table
 
 WARMUP_GEN = 8
+NEAR_TIE_NATS = 0.1  # a first difference this close in mlx-lm's own logprobs is a rounding-level tie
 
 
 @dataclass
 class Bench:
-    """What every workload needs: the model, prompt sampling, the services and the mlx-lm side."""
+    """What every workload needs: the model, prompt sampling and progress logging."""
 
     model: Path
     vocab_size: int
@@ -30,18 +34,9 @@ class Bench:
     log: Callable[[str], None]
     mlx_prefill_batch: int = 8
     rng: random.Random = field(init=False)
-    _mlx: MlxLm | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
-
-    @property
-    def mlx(self) -> MlxLm:
-        """The mlx-lm side, loaded on first use."""
-        if self._mlx is None:
-            self.log("loading the model in-process for mlx-lm")
-            self._mlx = MlxLm(self.model)
-        return self._mlx
 
     def prompt(self, n: int) -> list[int]:
         """``n`` random token ids, never an EOS id."""
@@ -65,42 +60,81 @@ class Outcome:
     warnings: list[str] = field(default_factory=list)
 
 
-def _single_row(name: str, rt: dict, ml: dict, key: str) -> list:
-    return [name, rt[key], ml[key], ratio(rt[key], ml[key])]
-
-
-def single(bench: Bench, address: str, prompt_len: int, gen_len: int) -> Outcome:
+class Single:
     """One stream: runtime (streaming client) vs ``generate_step``; greedy tokens must agree."""
-    warm = bench.prompt(prompt_len)
-    bench.log(f"single: warm-up (prompt {prompt_len}, {WARMUP_GEN} tokens)")
-    runtime_side.run_together(address, [warm], [min(gen_len, WARMUP_GEN)])
-    bench.mlx.single(warm, min(gen_len, WARMUP_GEN))
-    prompt = bench.prompt(prompt_len)
-    bench.log(f"single: runtime, prompt {prompt_len}, {gen_len} new tokens")
-    rt_t = runtime_side.run_together(address, [prompt], [gen_len])[0]
-    bench.log("single: mlx-lm generate_step")
-    ml_t = bench.mlx.single(prompt, gen_len)
-    rt, ml = _single_view(rt_t), _single_view(ml_t)
-    warnings = []
-    match = rt_t.token_ids == ml_t.token_ids
-    if not match:
-        first = next((i for i, (a, b) in enumerate(zip(rt_t.token_ids, ml_t.token_ids)) if a != b), None)
-        warnings.append(
-            f"WARNING: single: runtime tokens differ from mlx-lm greedy tokens "
-            f"(first difference at output position {first}; runtime {len(rt_t.token_ids)} tokens, "
-            f"mlx-lm {len(ml_t.token_ids)})"
-        )
-    rows = [
-        _single_row("decode tok/s", rt, ml, "decode_tok_s"),
-        _single_row("end-to-end tok/s", rt, ml, "e2e_tok_s"),
-        _single_row("TTFT ms", rt, ml, "ttft_ms"),
-        _single_row("ITL p50 ms", rt, ml, "itl_p50_ms"),
-        _single_row("ITL p95 ms", rt, ml, "itl_p95_ms"),
-    ]
-    title = f"single stream: prompt {prompt_len}, {gen_len} new tokens (tokens match mlx-lm: {'yes' if match else 'NO'})"
-    tab = table(title, ["metric", "runtime", "mlx-lm", "runtime/mlx-lm"], rows)
-    data = {"prompt_len": prompt_len, "gen_len": gen_len, "runtime": rt, "mlx_lm": ml, "tokens_match": match}
-    return Outcome(data, [tab], warnings)
+
+    name = "single"
+
+    def __init__(self, bench: Bench, prompt_len: int, gen_len: int) -> None:
+        self.bench, self.prompt_len, self.gen_len = bench, prompt_len, gen_len
+        self.warm = bench.prompt(prompt_len)
+        self.prompt = bench.prompt(prompt_len)
+        self.rt: StreamTiming | None = None
+        self.ml: StreamTiming | None = None
+        self.tie_gap: float | None = None
+
+    def run_runtime(self, addresses: dict[str, str]) -> None:
+        self.bench.log(f"single/runtime: warm-up, then prompt {self.prompt_len}, {self.gen_len} new tokens")
+        runtime_side.run_together(addresses["on"], [self.warm], [min(self.gen_len, WARMUP_GEN)])
+        self.rt = runtime_side.run_together(addresses["on"], [self.prompt], [self.gen_len])[0]
+
+    def run_mlx(self, mlx: MlxLm) -> None:
+        self.bench.log("single/mlx-lm: warm-up, then generate_step")
+        mlx.single(self.warm, min(self.gen_len, WARMUP_GEN))
+        self.ml = mlx.single(self.prompt, self.gen_len)
+        first = self._first_difference()
+        if first is not None and self.rt is not None and first < len(self.rt.token_ids):
+            self.tie_gap = mlx.logprob_gap(
+                self.prompt + self.ml.token_ids[:first], self.ml.token_ids[first], self.rt.token_ids[first]
+            )
+
+    def _first_difference(self) -> int | None:
+        assert self.rt is not None and self.ml is not None
+        a, b = self.rt.token_ids, self.ml.token_ids
+        if a == b:
+            return None
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    def outcome(self) -> Outcome:
+        assert self.rt is not None and self.ml is not None
+        rt, ml = _single_view(self.rt), _single_view(self.ml)
+        first = self._first_difference()
+        warnings = []
+        if first is not None:
+            gap = self.tie_gap
+            kind = (
+                f"mlx-lm's own logprob gap between the two tokens there is {gap:.4f} nats"
+                + (" (a near-tie: rounding in a different kernel order can flip it)" if gap < NEAR_TIE_NATS else
+                   " (NOT a near-tie: look for a real bug)")
+                if gap is not None else "no logprob gap computed"
+            )
+            warnings.append(
+                f"WARNING: single: runtime tokens differ from mlx-lm greedy tokens at output position {first} "
+                f"(runtime {len(self.rt.token_ids)} tokens, mlx-lm {len(self.ml.token_ids)}); {kind}"
+            )
+        rows = [
+            [name, rt[key], ml[key], ratio(rt[key], ml[key])]
+            for name, key in (
+                ("decode tok/s", "decode_tok_s"),
+                ("end-to-end tok/s", "e2e_tok_s"),
+                ("TTFT ms", "ttft_ms"),
+                ("ITL p50 ms", "itl_p50_ms"),
+                ("ITL p95 ms", "itl_p95_ms"),
+            )
+        ]
+        same = "yes" if first is None else f"NO, first difference at token {first}"
+        title = f"single stream: prompt {self.prompt_len}, {self.gen_len} new tokens (tokens match mlx-lm: {same})"
+        tab = table(title, ["metric", "runtime", "mlx-lm", "runtime/mlx-lm"], rows)
+        data = {
+            "prompt_len": self.prompt_len,
+            "gen_len": self.gen_len,
+            "runtime": rt,
+            "mlx_lm": ml,
+            "tokens_match": first is None,
+            "first_difference": first,
+            "first_difference_logprob_gap": self.tie_gap,
+        }
+        return Outcome(data, [tab], warnings)
 
 
 def _single_view(t: StreamTiming) -> dict[str, float]:
@@ -123,64 +157,56 @@ def _agreement(a: list[StreamTiming], b: list[StreamTiming]) -> float:
     return same / len(a) if a else float("nan")
 
 
-def sweep(bench: Bench, address: str, levels: list[int], prompt_len: int, gen_len: int) -> Outcome:
+class Sweep:
     """N concurrent streams per level: runtime client streams vs mlx-lm ``BatchGenerator``."""
-    results = []
-    for n in levels:
-        warm = bench.prompts(n, prompt_len)
-        bench.log(f"sweep c={n}: warm-up")
-        runtime_side.run_together(address, warm, [min(gen_len, WARMUP_GEN)] * n)
-        bench.mlx.batch(warm, [min(gen_len, WARMUP_GEN)] * n, prefill_batch=bench.mlx_prefill_batch)
-        prompts = bench.prompts(n, prompt_len)
-        bench.log(f"sweep c={n}: runtime ({n} x {prompt_len}+{gen_len})")
-        rt_t = runtime_side.run_together(address, prompts, [gen_len] * n)
-        bench.log(f"sweep c={n}: mlx-lm BatchGenerator")
-        ml_t = bench.mlx.batch(prompts, [gen_len] * n, prefill_batch=bench.mlx_prefill_batch)
-        rt, ml = summarize(rt_t), summarize(ml_t)
-        results.append({"concurrency": n, "runtime": rt, "mlx_lm": ml, "token_agreement": _agreement(rt_t, ml_t)})
-        bench.log(
-            f"sweep c={n}: runtime {rt['total_tok_s']:.1f} tok/s, mlx-lm {ml['total_tok_s']:.1f} tok/s"
-        )
-    thr = [
-        [
-            r["concurrency"],
-            r["runtime"]["total_tok_s"],
-            r["mlx_lm"]["total_tok_s"],
-            ratio(r["runtime"]["total_tok_s"], r["mlx_lm"]["total_tok_s"]),
-            r["runtime"]["wall_s"],
-            r["mlx_lm"]["wall_s"],
-            f"{100 * r['token_agreement']:.0f}%",
+
+    name = "sweep"
+
+    def __init__(self, bench: Bench, levels: list[int], prompt_len: int, gen_len: int) -> None:
+        self.bench, self.levels, self.prompt_len, self.gen_len = bench, levels, prompt_len, gen_len
+        self.warm = {n: bench.prompts(n, prompt_len) for n in levels}
+        self.timed = {n: bench.prompts(n, prompt_len) for n in levels}
+        self.rt: dict[int, list[StreamTiming]] = {}
+        self.ml: dict[int, list[StreamTiming]] = {}
+
+    def run_runtime(self, addresses: dict[str, str]) -> None:
+        for n in self.levels:
+            self.bench.log(f"sweep/runtime c={n}: warm-up, then {n} x {self.prompt_len}+{self.gen_len}")
+            runtime_side.run_together(addresses["on"], self.warm[n], [min(self.gen_len, WARMUP_GEN)] * n)
+            self.rt[n] = runtime_side.run_together(addresses["on"], self.timed[n], [self.gen_len] * n)
+            self.bench.log(f"sweep/runtime c={n}: {summarize(self.rt[n])['total_tok_s']:.1f} tok/s")
+
+    def run_mlx(self, mlx: MlxLm) -> None:
+        for n in self.levels:
+            self.bench.log(f"sweep/mlx-lm c={n}: warm-up, then BatchGenerator")
+            mlx.batch(self.warm[n], [min(self.gen_len, WARMUP_GEN)] * n, prefill_batch=self.bench.mlx_prefill_batch)
+            self.ml[n] = mlx.batch(self.timed[n], [self.gen_len] * n, prefill_batch=self.bench.mlx_prefill_batch)
+            self.bench.log(f"sweep/mlx-lm c={n}: {summarize(self.ml[n])['total_tok_s']:.1f} tok/s")
+
+    def outcome(self) -> Outcome:
+        results = []
+        for n in self.levels:
+            rt, ml = summarize(self.rt[n]), summarize(self.ml[n])
+            results.append({"concurrency": n, "runtime": rt, "mlx_lm": ml,
+                            "token_agreement": _agreement(self.rt[n], self.ml[n])})
+        thr = [
+            [r["concurrency"], r["runtime"]["total_tok_s"], r["mlx_lm"]["total_tok_s"],
+             ratio(r["runtime"]["total_tok_s"], r["mlx_lm"]["total_tok_s"]), r["runtime"]["wall_s"],
+             r["mlx_lm"]["wall_s"], f"{100 * r['token_agreement']:.0f}%"]
+            for r in results
         ]
-        for r in results
-    ]
-    lat = [
-        [
-            r["concurrency"],
-            r["runtime"]["ttft_p50_ms"],
-            r["mlx_lm"]["ttft_p50_ms"],
-            r["runtime"]["ttft_p95_ms"],
-            r["mlx_lm"]["ttft_p95_ms"],
-            r["runtime"]["itl_p50_ms"],
-            r["mlx_lm"]["itl_p50_ms"],
-            r["runtime"]["itl_p95_ms"],
-            r["mlx_lm"]["itl_p95_ms"],
+        lat = [
+            [r["concurrency"]] + [r[side][key] for key in ("ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms")
+                                  for side in ("runtime", "mlx_lm")]
+            for r in results
         ]
-        for r in results
-    ]
-    shape = f"prompt {prompt_len}, {gen_len} new tokens per stream"
-    tables = [
-        table(
-            f"sweep throughput ({shape})",
-            ["streams", "runtime tok/s", "mlx-lm tok/s", "runtime/mlx-lm", "runtime wall s", "mlx-lm wall s",
-             "same tokens"],
-            thr,
-        ),
-        table(
-            f"sweep latency, ms ({shape})",
-            ["streams", "rt TTFT p50", "mlx TTFT p50", "rt TTFT p95", "mlx TTFT p95", "rt ITL p50", "mlx ITL p50",
-             "rt ITL p95", "mlx ITL p95"],
-            lat,
-        ),
-    ]
-    data = {"prompt_len": prompt_len, "gen_len": gen_len, "levels": results}
-    return Outcome(data, tables)
+        shape = f"prompt {self.prompt_len}, {self.gen_len} new tokens per stream"
+        tables = [
+            table(f"sweep throughput ({shape})",
+                  ["streams", "runtime tok/s", "mlx-lm tok/s", "runtime/mlx-lm", "runtime wall s", "mlx-lm wall s",
+                   "same tokens"], thr),
+            table(f"sweep latency, ms ({shape})",
+                  ["streams", "rt TTFT p50", "mlx TTFT p50", "rt TTFT p95", "mlx TTFT p95", "rt ITL p50",
+                   "mlx ITL p50", "rt ITL p95", "mlx ITL p95"], lat),
+        ]
+        return Outcome({"prompt_len": self.prompt_len, "gen_len": self.gen_len, "levels": results}, tables)

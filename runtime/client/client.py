@@ -102,10 +102,11 @@ class Client:
         while True:
             payload = await self._sock.recv()
             msg = cp.server_msg_decoder.decode(payload)
-            key = "abort:" + msg.rid if isinstance(msg, cp.AbortReply) else msg.rid
-            queue = self._queues.get(key)
-            if queue is not None:
-                queue.put_nowait(msg)
+            for item in msg.chunks if isinstance(msg, cp.ChunkBatch) else (msg,):
+                key = "abort:" + item.rid if isinstance(item, cp.AbortReply) else item.rid
+                queue = self._queues.get(key)
+                if queue is not None:
+                    queue.put_nowait(item)
 
     async def _call(self, msg: msgspec.Struct, rid: str) -> asyncio.Queue:
         assert self._sock is not None, "use `async with Client(...)`"

@@ -45,6 +45,12 @@ class Chunk(msgspec.Struct, tag="chunk"):
     text: str
 
 
+class ChunkBatch(msgspec.Struct, tag="chunks"):
+    """Every chunk one step produced for one client, in one message."""
+
+    chunks: list[Chunk]
+
+
 class Done(msgspec.Struct, tag="done", omit_defaults=True):
     """The final result of a request (also the error reply for a rejected one)."""
 
@@ -93,7 +99,7 @@ class AbortReply(msgspec.Struct, tag="abort_reply"):
     found: bool
 
 
-ServerMsg = Union[Chunk, Done, StatusReply, ProtocolError, AbortReply]
+ServerMsg = Union[Chunk, ChunkBatch, Done, StatusReply, ProtocolError, AbortReply]
 
 client_encoder = msgspec.msgpack.Encoder()
 client_msg_decoder = msgspec.msgpack.Decoder(ClientMsg)

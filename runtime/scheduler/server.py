@@ -45,6 +45,7 @@ class Server:
         self.stopping = False
         self.owners: dict[str, bytes] = {}
         self.last_step: wp.StepDone | None = None
+        self._outbox: dict[bytes, list[cp.Chunk]] = {}
         self.steps_done = 0
 
     # ---- worker lifecycle ------------------------------------------------------------
@@ -212,9 +213,20 @@ class Server:
                 delta += req.detok.flush()
             identity = self.owners.get(req.rid)
             if identity is not None:
-                self._send(identity, cp.Chunk(rid=req.rid, token_ids=out.new_ids, text=delta))
+                chunk = cp.Chunk(rid=req.rid, token_ids=out.new_ids, text=delta)
+                self._outbox.setdefault(identity, []).append(chunk)
         if out.finished:
+            self._flush_chunks(self.owners.get(req.rid))  # chunks before the final result
             self._reply_done(req)
+
+    def _flush_chunks(self, identity: bytes | None = None) -> None:
+        """Send buffered chunks: one message per client (or just ``identity``'s)."""
+        targets = [identity] if identity is not None else list(self._outbox)
+        for ident in targets:
+            chunks = self._outbox.pop(ident, None)
+            if chunks:
+                msg = chunks[0] if len(chunks) == 1 else cp.ChunkBatch(chunks=chunks)
+                self._send(ident, msg)
 
     # ---- the step loop ---------------------------------------------------------------
     async def step_loop(self) -> None:
@@ -251,6 +263,7 @@ class Server:
                 self.steps_done += 1
                 for out in s.on_step_done(reply.step_id, reply.tokens):
                     self._emit(out)
+                self._flush_chunks()
             elif isinstance(reply, wp.StepFailed):
                 for req in s.on_step_failed(reply.step_id, reply.error):
                     self._reply_done(req)

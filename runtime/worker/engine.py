@@ -192,6 +192,11 @@ class Engine:
         mx.eval(launched.tokens, launched.written)
         return launched.tokens.tolist()
 
+    @staticmethod
+    def overlap_submit(on_gpu: bool, pool_bytes: int, limit_mb: int) -> bool:
+        """Whether to submit a step before reading the previous one back (see WorkerConfig)."""
+        return on_gpu and pool_bytes <= limit_mb * 2**20
+
     def _state_arrays(self) -> list[mx.array]:
         return self.pool.arrays() + (self.aux_pool.arrays() if self.aux_pool is not None else [])
 

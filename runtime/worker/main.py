@@ -3,7 +3,8 @@
 Loop shape: step N+1's graph is built from step N's lazy tokens while step N runs; then
 step N is read back, step N+1 is submitted, and step N's tokens are reported. Submitting
 only after the read-back keeps the KV/aux pool updates in place (a graph still in
-flight would hold the pools and force MLX to copy them on every write).
+flight would hold the pools and force MLX to copy them on every write). On a GPU with
+small pools, where that copy is cheaper than the launch gap, N+1 is submitted first.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def serve(config: Config, address: str) -> int:
             )
         )
     )
+    pool_bytes = pool.nbytes + (aux_pool.nbytes if aux_pool is not None else 0)
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    overlap = engine.overlap_submit(on_gpu, pool_bytes, config.worker.overlap_submit_max_mb)
     clock = IdleClock()
     pending = None
     while True:
@@ -98,9 +102,14 @@ def serve(config: Config, address: str) -> int:
             continue
         # Built from the previous step's lazy tokens; read that step back before submitting
         # this one, so no in-flight graph holds the pools and their updates stay in place.
-        previous = _read_back(engine, pending, clock) if pending is not None else None
-        clock.busy()
-        engine.submit(built)
+        if overlap:
+            clock.busy()
+            engine.submit(built)
+            previous = _read_back(engine, pending, clock) if pending is not None else None
+        else:
+            previous = _read_back(engine, pending, clock) if pending is not None else None
+            clock.busy()
+            engine.submit(built)
         if previous is not None:
             sock.send(worker_encoder.encode(previous))
         pending = built
