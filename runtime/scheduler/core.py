@@ -181,8 +181,7 @@ class Scheduler:
                     prefill_reqs.append(req)
                     req.prefilled += n
                     budget -= n
-                    if req.prefill_done:
-                        self._cache_prompt(req)
+                    self._cache_prefilled(req)
             candidates = []
             while self.waiting and budget > 0 and self._try_admit(self.waiting[0]):
                 req = self.waiting.popleft()
@@ -199,6 +198,7 @@ class Scheduler:
                         prefills.append(PrefillChunk(req.row, req.prefix_len, [], [], list(req.slots)))
                     continue
                 candidates.append(req)
+                break  # prefill it first, so the next admission can match what it inserts
             if not candidates:
                 break
         decode_reqs = [r for r in self.running if r.wants_decode]
@@ -225,18 +225,24 @@ class Scheduler:
         self.inflight[step.step_id] = planned
         return planned
 
-    def _cache_prompt(self, req: Request) -> None:
-        """Share a freshly prefilled prompt with later requests right away."""
+    def _cache_prefilled(self, req: Request) -> None:
+        """Share what a request has prefilled so far with later requests right away.
+
+        Attention models insert after every chunk; hybrid models only where the state
+        was snapshotted, once the prompt is done.
+        """
         if self.tree is None or req.prefill_target == 0:
             return
         if self.aux is not None:
+            if not req.prefill_done:
+                return
             # Hybrid: a prefix is only reusable where its state was snapshotted.
             for length, slot in req.aux_snapshots:
                 result = self._insert(req, req.prompt_ids[:length], aux_slot=slot)
                 self.aux.hand_over(req, slot, result.aux_accepted)
             req.aux_snapshots = []
             return
-        self._insert(req, req.prompt_ids[: req.prefill_target])
+        self._insert(req, req.prompt_ids[: req.prefilled])
 
     def _insert(self, req: Request, tokens: list[int], aux_slot: int | None = None) -> InsertResult:
         assert self.tree is not None

@@ -24,6 +24,7 @@ class LaunchedStep:
     tokens: mx.array | None
     launched_at: float
     written: mx.array | None = None
+    step: Step | None = None
 
 
 class Engine:
@@ -164,17 +165,44 @@ class Engine:
         return tokens
 
     def build(self, step: Step) -> LaunchedStep:
-        """Build a step's lazy graph (chained on the previous step's lazy tokens)."""
-        for chunk in step.prefills:
+        """Build a decode-only step's lazy graph, chained on the previous step's lazy tokens.
+
+        A step with prefill chunks is only recorded here: ``prepare`` runs it once the
+        previous step has been read back.
+        """
+        launched = LaunchedStep(step.step_id, None, time.perf_counter(), step=step)
+        if not step.prefills:
+            self._build_decode(launched)
+        return launched
+
+    def prepare(self, launched: LaunchedStep) -> None:
+        """Run a step's prefill chunks, then build its decode (after the previous read-back).
+
+        Each chunk is evaluated before the next is built: a later chunk's pool write would
+        otherwise find the pools held by the earlier chunk's graph and copy them whole.
+        """
+        if launched.step is None or not launched.step.prefills:
+            return
+        for chunk in launched.step.prefills:
             self._prefill(chunk)
-        tokens = self._decode(step.decode) if step.decode is not None and step.decode.rows else None
-        # One element of every pool array: evaluating it runs every pool write of this
-        # step, and the step's graph (not the pools themselves) holds the pools meanwhile.
-        written = mx.stack([a[0].reshape(-1)[0].astype(mx.float32) for a in self._state_arrays()]).sum()
-        return LaunchedStep(step.step_id, tokens, time.perf_counter(), written)
+            mx.eval(self._written())
+        self._build_decode(launched)
+
+    def _build_decode(self, launched: LaunchedStep) -> None:
+        step = launched.step
+        assert step is not None
+        launched.tokens = self._decode(step.decode) if step.decode is not None and step.decode.rows else None
+        launched.written = self._written()
+        launched.step = None
+
+    def _written(self) -> mx.array:
+        """One element of every pool array: evaluating it runs every pending pool write,
+        and only this small graph (not the pools themselves) holds the pools meanwhile."""
+        return mx.stack([a[0].reshape(-1)[0].astype(mx.float32) for a in self._state_arrays()]).sum()
 
     def submit(self, built: LaunchedStep) -> None:
         """Queue a built step on the device without waiting for it."""
+        self.prepare(built)
         targets = [built.written] + ([built.tokens] if built.tokens is not None else [])
         mx.async_eval(*targets)
 

@@ -102,7 +102,7 @@ def serve(config: Config, address: str) -> int:
             continue
         # Built from the previous step's lazy tokens; read that step back before submitting
         # this one, so no in-flight graph holds the pools and their updates stay in place.
-        if overlap:
+        if overlap and built.step is None:
             clock.busy()
             engine.submit(built)
             previous = _read_back(engine, pending, clock) if pending is not None else None
