@@ -188,3 +188,30 @@ def test_worker_death_resets_everything():
     assert [r.rid for r in failed] == ["a"] and failed[0].error == "worker died"
     assert s.inflight == {} and s.slots.free_count == s.slots.capacity
     s.check_invariants()
+
+
+def test_completion_is_reported_only_after_release_to_the_cache():
+    """SPEC 5.2: snapshot, then release to the cache, then completion."""
+    s = make()
+    r = req(s, "a", [5, 6, 7], 10)
+    p1, p2, p3 = s.next_step(), s.next_step(), s.next_step()
+    finish_step(s, p1, [9])
+    finish_step(s, p2, [EOS])  # finished here, but p3 (chained past the end) is in flight
+    assert r.finished and r in s.draining
+    assert s.pop_completed() == []  # no reply yet: its K/V is not in the cache yet
+    finish_step(s, p3, [42])
+    assert s.pop_completed() == [r]
+    # The cache now holds the prompt and every token fed to a finished step.
+    assert len(s.tree.match_prefix([5, 6, 7, 9, EOS]).slots) == 5
+    s.check_invariants()
+
+
+def test_worker_death_while_draining_keeps_the_finish_reason():
+    s = make()
+    r = req(s, "a", [5, 6, 7], 10)
+    p1, p2, _ = s.next_step(), s.next_step(), s.next_step()
+    finish_step(s, p1, [9])
+    finish_step(s, p2, [EOS])
+    s.fail_all("worker died")
+    assert s.pop_completed() == [r] and r.finish_reason == "stop"
+    s.check_invariants()

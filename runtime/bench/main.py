@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blas", choices=("auto", "bundled"), default="auto",
                    help="runtime [worker] blas; the bench process (mlx-lm) is re-run with the same BLAS")
     p.add_argument("--seed", type=int, default=0, help="prompt and synthetic-weight seed")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the runtime and mlx-lm phases this many times, alternating; tables show medians")
     p.add_argument("--json", type=Path, help="write every number to this file")
     return p
 
@@ -92,6 +94,42 @@ def _service_spec(args: argparse.Namespace, model: Path, workloads: list[str], c
         prefill_chunk=args.prefill_chunk,
         blas=args.blas,
     )
+
+
+def _runtime_phase(args: argparse.Namespace, model: Path, plans: list[Any], services: dict[str, Any], rep: int,
+                   log: Any) -> None:
+    """Every plan's runtime side, with fresh services that are gone when this returns."""
+    from runtime.bench.service import Service
+
+    work = args.work_dir
+    spec = _service_spec(args, model, [p.name for p in plans], cache=True)
+    log(f"starting the runtime (cache on): {spec}")
+    with Service(spec, work / "configs" / "cache-on.toml") as on:
+        log(on.banner)
+        services["cache_on"] = vars(spec) | {"model": str(model)}
+        pids = {"worker": on.worker_pid()}
+        for plan in plans:
+            if plan.name != "prefix":
+                plan.run_runtime({"on": on.address}, rep)
+            else:
+                off_spec = _service_spec(args, model, ["prefix"], cache=False)
+                log("starting the runtime (cache off)")
+                with Service(off_spec, work / "configs" / "cache-off.toml") as off:
+                    services["cache_off"] = vars(off_spec) | {"model": str(model)}
+                    plan.run_runtime({"on": on.address, "off": off.address}, rep)
+            _log_gpu(log, pids)
+
+
+def _mlx_phase(model: Path, plans: list[Any], rep: int, log: Any) -> None:
+    """Every plan's mlx-lm side, in this process, with the device to itself."""
+    from runtime.bench.mlx_side import MlxLm
+
+    log("loading the model in-process for mlx-lm")
+    mlx = MlxLm(model)
+    for plan in plans:
+        plan.run_mlx(mlx, rep)
+        _log_gpu(log, {"bench": os.getpid()})
+    mlx.release()
 
 
 def _log_gpu(log: Any, pids: dict[str, int | None]) -> None:
@@ -170,41 +208,21 @@ def run(args: argparse.Namespace) -> int:
 
     plans: list[Any] = []
     if "single" in chosen:
-        plans.append(workloads.Single(bench, args.prompt_len, args.gen_len))
+        plans.append(workloads.Single(bench, args.prompt_len, args.gen_len, args.repeats))
     if "sweep" in chosen:
-        plans.append(workloads.Sweep(bench, args.concurrency, args.prompt_len, args.gen_len))
+        plans.append(workloads.Sweep(bench, args.concurrency, args.prompt_len, args.gen_len, args.repeats))
     if "prefix" in chosen:
         unique = (args.prefix_unique[0], args.prefix_unique[-1])
-        plans.append(prefix_memory.Prefix(bench, args.prefix_requests, args.prefix_len, unique, args.prefix_gen))
+        plans.append(prefix_memory.Prefix(bench, args.prefix_requests, args.prefix_len, unique, args.prefix_gen,
+                                                 args.repeats))
     services: dict[str, Any] = {}
     results["services"] = services
     if plans:
-        # Phase 1: the runtime. Phase 2: mlx-lm in-process, after the services are gone,
-        # so neither side ever shares the device (memory, compute) with the other.
-        spec = _service_spec(args, model, [p.name for p in plans], cache=True)
-        log(f"starting the runtime (cache on): {spec}")
-        with Service(spec, work / "configs" / "cache-on.toml") as on:
-            log(on.banner)
-            services["cache_on"] = vars(spec) | {"model": str(model)}
-            pids = {"worker": on.worker_pid()}
-            for plan in plans:
-                if plan.name != "prefix":
-                    plan.run_runtime({"on": on.address})
-                else:
-                    off_spec = _service_spec(args, model, ["prefix"], cache=False)
-                    log("starting the runtime (cache off)")
-                    with Service(off_spec, work / "configs" / "cache-off.toml") as off:
-                        services["cache_off"] = vars(off_spec) | {"model": str(model)}
-                        plan.run_runtime({"on": on.address, "off": off.address})
-                _log_gpu(log, pids)
-        from runtime.bench.mlx_side import MlxLm
-
-        log("loading the model in-process for mlx-lm")
-        mlx = MlxLm(model)
-        for plan in plans:
-            plan.run_mlx(mlx)
-            _log_gpu(log, {"bench": os.getpid()})
-        mlx.release()
+        for rep in range(args.repeats):
+            if args.repeats > 1:
+                log(f"repeat {rep + 1} of {args.repeats}")
+            _runtime_phase(args, model, plans, services, rep, log)
+            _mlx_phase(model, plans, rep, log)
         for plan in plans:
             report(plan.name, plan.outcome())
     if "memory" in chosen:

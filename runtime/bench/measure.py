@@ -95,6 +95,18 @@ def summarize(streams: list[StreamTiming]) -> dict[str, float]:
     }
 
 
+def median_summary(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per-key median over repeats of the same measurement (keys of the first run)."""
+    if len(runs) == 1:
+        return dict(runs[0])
+    out: dict[str, float] = {}
+    for key, value in runs[0].items():
+        values = [r[key] for r in runs if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
+        med = percentile(values, 50) if values else value
+        out[key] = int(round(med)) if isinstance(value, int) and not isinstance(value, bool) else med
+    return out
+
+
 def ratio(a: float, b: float) -> float:
     """``a / b``, nan when undefined."""
     if b is None or a is None or b == 0 or math.isnan(a) or math.isnan(b):

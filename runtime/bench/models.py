@@ -218,6 +218,7 @@ def synthetic_model(
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     total = write_weights(folder, cfg, seed=seed, log=log)
     marker.write_text(json.dumps({"format": FORMAT_VERSION, "config": cfg, "bytes": total}))
+    mx.clear_cache()  # give the drawing buffers back before services start on the same device
     return folder
 
 

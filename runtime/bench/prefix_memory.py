@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from runtime.bench import runtime_side
-from runtime.bench.measure import StreamTiming, ratio, summarize
+from runtime.bench.measure import StreamTiming, median_summary, ratio, summarize
 from runtime.bench.mlx_side import MlxLm
 from runtime.bench.report import table
 from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome
@@ -24,40 +24,43 @@ class Prefix:
 
     name = "prefix"
 
-    def __init__(self, bench: Bench, count: int, prefix_len: int, unique: tuple[int, int], gen_len: int) -> None:
+    def __init__(
+        self, bench: Bench, count: int, prefix_len: int, unique: tuple[int, int], gen_len: int, repeats: int = 1
+    ) -> None:
         self.bench, self.count, self.prefix_len, self.unique, self.gen_len = bench, count, prefix_len, unique, gen_len
         n_warm = min(count, max(8, bench.mlx_prefill_batch))
         self.warm = self._prompts(n_warm)
         self.warm_gens = [min(gen_len, WARMUP_GEN)] * n_warm
-        self.prompts = self._prompts(count)
-        shared = self.prompts[0][:prefix_len]
-        self.again = [shared + bench.prompt(bench.rng.randint(*unique)) for _ in range(count)]
+        self.prompts = [self._prompts(count) for _ in range(repeats)]  # a new (cold) prefix per repeat
+        self.again = [[p[0][:prefix_len] + bench.prompt(bench.rng.randint(*unique)) for _ in range(count)]
+                      for p in self.prompts]
         self.gens = [gen_len] * count
-        self.runs: dict[str, list[StreamTiming]] = {}
+        self.runs: dict[str, list[list[StreamTiming]]] = {ON: [], OFF: [], MLX: [], HOT: []}
 
     def _prompts(self, count: int) -> list[list[int]]:
         prefix = self.bench.prompt(self.prefix_len)
         return [prefix + self.bench.prompt(self.bench.rng.randint(*self.unique)) for _ in range(count)]
 
-    def run_runtime(self, addresses: dict[str, str]) -> None:
+    def run_runtime(self, addresses: dict[str, str], rep: int) -> None:
         log = self.bench.log
         log(f"prefix/runtime: warm-up ({len(self.warm)} x {self.prefix_len}+{self.unique[0]}..{self.unique[1]})")
         runtime_side.run_together(addresses["on"], self.warm, self.warm_gens)
         runtime_side.run_together(addresses["off"], self.warm, self.warm_gens)
         log(f"prefix/runtime: cache on, cold prefix ({self.count} requests)")
-        self.runs[ON] = runtime_side.run_together(addresses["on"], self.prompts, self.gens)
+        self.runs[ON].append(runtime_side.run_together(addresses["on"], self.prompts[rep], self.gens))
         log("prefix/runtime: cache off")
-        self.runs[OFF] = runtime_side.run_together(addresses["off"], self.prompts, self.gens)
+        self.runs[OFF].append(runtime_side.run_together(addresses["off"], self.prompts[rep], self.gens))
         log("prefix/runtime: cache on, prefix already cached")
-        self.runs[HOT] = runtime_side.run_together(addresses["on"], self.again, self.gens)
+        self.runs[HOT].append(runtime_side.run_together(addresses["on"], self.again[rep], self.gens))
 
-    def run_mlx(self, mlx: MlxLm) -> None:
+    def run_mlx(self, mlx: MlxLm, rep: int) -> None:
         self.bench.log("prefix/mlx-lm: warm-up, then BatchGenerator")
         mlx.batch(self.warm, self.warm_gens, prefill_batch=self.bench.mlx_prefill_batch)
-        self.runs[MLX] = mlx.batch(self.prompts, self.gens, prefill_batch=self.bench.mlx_prefill_batch)
+        self.runs[MLX].append(mlx.batch(self.prompts[rep], self.gens, prefill_batch=self.bench.mlx_prefill_batch))
 
     def outcome(self) -> Outcome:
-        stats = {name: summarize(self.runs[name]) for name in (ON, OFF, MLX, HOT)}
+        per_run = {name: [summarize(t) for t in self.runs[name]] for name in (ON, OFF, MLX, HOT)}
+        stats = {name: median_summary(runs) for name, runs in per_run.items()}
         on, off, ml = stats[ON], stats[OFF], stats[MLX]
         ratios = {
             "ttft_p50_off_over_on": ratio(off["ttft_p50_ms"], on["ttft_p50_ms"]),
@@ -68,10 +71,12 @@ class Prefix:
         }
         rows = [[n, s["ttft_p50_ms"], s["ttft_p95_ms"], s["total_tok_s"], s["wall_s"], s["cached_tokens"]]
                 for n, s in stats.items()]
-        n_prompt = sum(len(p) for p in self.prompts)
+        n_prompt = sum(len(p) for p in self.prompts[0])
+        reps = len(per_run[ON])
         title = (
             f"shared prefix: {self.count} requests, prefix {self.prefix_len} + {self.unique[0]}-{self.unique[1]} "
-            f"unique tokens ({n_prompt} prompt tokens in all), {self.gen_len} new tokens each, sent together"
+            f"unique tokens (~{n_prompt} prompt tokens in all), {self.gen_len} new tokens each, sent together"
+            + (f", median of {reps} runs" if reps > 1 else "")
         )
         tab = table(title, ["run", "TTFT p50 ms", "TTFT p95 ms", "total tok/s", "wall s", "cached tokens"], rows)
         rtab = table("shared prefix: ratios", ["ratio", "value"], [
@@ -82,7 +87,8 @@ class Prefix:
             ["throughput runtime cache on / mlx-lm", ratios["throughput_on_over_mlx"]],
         ])
         data = {"requests": self.count, "prefix_len": self.prefix_len, "unique": list(self.unique),
-                "gen_len": self.gen_len, "prompt_tokens": n_prompt, "runs": stats, "ratios": ratios}
+                "gen_len": self.gen_len, "prompt_tokens": n_prompt, "runs": stats, "ratios": ratios,
+                "repeats": per_run}
         return Outcome(data, [tab, rtab])
 
 

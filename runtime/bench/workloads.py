@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from runtime.bench import runtime_side
-from runtime.bench.measure import StreamTiming, ratio, summarize
+from runtime.bench.measure import StreamTiming, median_summary, ratio, summarize
 from runtime.bench.mlx_side import MlxLm
 from runtime.bench.report import table
 
@@ -65,40 +65,40 @@ class Single:
 
     name = "single"
 
-    def __init__(self, bench: Bench, prompt_len: int, gen_len: int) -> None:
+    def __init__(self, bench: Bench, prompt_len: int, gen_len: int, repeats: int = 1) -> None:
         self.bench, self.prompt_len, self.gen_len = bench, prompt_len, gen_len
         self.warm = bench.prompt(prompt_len)
-        self.prompt = bench.prompt(prompt_len)
-        self.rt: StreamTiming | None = None
-        self.ml: StreamTiming | None = None
+        self.prompts = [bench.prompt(prompt_len) for _ in range(repeats)]
+        self.rt: list[StreamTiming] = []
+        self.ml: list[StreamTiming] = []
         self.tie_gap: float | None = None
 
-    def run_runtime(self, addresses: dict[str, str]) -> None:
+    def run_runtime(self, addresses: dict[str, str], rep: int) -> None:
         self.bench.log(f"single/runtime: warm-up, then prompt {self.prompt_len}, {self.gen_len} new tokens")
         runtime_side.run_together(addresses["on"], [self.warm], [min(self.gen_len, WARMUP_GEN)])
-        self.rt = runtime_side.run_together(addresses["on"], [self.prompt], [self.gen_len])[0]
+        self.rt.append(runtime_side.run_together(addresses["on"], [self.prompts[rep]], [self.gen_len])[0])
 
-    def run_mlx(self, mlx: MlxLm) -> None:
+    def run_mlx(self, mlx: MlxLm, rep: int) -> None:
         self.bench.log("single/mlx-lm: warm-up, then generate_step")
         mlx.single(self.warm, min(self.gen_len, WARMUP_GEN))
-        self.ml = mlx.single(self.prompt, self.gen_len)
-        first = self._first_difference()
-        if first is not None and self.rt is not None and first < len(self.rt.token_ids):
-            self.tie_gap = mlx.logprob_gap(
-                self.prompt + self.ml.token_ids[:first], self.ml.token_ids[first], self.rt.token_ids[first]
-            )
+        self.ml.append(mlx.single(self.prompts[rep], self.gen_len))
+        first = self._first_difference(rep)
+        if first is not None and self.tie_gap is None and first < len(self.rt[rep].token_ids):
+            ml_ids = self.ml[rep].token_ids
+            self.tie_gap = mlx.logprob_gap(self.prompts[rep] + ml_ids[:first], ml_ids[first],
+                                           self.rt[rep].token_ids[first])
 
-    def _first_difference(self) -> int | None:
-        assert self.rt is not None and self.ml is not None
-        a, b = self.rt.token_ids, self.ml.token_ids
+    def _first_difference(self, rep: int) -> int | None:
+        a, b = self.rt[rep].token_ids, self.ml[rep].token_ids
         if a == b:
             return None
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
     def outcome(self) -> Outcome:
-        assert self.rt is not None and self.ml is not None
-        rt, ml = _single_view(self.rt), _single_view(self.ml)
-        first = self._first_difference()
+        rt = median_summary([_single_view(t) for t in self.rt])
+        ml = median_summary([_single_view(t) for t in self.ml])
+        firsts = [self._first_difference(i) for i in range(len(self.rt))]
+        first = next((f for f in firsts if f is not None), None)
         warnings = []
         if first is not None:
             gap = self.tie_gap
@@ -109,8 +109,8 @@ class Single:
                 if gap is not None else "no logprob gap computed"
             )
             warnings.append(
-                f"WARNING: single: runtime tokens differ from mlx-lm greedy tokens at output position {first} "
-                f"(runtime {len(self.rt.token_ids)} tokens, mlx-lm {len(self.ml.token_ids)}); {kind}"
+                f"WARNING: single: runtime tokens differ from mlx-lm greedy tokens in "
+                f"{sum(f is not None for f in firsts)} of {len(firsts)} runs, first at output position {first}; {kind}"
             )
         rows = [
             [name, rt[key], ml[key], ratio(rt[key], ml[key])]
@@ -123,18 +123,24 @@ class Single:
             )
         ]
         same = "yes" if first is None else f"NO, first difference at token {first}"
-        title = f"single stream: prompt {self.prompt_len}, {self.gen_len} new tokens (tokens match mlx-lm: {same})"
+        title = (f"single stream: prompt {self.prompt_len}, {self.gen_len} new tokens{_of(len(self.rt))} "
+                 f"(tokens match mlx-lm: {same})")
         tab = table(title, ["metric", "runtime", "mlx-lm", "runtime/mlx-lm"], rows)
         data = {
             "prompt_len": self.prompt_len,
             "gen_len": self.gen_len,
             "runtime": rt,
             "mlx_lm": ml,
+            "repeats": {"runtime": [_single_view(t) for t in self.rt], "mlx_lm": [_single_view(t) for t in self.ml]},
             "tokens_match": first is None,
             "first_difference": first,
             "first_difference_logprob_gap": self.tie_gap,
         }
         return Outcome(data, [tab], warnings)
+
+
+def _of(repeats: int) -> str:
+    return f", median of {repeats} runs" if repeats > 1 else ""
 
 
 def _single_view(t: StreamTiming) -> dict[str, float]:
@@ -162,33 +168,38 @@ class Sweep:
 
     name = "sweep"
 
-    def __init__(self, bench: Bench, levels: list[int], prompt_len: int, gen_len: int) -> None:
+    def __init__(self, bench: Bench, levels: list[int], prompt_len: int, gen_len: int, repeats: int = 1) -> None:
         self.bench, self.levels, self.prompt_len, self.gen_len = bench, levels, prompt_len, gen_len
         self.warm = {n: bench.prompts(n, prompt_len) for n in levels}
-        self.timed = {n: bench.prompts(n, prompt_len) for n in levels}
-        self.rt: dict[int, list[StreamTiming]] = {}
-        self.ml: dict[int, list[StreamTiming]] = {}
+        self.timed = {n: [bench.prompts(n, prompt_len) for _ in range(repeats)] for n in levels}
+        self.rt: dict[int, list[list[StreamTiming]]] = {n: [] for n in levels}
+        self.ml: dict[int, list[list[StreamTiming]]] = {n: [] for n in levels}
 
-    def run_runtime(self, addresses: dict[str, str]) -> None:
+    def run_runtime(self, addresses: dict[str, str], rep: int) -> None:
         for n in self.levels:
             self.bench.log(f"sweep/runtime c={n}: warm-up, then {n} x {self.prompt_len}+{self.gen_len}")
             runtime_side.run_together(addresses["on"], self.warm[n], [min(self.gen_len, WARMUP_GEN)] * n)
-            self.rt[n] = runtime_side.run_together(addresses["on"], self.timed[n], [self.gen_len] * n)
-            self.bench.log(f"sweep/runtime c={n}: {summarize(self.rt[n])['total_tok_s']:.1f} tok/s")
+            self.rt[n].append(runtime_side.run_together(addresses["on"], self.timed[n][rep], [self.gen_len] * n))
+            self.bench.log(f"sweep/runtime c={n}: {summarize(self.rt[n][-1])['total_tok_s']:.1f} tok/s")
 
-    def run_mlx(self, mlx: MlxLm) -> None:
+    def run_mlx(self, mlx: MlxLm, rep: int) -> None:
         for n in self.levels:
             self.bench.log(f"sweep/mlx-lm c={n}: warm-up, then BatchGenerator")
             mlx.batch(self.warm[n], [min(self.gen_len, WARMUP_GEN)] * n, prefill_batch=self.bench.mlx_prefill_batch)
-            self.ml[n] = mlx.batch(self.timed[n], [self.gen_len] * n, prefill_batch=self.bench.mlx_prefill_batch)
-            self.bench.log(f"sweep/mlx-lm c={n}: {summarize(self.ml[n])['total_tok_s']:.1f} tok/s")
+            self.ml[n].append(mlx.batch(self.timed[n][rep], [self.gen_len] * n,
+                                        prefill_batch=self.bench.mlx_prefill_batch))
+            self.bench.log(f"sweep/mlx-lm c={n}: {summarize(self.ml[n][-1])['total_tok_s']:.1f} tok/s")
 
     def outcome(self) -> Outcome:
         results = []
         for n in self.levels:
-            rt, ml = summarize(self.rt[n]), summarize(self.ml[n])
-            results.append({"concurrency": n, "runtime": rt, "mlx_lm": ml,
-                            "token_agreement": _agreement(self.rt[n], self.ml[n])})
+            rt_runs = [summarize(t) for t in self.rt[n]]
+            ml_runs = [summarize(t) for t in self.ml[n]]
+            agree = [_agreement(a, b) for a, b in zip(self.rt[n], self.ml[n])]
+            results.append({
+                "concurrency": n, "runtime": median_summary(rt_runs), "mlx_lm": median_summary(ml_runs),
+                "token_agreement": min(agree), "repeats": {"runtime": rt_runs, "mlx_lm": ml_runs},
+            })
         thr = [
             [r["concurrency"], r["runtime"]["total_tok_s"], r["mlx_lm"]["total_tok_s"],
              ratio(r["runtime"]["total_tok_s"], r["mlx_lm"]["total_tok_s"]), r["runtime"]["wall_s"],
@@ -200,7 +211,8 @@ class Sweep:
                                   for side in ("runtime", "mlx_lm")]
             for r in results
         ]
-        shape = f"prompt {self.prompt_len}, {self.gen_len} new tokens per stream"
+        reps = len(self.rt[self.levels[0]])
+        shape = f"prompt {self.prompt_len}, {self.gen_len} new tokens per stream{_of(reps)}"
         tables = [
             table(f"sweep throughput ({shape})",
                   ["streams", "runtime tok/s", "mlx-lm tok/s", "runtime/mlx-lm", "runtime wall s", "mlx-lm wall s",

@@ -78,6 +78,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.draining: list[Request] = []
+        self.completed: list[Request] = []
         self.inflight: dict[int, PlannedStep] = {}
         self.reserved = 0
         self._next_step_id = 0
@@ -298,8 +299,7 @@ class Scheduler:
 
     def _drop_draining(self) -> None:
         for req in self.draining:
-            req.finish_reason = "error"  # its launched steps will never report: cache nothing
-            self._release(req)
+            self._release(req, cache=False)  # its launched steps will never report
         self.draining = []
 
     def finish(self, req: Request, reason: str) -> None:
@@ -309,6 +309,7 @@ class Scheduler:
         req.finish_reason = reason
         if req in self.waiting:
             self.waiting.remove(req)
+            self.completed.append(req)
             return
         if req not in self.running:
             return
@@ -322,9 +323,9 @@ class Scheduler:
         else:
             self._release(req)
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, cache: bool = True) -> None:
         """Cache what the request computed (every token fed to a finished step) and free the rest."""
-        cache_it = self.tree is not None and req.finish_reason != "error"
+        cache_it = cache and self.tree is not None and req.finish_reason != "error"
         fed = req.output_ids + req.extra_ids
         if not req.prefill_done:
             covered = req.prefilled
@@ -350,6 +351,12 @@ class Scheduler:
         req.slots = []
         req.dup_slots = []
         self.rows.free(req.row)
+        self.completed.append(req)
+
+    def pop_completed(self) -> list[Request]:
+        """Requests whose work is cached and released since the last call: reply to them now."""
+        done, self.completed = self.completed, []
+        return done
 
     def abort(self, rid: str) -> Request | None:
         for req in list(self.waiting) + self.running:

@@ -93,8 +93,8 @@ class Server:
 
     async def _restart_worker(self, reason: str) -> None:
         assert self.scheduler is not None
-        for req in self.scheduler.fail_all(reason):
-            self._reply_done(req)
+        self.scheduler.fail_all(reason)
+        self._send_completed()
         self.worker.stop(timeout=1.0)
         self.restarts += 1
         if not self.config.worker.restart:
@@ -147,8 +147,7 @@ class Server:
                 assert self.scheduler is not None
                 req = self.scheduler.abort(msg.rid)
                 self._send(identity, cp.AbortReply(rid=msg.rid, found=req is not None))
-                if req is not None:
-                    self._reply_done(req)
+                self._send_completed()
             elif isinstance(msg, cp.StatusQuery):
                 self._send(identity, self._status(msg.rid))
 
@@ -215,8 +214,12 @@ class Server:
             if identity is not None:
                 chunk = cp.Chunk(rid=req.rid, token_ids=out.new_ids, text=delta)
                 self._outbox.setdefault(identity, []).append(chunk)
-        if out.finished:
-            self._flush_chunks(self.owners.get(req.rid))  # chunks before the final result
+
+    def _send_completed(self) -> None:
+        """Final results, only once each request's state is cached and released (SPEC 5.2)."""
+        assert self.scheduler is not None
+        for req in self.scheduler.pop_completed():
+            self._flush_chunks(self.owners.get(req.rid))  # its chunks before its result
             self._reply_done(req)
 
     def _flush_chunks(self, identity: bytes | None = None) -> None:
@@ -263,10 +266,11 @@ class Server:
                 self.steps_done += 1
                 for out in s.on_step_done(reply.step_id, reply.tokens):
                     self._emit(out)
+                self._send_completed()
                 self._flush_chunks()
             elif isinstance(reply, wp.StepFailed):
-                for req in s.on_step_failed(reply.step_id, reply.error):
-                    self._reply_done(req)
+                s.on_step_failed(reply.step_id, reply.error)
+                self._send_completed()
 
     async def serve_forever(self) -> None:
         tasks = [asyncio.create_task(self.client_loop()), asyncio.create_task(self.step_loop())]
@@ -284,7 +288,8 @@ class Server:
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 req.error = "the service is shutting down"
                 self.scheduler.finish(req, "error")
-                self._reply_done(req)
+            self.scheduler.fail_all("the service is shutting down")
+            self._send_completed()
         if self.worker_sock is not None and self.worker.proc is not None and self.worker.exit_code() is None:
             try:
                 self.worker_sock.send(wp.worker_encoder.encode(wp.Shutdown()), flags=zmq.NOBLOCK)
