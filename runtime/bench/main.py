@@ -7,7 +7,10 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runtime.bench.service import ServiceSpec
 
 WORKLOADS = ("single", "sweep", "prefix", "memory")
 DEFAULT_WORKLOADS = "single,sweep,prefix"
@@ -16,6 +19,7 @@ MEMORY_GEN = (1, 64)
 
 
 def _ints(text: str) -> list[int]:
+    """``"1,4,16"`` -> ``[1, 4, 16]`` (positive integers)."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -26,6 +30,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _workloads(text: str) -> list[str]:
+    """Workload names from a comma list, or every one for ``all``."""
     names = [w.strip() for w in text.split(",") if w.strip()]
     if names == ["all"]:
         return list(WORKLOADS)
@@ -36,6 +41,7 @@ def _workloads(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The bench's command line (``runtime bench --help``)."""
     p = argparse.ArgumentParser(
         prog="runtime bench",
         description="Benchmark the runtime against mlx-lm on the same model in the same run.",
@@ -67,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _service_spec(args: argparse.Namespace, model: Path, workloads: list[str], cache: bool) -> Any:
+def _service_spec(args: argparse.Namespace, model: Path, workloads: list[str], cache: bool) -> ServiceSpec:
     """Limits that fit every request of the chosen workloads, with a little slack."""
     from runtime.bench.service import ServiceSpec
 

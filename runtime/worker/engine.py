@@ -30,9 +30,14 @@ class LaunchedStep:
 class Engine:
     """Owns the model, the KV pool and the host-side request→slot table.
 
+    ``LENGTH_BUCKET``: batched decode attends to a multiple of this many positions.
+
     Chaining: a decode row whose input token is -1 takes the token this engine sampled
     for that row in the previous decode batch, as a lazy array (never read back first).
     """
+
+    LENGTH_BUCKET = 128
+    bucket_single = False  # single-stream decode keeps mlx-lm's exact shapes
 
     def __init__(
         self,
@@ -131,8 +136,14 @@ class Engine:
         self.slot_table[rows, positions] = decode.slot_ids
         bsz = len(decode.rows)
         length = int(positions.max()) + 1
+        if bsz > 1 or self.bucket_single:
+            # Round the attended length up to a bucket (padding is masked out): the same
+            # shapes recur for many steps, so MLX reuses its buffers instead of faulting in
+            # new ones every step.
+            length = min(-(-length // self.LENGTH_BUCKET) * self.LENGTH_BUCKET, self.max_context)
         gather = mx.array(self.slot_table[rows, :length])
-        if bsz == 1:
+        if bsz == 1 and not self.bucket_single:
+            # Exactly mlx-lm's single-stream shapes (no padding, no mask).
             offset: int | mx.array = int(positions[0])
             mask = None
         else:

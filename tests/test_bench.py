@@ -1,0 +1,73 @@
+"""Fast checks of the bench's building blocks (no services are started here)."""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+
+import pytest
+
+from runtime.bench.main import build_parser
+from runtime.bench.measure import StreamTiming, median_summary, percentile, summarize
+from runtime.bench.models import shape_config, synthetic_model, write_tokenizer, write_weights
+from runtime.bench.service import ServiceSpec
+from runtime.config import parse_config
+
+
+def test_percentile_interpolates():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 95) == 5.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_stream_timing_and_summary():
+    t = StreamTiming(start=0.0)
+    t.add([1], at=0.5)
+    t.add([2, 3], at=1.0)  # two tokens in one delivery: one gap and one zero gap
+    t.add([4], at=1.5)
+    assert t.ttft == 0.5 and t.itls() == [0.5, 0.0, 0.5]
+    s = summarize([t])
+    assert s["output_tokens"] == 4 and s["total_tok_s"] == pytest.approx(4 / 1.5)
+    assert s["decode_tok_s"] == pytest.approx(3 / 1.0)
+    assert median_summary([{"a": 1, "b": 1.0}, {"a": 3, "b": 2.0}, {"a": 2, "b": 9.0}]) == {"a": 2, "b": 2.0}
+
+
+def test_service_toml_is_a_valid_config(tmp_path):
+    spec = ServiceSpec(model=tmp_path, max_running=8, max_context=600, kv_slots=5000, cache_enabled=False)
+    config = parse_config(tomllib.loads(spec.toml()))
+    assert config.scheduler.max_running == 8 and config.scheduler.max_context == 600
+    assert config.cache.kv_slots == 5000 and config.cache.enabled is False
+    assert config.scheduler.max_step_tokens == 2048 and config.scheduler.prefill_chunk == 512
+
+
+def test_synthetic_tiny_loads_with_mlx_lm_and_transformers(tmp_path):
+    from mlx_lm.utils import load_model
+    from transformers import AutoTokenizer
+
+    folder = synthetic_model("tiny", tmp_path)
+    assert synthetic_model("tiny", tmp_path) == folder  # reused, not rewritten
+    model, cfg = load_model(folder)
+    assert cfg["vocab_size"] == 1000 and cfg["eos_token_id"] == 999
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    assert tok.eos_token_id == 999 and tok.decode([5, 6]) == "t5 t6"
+
+
+def test_sharded_weights_have_a_complete_index(tmp_path):
+    from mlx_lm.utils import load_model
+
+    cfg = shape_config("tiny")
+    write_tokenizer(tmp_path, cfg["vocab_size"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    write_weights(tmp_path, cfg, shard_bytes=4 << 20)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert len(files) > 1 and sorted(set(index["weight_map"].values())) == files
+    load_model(tmp_path)  # strict: every parameter present
+
+
+def test_parser_lists():
+    args = build_parser().parse_args(["--synthetic", "tiny", "--concurrency", "1,4", "--workloads", "all"])
+    assert args.concurrency == [1, 4] and args.workloads == ["single", "sweep", "prefix", "memory"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--synthetic", "tiny", "--workloads", "nope"])
