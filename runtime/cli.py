@@ -119,13 +119,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             return 1
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from runtime.bench.main import main as bench_main
-
-    return bench_main(args.rest)
-
-
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # The bench has its own parser; hand it everything after `bench`, flags included.
+        from runtime.bench.main import main as bench_main
+
+        rest = argv[1:]
+        return bench_main(rest[1:] if rest[:1] == ["--"] else rest)
     parser = argparse.ArgumentParser(prog="runtime", description="LLM serving runtime on MLX")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start the service")
@@ -144,9 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--timeout", type=float, default=None, help="seconds to wait for each reply")
     gen.add_argument("prompt")
     gen.set_defaults(func=_cmd_generate)
-    bench = sub.add_parser("bench", help="benchmark against mlx-lm (see bench --help)")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=_cmd_bench)
+    sub.add_parser("bench", help="benchmark against mlx-lm on the same model (runtime bench --help)")
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -72,9 +72,12 @@ async def test_stream_equals_generate(served):
     prompt = _prompts(3, 1)[0]
     async with Client(svc.address, timeout_s=60) as client:
         whole = await client.generate(token_ids=prompt, max_tokens=25, ignore_eos=True)
-        chunks = [c async for c in client.stream(token_ids=prompt, max_tokens=25, ignore_eos=True)]
+        stream = client.stream(token_ids=prompt, max_tokens=25, ignore_eos=True)
+        chunks = [c async for c in stream]
     assert [t for c in chunks for t in c.token_ids] == whole.token_ids
     assert "".join(c.text for c in chunks) == whole.text
+    assert stream.result.token_ids == whole.token_ids and stream.result.finish_reason == "length"
+    assert stream.result.cached_tokens == len(prompt) - 1  # the same prompt again: a full-prefix hit
 
 
 async def test_stop_token_ids_and_max_tokens(served):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -159,7 +158,7 @@ class Client:
         finally:
             self._queues.pop(msg.rid, None)
 
-    async def stream(
+    def stream(
         self,
         prompt: str | None = None,
         *,
@@ -169,23 +168,11 @@ class Client:
         ignore_eos: bool = False,
         stop_token_ids: list[int] | None = None,
         rid: str | None = None,
-    ) -> AsyncIterator[GenerationChunk]:
-        """Yield chunks as tokens are produced; raises RequestFailed if the request errors."""
+    ) -> Stream:
+        """An async iterator of chunks as tokens are produced; raises RequestFailed if the
+        request errors. After the last chunk, ``.result`` holds the final GenerationResult."""
         msg = self._request(rid, True, prompt, token_ids, max_tokens, temperature, ignore_eos, stop_token_ids)
-        queue = await self._call(msg, msg.rid)
-        try:
-            while True:
-                reply = await self._get(queue)
-                if isinstance(reply, cp.Chunk):
-                    yield GenerationChunk(token_ids=list(reply.token_ids), text=reply.text)
-                elif isinstance(reply, cp.Done):
-                    if reply.finish_reason == "error":
-                        raise RequestFailed(_result(reply))
-                    return
-                elif isinstance(reply, cp.ProtocolError):
-                    raise RequestFailed(GenerationResult(rid=msg.rid, finish_reason="error", error=reply.message))
-        finally:
-            self._queues.pop(msg.rid, None)
+        return Stream(self, msg)
 
     async def abort(self, rid: str) -> bool:
         """End a waiting or running request; False if no such request was known."""
@@ -206,6 +193,49 @@ class Client:
             return await self._get(queue, timeout=timeout)
         finally:
             self._queues.pop(rid, None)
+
+
+class Stream:
+    """One streaming request: ``async for chunk in stream``; then ``stream.result``."""
+
+    def __init__(self, client: Client, msg: cp.Generate) -> None:
+        self._client = client
+        self._msg = msg
+        self._queue: asyncio.Queue | None = None
+        self.rid = msg.rid
+        self.result: GenerationResult | None = None
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        if self.result is not None:
+            raise StopAsyncIteration
+        if self._queue is None:
+            self._queue = await self._client._call(self._msg, self.rid)
+        while True:
+            try:
+                reply = await self._client._get(self._queue)
+            except BaseException:
+                self._client._queues.pop(self.rid, None)
+                raise
+            if isinstance(reply, cp.Chunk):
+                return GenerationChunk(token_ids=list(reply.token_ids), text=reply.text)
+            if isinstance(reply, cp.Done):
+                self.result = _result(reply)
+            elif isinstance(reply, cp.ProtocolError):
+                self.result = GenerationResult(rid=self.rid, finish_reason="error", error=reply.message)
+            else:
+                continue
+            self._client._queues.pop(self.rid, None)
+            if self.result.finish_reason == "error":
+                raise RequestFailed(self.result)
+            raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Stop listening (the request keeps running unless aborted)."""
+        if self._queue is not None:
+            self._client._queues.pop(self.rid, None)
 
 
 class SyncClient:
