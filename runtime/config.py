@@ -69,12 +69,18 @@ class WorkerConfig:
     the KV and aux pools together are at most this size. That hides the launch cost, but
     MLX then copies the pools on each write (a graph in flight still holds them), so it
     only pays for small pools. On the CPU the worker always reads back first.
+
+    ``buffer_cache_mb``: MLX's cache of freed buffers. MLX's CPU default (32 MiB) is smaller
+    than one decode step's temporaries at moderate batch sizes, and missing it costs a
+    fresh allocation and page faults for every temporary (2-3x slower steps); 0 picks an
+    eighth of memory, at most 8 GiB, and never less than MLX's own default.
     """
 
     startup_timeout_s: float = 600.0
     restart: bool = True
     blas: str = "auto"
     overlap_submit_max_mb: int = 1024
+    buffer_cache_mb: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,8 @@ def _validate(config: Config) -> None:
         raise ConfigError("config keys 'scheduler.max_step_tokens' and 'scheduler.prefill_chunk' must be at least 1")
     if s.max_context < 0 or c.kv_slots < 0:
         raise ConfigError("config keys 'scheduler.max_context' and 'cache.kv_slots' must not be negative")
+    if config.worker.buffer_cache_mb < 0 or config.worker.overlap_submit_max_mb < 0:
+        raise ConfigError("config keys 'worker.buffer_cache_mb' and 'worker.overlap_submit_max_mb' must not be negative")
     if c.aux_slots < 0 or c.track_chunk < 1:
         raise ConfigError("config keys 'cache.aux_slots' must not be negative and 'cache.track_chunk' must be at least 1")
     if not 0.0 < c.kv_memory_fraction <= 0.95:

@@ -14,6 +14,8 @@ def test_auto_preloads_openblas_when_installed(monkeypatch):
     monkeypatch.setattr(blas, "find_openblas", lambda: "/opt/libopenblas.so.0")
     env = blas.worker_env("auto", {"LD_PRELOAD": "/x/other.so"})
     assert env["LD_PRELOAD"] == "/opt/libopenblas.so.0:/x/other.so"
+    assert int(env["OPENBLAS_NUM_THREADS"]) >= 1  # a core left to the scheduler
+    assert blas.worker_env("auto", {"OPENBLAS_NUM_THREADS": "3"})["OPENBLAS_NUM_THREADS"] == "3"
     assert blas.worker_env("bundled", {}) == {}
 
 

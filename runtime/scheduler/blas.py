@@ -35,4 +35,6 @@ def worker_env(mode: str, env: dict[str, str]) -> dict[str, str]:
     lib = find_openblas()
     if lib is not None and lib not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+        # OpenBLAS threads spin while idle: leave a core to the scheduler (and clients).
+        env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
     return env

@@ -53,6 +53,13 @@ def _total_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def buffer_cache_bytes(configured_mb: int, default_bytes: int) -> int:
+    """The MLX buffer-cache limit to use (see WorkerConfig.buffer_cache_mb)."""
+    if configured_mb:
+        return configured_mb * 2**20
+    return max(default_bytes, min(_total_memory() // 8, 8 * 2**30))
+
+
 def load(config: Config) -> LoadedModel:
     """Load the folder named by the config; raise with the loader's message on failure."""
     from mlx_lm.utils import load_model

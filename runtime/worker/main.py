@@ -43,9 +43,11 @@ def serve(config: Config, address: str) -> int:
         import mlx.core as mx
 
         from runtime.worker.engine import Engine
-        from runtime.worker.loader import load
+        from runtime.worker.loader import buffer_cache_bytes, load
 
         mx.random.seed(config.model.seed)
+        default_cache = mx.set_cache_limit(0)
+        mx.set_cache_limit(buffer_cache_bytes(config.worker.buffer_cache_mb, default_cache))
         loaded = load(config)
         layout = loaded.layout
         pool, aux_pool = loaded.make_pools()
