@@ -72,8 +72,8 @@ class WorkerConfig:
 
     ``buffer_cache_mb``: MLX's cache of freed buffers. MLX's CPU default (32 MiB) is smaller
     than one decode step's temporaries at moderate batch sizes, and missing it costs a
-    fresh allocation and page faults for every temporary (2-3x slower steps); 0 picks an
-    eighth of memory, at most 8 GiB, and never less than MLX's own default.
+    fresh allocation and page faults for every temporary (2-3x slower steps); 0 picks four
+    times the pools' size (at most an eighth of memory, never less than MLX's default).
     """
 
     startup_timeout_s: float = 600.0

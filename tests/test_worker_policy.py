@@ -14,7 +14,8 @@ def test_overlap_submit_only_on_gpu_with_small_pools():
 def test_buffer_cache_limit_is_raised_but_never_lowered():
     from runtime.worker.loader import buffer_cache_bytes
 
-    assert buffer_cache_bytes(64, 32 * 2**20) == 64 * 2**20  # configured
-    auto = buffer_cache_bytes(0, 32 * 2**20)
-    assert 32 * 2**20 <= auto <= 8 * 2**30
-    assert buffer_cache_bytes(0, 16 * 2**30) == 16 * 2**30  # a larger MLX default stays
+    mib = 2**20
+    assert buffer_cache_bytes(64, 32 * mib, 10 * mib) == 64 * mib  # configured
+    assert buffer_cache_bytes(0, 32 * mib, 100 * mib) == 400 * mib  # four pools' worth
+    assert buffer_cache_bytes(0, 32 * mib, 1 * mib) == 32 * mib  # never below MLX's default
+    assert buffer_cache_bytes(0, 16 * 2**30, 1 * mib) == 16 * 2**30

@@ -53,11 +53,16 @@ def _total_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def buffer_cache_bytes(configured_mb: int, default_bytes: int) -> int:
-    """The MLX buffer-cache limit to use (see WorkerConfig.buffer_cache_mb)."""
+def buffer_cache_bytes(configured_mb: int, default_bytes: int, pool_bytes: int) -> int:
+    """The MLX buffer-cache limit to use (see WorkerConfig.buffer_cache_mb).
+
+    A step's temporaries (gathered K/V, attention scratch) scale with the pool, so the
+    automatic limit is a few pools' worth: enough to reuse buffers step after step, and
+    bounded, so resident memory stops growing once the cache is warm.
+    """
     if configured_mb:
         return configured_mb * 2**20
-    return max(default_bytes, min(_total_memory() // 8, 8 * 2**30))
+    return max(default_bytes, min(4 * pool_bytes, _total_memory() // 8))
 
 
 def load(config: Config) -> LoadedModel:

@@ -46,11 +46,12 @@ def serve(config: Config, address: str) -> int:
         from runtime.worker.loader import buffer_cache_bytes, load
 
         mx.random.seed(config.model.seed)
-        default_cache = mx.set_cache_limit(0)
-        mx.set_cache_limit(buffer_cache_bytes(config.worker.buffer_cache_mb, default_cache))
         loaded = load(config)
         layout = loaded.layout
         pool, aux_pool = loaded.make_pools()
+        pool_bytes = pool.nbytes + (aux_pool.nbytes if aux_pool is not None else 0)
+        default_cache = mx.set_cache_limit(0)
+        mx.set_cache_limit(buffer_cache_bytes(config.worker.buffer_cache_mb, default_cache, pool_bytes))
         engine = Engine(loaded.model, layout, pool, config.scheduler.max_running, loaded.max_context, aux_pool)
     except Exception as exc:  # report the loader's error, then exit non-zero
         sock.send(worker_encoder.encode(LoadFailed(error=f"{type(exc).__name__}: {exc}")))
@@ -71,7 +72,6 @@ def serve(config: Config, address: str) -> int:
             )
         )
     )
-    pool_bytes = pool.nbytes + (aux_pool.nbytes if aux_pool is not None else 0)
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     overlap = engine.overlap_submit(on_gpu, pool_bytes, config.worker.overlap_submit_max_mb)
     clock = IdleClock()
