@@ -21,6 +21,7 @@ class StreamTiming:
     arrivals: list[tuple[float, int]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    worker_idle_share: float | None = None  # runtime only: device idle time / wall time over the batch
 
     def add(self, ids: list[int], at: float | None = None) -> None:
         """Record ``ids`` arriving now (or at ``at``)."""

@@ -43,10 +43,18 @@ async def _stream_one(client: Client, prompt: list[int], gen_len: int, timing: S
 
 async def _together(address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int]) -> list[StreamTiming]:
     async with Client(address, timeout_s=REPLY_TIMEOUT_S) as client:
+        before = await client.status()
         start = time.perf_counter()
         timings = [StreamTiming(start=start) for _ in prompts]
         await asyncio.gather(*(_stream_one(client, p, g, t) for p, g, t in zip(prompts, gen_lens, timings)))
-        return timings
+        after = await client.status()
+    # The worker's own clock: time with no step launched on the device, over its uptime.
+    span = after.worker_uptime_s - before.worker_uptime_s
+    if span > 0:
+        share = (after.worker_idle_s - before.worker_idle_s) / span
+        for timing in timings:
+            timing.worker_idle_share = share
+    return timings
 
 
 def run_together(address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int]) -> list[StreamTiming]:

@@ -122,6 +122,9 @@ class Single:
                 ("ITL p95 ms", "itl_p95_ms"),
             )
         ]
+        idle = [t.worker_idle_share for t in self.rt if t.worker_idle_share is not None]
+        if idle:
+            rows.append(["worker idle share %", round(100 * sorted(idle)[len(idle) // 2], 1), "-", "-"])
         same = "yes" if first is None else f"NO, first difference at token {first}"
         title = (f"single stream: prompt {self.prompt_len}, {self.gen_len} new tokens{_of(len(self.rt))} "
                  f"(tokens match mlx-lm: {same})")
@@ -196,14 +199,17 @@ class Sweep:
             rt_runs = [summarize(t) for t in self.rt[n]]
             ml_runs = [summarize(t) for t in self.ml[n]]
             agree = [_agreement(a, b) for a, b in zip(self.rt[n], self.ml[n])]
+            idle = sorted(t[0].worker_idle_share for t in self.rt[n] if t and t[0].worker_idle_share is not None)
             results.append({
                 "concurrency": n, "runtime": median_summary(rt_runs), "mlx_lm": median_summary(ml_runs),
                 "token_agreement": min(agree), "repeats": {"runtime": rt_runs, "mlx_lm": ml_runs},
+                "worker_idle_share": idle[len(idle) // 2] if idle else None,
             })
         thr = [
             [r["concurrency"], r["runtime"]["total_tok_s"], r["mlx_lm"]["total_tok_s"],
              ratio(r["runtime"]["total_tok_s"], r["mlx_lm"]["total_tok_s"]), r["runtime"]["wall_s"],
-             r["mlx_lm"]["wall_s"], f"{100 * r['token_agreement']:.0f}%"]
+             r["mlx_lm"]["wall_s"], f"{100 * r['token_agreement']:.0f}%",
+             "-" if r["worker_idle_share"] is None else f"{100 * r['worker_idle_share']:.1f}%"]
             for r in results
         ]
         lat = [
@@ -216,7 +222,7 @@ class Sweep:
         tables = [
             table(f"sweep throughput ({shape})",
                   ["streams", "runtime tok/s", "mlx-lm tok/s", "runtime/mlx-lm", "runtime wall s", "mlx-lm wall s",
-                   "same tokens"], thr),
+                   "same tokens", "worker idle"], thr),
             table(f"sweep latency, ms ({shape})",
                   ["streams", "rt TTFT p50", "mlx TTFT p50", "rt TTFT p95", "mlx TTFT p95", "rt ITL p50",
                    "mlx ITL p50", "rt ITL p95", "mlx ITL p95"], lat),
