@@ -134,3 +134,28 @@ def test_default_config_serves_the_embedded_adder(tmp_path):
             kill_group(proc)
     assert done.returncode == 0 and done.stdout.strip() == "579"
     assert as_json["text"] == "500" and as_json["finish_reason"] == "stop"
+
+
+def test_tcp_address_binds_loopback(model_dir, tmp_path):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = tmp_path / "tcp.toml"
+    config.write_text(f'[model]\npath = "{model_dir("llama")}"\n[server]\naddress = "tcp://:{port}"\n')
+    proc, out, lines = start_runtime(config)
+    try:
+        deadline = time.monotonic() + 90
+        while not any("serving" in line for line in lines):
+            line = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, "".join(lines)
+        assert f"tcp://127.0.0.1:{port}" in "".join(lines)
+        done = _runtime("generate", "-a", f"tcp://127.0.0.1:{port}", "--json", "--max-tokens", "3", "--ignore-eos", "hi")
+        assert done.returncode == 0 and len(json.loads(done.stdout)["token_ids"]) == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        finally:
+            kill_group(proc)

@@ -104,3 +104,11 @@ async def test_worker_death_fails_inflight_and_restarts(model_dir, tmp_path):
             after = await client.status()
     assert result.token_ids == reference_greedy(folder, [5, 6, 7], 4)
     assert after.worker_restarts == 1 and after.worker_pid != status.worker_pid
+
+
+async def test_temperature_sampling_returns_valid_tokens(served):
+    _, svc = served
+    async with Client(svc.address, timeout_s=30) as client:
+        hot = await client.generate(token_ids=[5, 6, 7], max_tokens=12, temperature=1.5, ignore_eos=True)
+    assert hot.finish_reason == "length" and len(hot.token_ids) == 12
+    assert all(0 <= t < 256 for t in hot.token_ids)
