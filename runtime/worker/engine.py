@@ -203,18 +203,24 @@ class Engine:
         step = launched.step
         assert step is not None
         launched.tokens = self._decode(step.decode) if step.decode is not None and step.decode.rows else None
-        launched.written = self._written()
+        if launched.tokens is not None and not step.prefills:
+            # Decode reads every KV pool back after writing it, so the tokens already depend
+            # on those writes; only the aux-state write-backs need a marker.
+            launched.written = self._written(self.aux_pool.arrays()) if self.aux_pool is not None else None
+        else:
+            launched.written = self._written()
         launched.step = None
 
-    def _written(self) -> mx.array:
+    def _written(self, arrays: list[mx.array] | None = None) -> mx.array:
         """One element of every pool array: evaluating it runs every pending pool write,
         and only this small graph (not the pools themselves) holds the pools meanwhile."""
-        return mx.stack([a[0].reshape(-1)[0].astype(mx.float32) for a in self._state_arrays()]).sum()
+        arrays = self._state_arrays() if arrays is None else arrays
+        return mx.stack([a[0].reshape(-1)[0].astype(mx.float32) for a in arrays]).sum()
 
     def submit(self, built: LaunchedStep) -> None:
         """Queue a built step on the device without waiting for it."""
         self.prepare(built)
-        targets = [built.written] + ([built.tokens] if built.tokens is not None else [])
+        targets = [t for t in (built.written, built.tokens) if t is not None]
         mx.async_eval(*targets)
 
     def launch(self, step: Step) -> LaunchedStep:
@@ -228,7 +234,7 @@ class Engine:
         if launched.tokens is None:
             mx.eval(launched.written)
             return []
-        mx.eval(launched.tokens, launched.written)
+        mx.eval([t for t in (launched.tokens, launched.written) if t is not None])
         return launched.tokens.tolist()
 
     @staticmethod
