@@ -142,7 +142,10 @@ class Scheduler:
 
     def _alloc(self, req: Request, n: int) -> list[int]:
         if self.slots.free_count < n and self.tree is not None:
-            self.tree.evict(n - self.slots.free_count)
+            # Evict in batches: each eviction pass walks the tree's leaves, so doing it for
+            # every decode token of a full pool would cost O(tree) per request per step.
+            batch = max(n - self.slots.free_count, self.slots.capacity // 64, 16)
+            self.tree.evict(batch)
         got = self.slots.alloc(n)
         assert got is not None, "reservation accounting broke: no slots for an admitted request"
         req.reserved -= n

@@ -57,7 +57,7 @@ def buffer_cache_bytes(configured_mb: int, default_bytes: int, pool_bytes: int) 
     """The MLX buffer-cache limit to use (see WorkerConfig.buffer_cache_mb).
 
     A step's temporaries (gathered K/V, attention scratch) scale with the pool, so the
-    automatic limit is a few pools' worth: enough to reuse buffers step after step, and
+    automatic limit is four pools' worth: enough to reuse buffers step after step, and
     bounded, so resident memory stops growing once the cache is warm.
     """
     if configured_mb:
