@@ -19,3 +19,9 @@ def test_buffer_cache_limit_is_raised_but_never_lowered():
     assert buffer_cache_bytes(0, 32 * mib, 100 * mib) == 400 * mib  # four pools' worth
     assert buffer_cache_bytes(0, 32 * mib, 1 * mib) == 32 * mib  # never below MLX's default
     assert buffer_cache_bytes(0, 16 * 2**30, 1 * mib) == 16 * 2**30
+
+
+def test_row_buckets():
+    from runtime.worker.engine import row_bucket
+
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 64)] == [1, 2, 4, 8, 8, 16, 16, 24, 64]

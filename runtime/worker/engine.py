@@ -16,6 +16,13 @@ from runtime.worker.kv_pool import KVPool
 from runtime.worker.pool_cache import ForwardBatch, PoolLayerCache
 
 
+def row_bucket(rows: int) -> int:
+    """Batch rows rounded up to a few size classes: powers of two to 8, then multiples of 8."""
+    if rows <= 8:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // 8) * 8
+
+
 @dataclass
 class LaunchedStep:
     """A step whose work is queued on the device but not read back yet."""
@@ -37,7 +44,7 @@ class Engine:
     """
 
     LENGTH_BUCKET = 128
-    bucket_single = False  # single-stream decode keeps mlx-lm's exact shapes
+    bucket_single = True  # single-stream decode is bucketed too: mlx-lm's exact growing shapes flood the buffer cache
 
     def __init__(
         self,
@@ -136,14 +143,26 @@ class Engine:
         self.slot_table[rows, positions] = decode.slot_ids
         bsz = len(decode.rows)
         length = int(positions.max()) + 1
+        pad = 0
         if bsz > 1 or self.bucket_single:
-            # Round the attended length up to a bucket (padding is masked out): the same
-            # shapes recur for many steps, so MLX reuses its buffers instead of faulting in
-            # new ones every step.
+            # Round the attended length and the row count up to buckets (padding is masked
+            # out): the same shapes recur for many steps, so MLX reuses its buffers instead
+            # of faulting in new ones every step.
             length = min(-(-length // self.LENGTH_BUCKET) * self.LENGTH_BUCKET, self.max_context)
-        gather = mx.array(self.slot_table[rows, :length])
+            pad = row_bucket(bsz) - bsz
+        gather_np = self.slot_table[rows, :length]
+        slot_ids = list(decode.slot_ids)
+        aux_slots = list(decode.aux_slots)
+        if pad:
+            # Padding rows attend to the padding slot 0 only and write their K/V (and aux
+            # state) there; their tokens are dropped.
+            gather_np = np.concatenate([gather_np, np.zeros((pad, length), dtype=gather_np.dtype)])
+            positions = np.concatenate([positions, np.zeros(pad, dtype=positions.dtype)])
+            slot_ids += [0] * pad
+            aux_slots += [0] * pad if aux_slots else []
+        gather = mx.array(gather_np)
         if bsz == 1 and not self.bucket_single:
-            # Exactly mlx-lm's single-stream shapes (no padding, no mask).
+            # mlx-lm's single-stream shapes (no padding, no mask), when not bucketing.
             offset: int | mx.array = int(positions[0])
             mask = None
         else:
@@ -151,19 +170,23 @@ class Engine:
             valid = np.arange(length)[None, :] <= positions[:, None]
             mask = mx.array(valid)[:, None, None, :]
         batch = ForwardBatch(
-            write_slots=mx.array(decode.slot_ids, dtype=mx.int32),
+            write_slots=mx.array(slot_ids, dtype=mx.int32),
             gather_index=gather,
             offset=offset,
             mask=mask,
             num_new=1,
         )
         inputs = self._decode_inputs(decode)
+        if pad:
+            inputs = mx.concatenate([inputs, mx.zeros((pad,), dtype=inputs.dtype)])
         aux = None
         if self.aux_pool is not None:
-            aux = self._aux_caches(mx.array(decode.aux_slots, dtype=mx.int32))
+            aux = self._aux_caches(mx.array(aux_slots, dtype=mx.int32))
         logits = self.model(inputs[:, None], cache=self._caches(batch, aux))[:, -1, :]
         if aux is not None:
-            self._store_aux(aux, decode.aux_slots)
+            self._store_aux(aux, aux_slots)
+        if pad:
+            logits = logits[:bsz]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = mx.argmax(logprobs, axis=-1).astype(mx.int32)
         temps = decode.temperatures
