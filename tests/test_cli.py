@@ -15,6 +15,16 @@ from conftest import REPO, kill_group, running_service, start_runtime
 from model_factory import reference_greedy
 
 
+def _wait_serving(out, lines: list[str], timeout: float = 90) -> str:
+    """Block until `runtime up` prints its serving line; return the address in it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        line = out.get(timeout=max(0.1, deadline - time.monotonic()))
+        assert line is not None, "".join(lines)
+        if "serving" in line:
+            return line.rsplit(" on ", 1)[1].strip()
+
+
 def _runtime(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "runtime.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
@@ -94,11 +104,7 @@ def test_signal_shuts_down_within_10s_leaving_no_process(model_dir, tmp_path, si
     config.write_text(f'[model]\npath = "{folder}"\n[server]\naddress = "ipc://"\n')
     proc, out, lines = start_runtime(config)
     try:
-        deadline = time.monotonic() + 90
-        while not any("serving" in line for line in lines):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-            line = out.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert line is not None, "".join(lines)
+        _wait_serving(out, lines)
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert children, "the worker process should be a child of the scheduler"
         start = time.monotonic()
@@ -117,13 +123,7 @@ def test_default_config_serves_the_embedded_adder(tmp_path):
     """`runtime up -c configs/default.toml` plus one `runtime generate` gives a correct sum."""
     proc, out, lines = start_runtime(REPO / "configs" / "default.toml")
     try:
-        deadline = time.monotonic() + 90
-        address = None
-        while address is None:
-            line = out.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert line is not None, "".join(lines)
-            if "serving" in line:
-                address = line.rsplit(" on ", 1)[1].strip()
+        address = _wait_serving(out, lines)
         done = _runtime("generate", "-a", address, "123+456=")
         as_json = json.loads(_runtime("generate", "-a", address, "--json", "250+250=").stdout)
     finally:
@@ -146,10 +146,7 @@ def test_tcp_address_binds_loopback(model_dir, tmp_path):
     config.write_text(f'[model]\npath = "{model_dir("llama")}"\n[server]\naddress = "tcp://:{port}"\n')
     proc, out, lines = start_runtime(config)
     try:
-        deadline = time.monotonic() + 90
-        while not any("serving" in line for line in lines):
-            line = out.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert line is not None, "".join(lines)
+        _wait_serving(out, lines)
         assert f"tcp://127.0.0.1:{port}" in "".join(lines)
         done = _runtime("generate", "-a", f"tcp://127.0.0.1:{port}", "--json", "--max-tokens", "3", "--ignore-eos", "hi")
         assert done.returncode == 0 and len(json.loads(done.stdout)["token_ids"]) == 3
