@@ -13,26 +13,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, DecodeBatch, PrefillChunk, Step
+from runtime.scheduler.admission import Limits, RequestRejected, validate_request
 from runtime.scheduler.aux_state import AuxTracker
 from runtime.scheduler.radix import InsertResult, RadixCache
 from runtime.scheduler.request import Request
 from runtime.scheduler.rows import RowAllocator
 from runtime.scheduler.slots import SlotAllocator
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What the worker reported it can hold, plus batching knobs."""
-
-    num_slots: int
-    max_rows: int
-    max_context: int
-    vocab_size: int
-    max_step_tokens: int = 512
-    prefill_chunk: int = 256
-    cache_enabled: bool = True
-    aux_slots: int = 0
-    track_chunk: int = 64
 
 
 @dataclass
@@ -51,10 +37,6 @@ class StepOutput:
     req: Request
     new_ids: list[int]
     finished: bool
-
-
-class RequestRejected(ValueError):
-    """The request can never be served; the message says why."""
 
 
 class Scheduler:
@@ -86,28 +68,7 @@ class Scheduler:
     # ---- admission -------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], max_tokens: int, temperature: float) -> int:
         """Check a request against the limits; return its effective max new tokens."""
-        lim = self.limits
-        if not prompt_ids:
-            raise RequestRejected("the prompt is empty: send at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < lim.vocab_size]
-        if bad:
-            raise RequestRejected(f"unknown token ids {bad[:5]}: the vocabulary has ids 0..{lim.vocab_size - 1}")
-        if max_tokens < 1:
-            raise RequestRejected(f"max_tokens must be at least 1, got {max_tokens}")
-        if temperature < 0:
-            raise RequestRejected(f"temperature must be >= 0, got {temperature}")
-        n = len(prompt_ids)
-        if n >= lim.max_context:
-            raise RequestRejected(
-                f"the prompt has {n} tokens; this service's context holds at most {lim.max_context - 1} prompt tokens"
-            )
-        max_new = min(max_tokens, lim.max_context - n)
-        if n + max_new > self.slots.capacity:
-            raise RequestRejected(
-                f"prompt ({n} tokens) plus max_tokens ({max_new}) exceeds the KV pool of {self.slots.capacity} "
-                f"tokens; lower max_tokens or raise cache.kv_slots"
-            )
-        return max_new
+        return validate_request(self.limits, self.slots.capacity, prompt_ids, max_tokens, temperature)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
