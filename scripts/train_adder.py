@@ -49,6 +49,8 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlx_lm.models.llama import Model, ModelArgs
 
+from runtime.scheduler.blas import find_openblas
+
 # --------------------------------------------------------------------------
 # Tokenizer
 # --------------------------------------------------------------------------
@@ -307,26 +309,10 @@ class ShardWorker:
 # --------------------------------------------------------------------------
 # BLAS: the Linux mlx[cpu] wheel bundles the reference BLAS (about 6 GFLOP/s
 # on one core). A system OpenBLAS preloaded with LD_PRELOAD is ~5x faster;
-# the runtime's workers do the same (runtime/scheduler/blas.py).
+# the runtime's workers do the same, with the same finder (runtime/scheduler/blas.py).
 # --------------------------------------------------------------------------
 
-OPENBLAS_CANDIDATES = (
-    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
-    "/usr/lib64/libopenblas.so.0",
-    "/usr/lib/libopenblas.so.0",
-)
 _REEXEC_FLAG = "TRAIN_ADDER_BLAS"
-
-
-def find_openblas() -> str | None:
-    import ctypes.util
-
-    for path in OPENBLAS_CANDIDATES:
-        if os.path.exists(path):
-            return path
-    found = ctypes.util.find_library("openblas")
-    return found if found and os.path.isabs(found) else None
 
 
 def maybe_reexec_with_openblas(mode: str) -> str:
