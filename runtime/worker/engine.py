@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -28,8 +27,7 @@ class LaunchedStep:
     """A step whose work is queued on the device but not read back yet."""
 
     step_id: int
-    tokens: mx.array | None
-    launched_at: float
+    tokens: mx.array | None = None
     written: mx.array | None = None
     step: Step | None = None
 
@@ -37,14 +35,14 @@ class LaunchedStep:
 class Engine:
     """Owns the model, the KV pool and the host-side request→slot table.
 
-    ``LENGTH_BUCKET``: batched decode attends to a multiple of this many positions.
+    ``LENGTH_BUCKET``: decode attends to a multiple of this many positions, and batch rows
+    are padded to ``row_bucket`` sizes: few distinct shapes, so MLX reuses its buffers.
 
     Chaining: a decode row whose input token is -1 takes the token this engine sampled
     for that row in the previous decode batch, as a lazy array (never read back first).
     """
 
     LENGTH_BUCKET = 128
-    bucket_single = True  # single-stream decode is bucketed too: mlx-lm's exact growing shapes flood the buffer cache
 
     def __init__(
         self,
@@ -110,7 +108,6 @@ class Engine:
             gather_index=gather,
             offset=start,
             mask=None,
-            num_new=n,
         )
         aux = None
         if hybrid:
@@ -142,14 +139,11 @@ class Engine:
         positions = np.asarray(decode.positions, dtype=np.int64)
         self.slot_table[rows, positions] = decode.slot_ids
         bsz = len(decode.rows)
-        length = int(positions.max()) + 1
-        pad = 0
-        if bsz > 1 or self.bucket_single:
-            # Round the attended length and the row count up to buckets (padding is masked
-            # out): the same shapes recur for many steps, so MLX reuses its buffers instead
-            # of faulting in new ones every step.
-            length = min(-(-length // self.LENGTH_BUCKET) * self.LENGTH_BUCKET, self.max_context)
-            pad = row_bucket(bsz) - bsz
+        # Round the attended length and the row count up to buckets (padding is masked out):
+        # the same shapes recur for many steps, so MLX reuses its buffers instead of faulting
+        # in new ones every step (mlx-lm's exact, growing shapes would flood its cache).
+        length = min(-(-(int(positions.max()) + 1) // self.LENGTH_BUCKET) * self.LENGTH_BUCKET, self.max_context)
+        pad = row_bucket(bsz) - bsz
         gather_np = self.slot_table[rows, :length]
         slot_ids = list(decode.slot_ids)
         aux_slots = list(decode.aux_slots)
@@ -160,21 +154,12 @@ class Engine:
             positions = np.concatenate([positions, np.zeros(pad, dtype=positions.dtype)])
             slot_ids += [0] * pad
             aux_slots += [0] * pad if aux_slots else []
-        gather = mx.array(gather_np)
-        if bsz == 1 and not self.bucket_single:
-            # mlx-lm's single-stream shapes (no padding, no mask), when not bucketing.
-            offset: int | mx.array = int(positions[0])
-            mask = None
-        else:
-            offset = mx.array(positions.astype(np.int32))
-            valid = np.arange(length)[None, :] <= positions[:, None]
-            mask = mx.array(valid)[:, None, None, :]
+        valid = np.arange(length)[None, :] <= positions[:, None]
         batch = ForwardBatch(
             write_slots=mx.array(slot_ids, dtype=mx.int32),
-            gather_index=gather,
-            offset=offset,
-            mask=mask,
-            num_new=1,
+            gather_index=mx.array(gather_np),
+            offset=mx.array(positions.astype(np.int32)),
+            mask=mx.array(valid)[:, None, None, :],
         )
         inputs = self._decode_inputs(decode)
         if pad:
@@ -204,7 +189,7 @@ class Engine:
         A step with prefill chunks is only recorded here: ``prepare`` runs it once the
         previous step has been read back.
         """
-        launched = LaunchedStep(step.step_id, None, time.perf_counter(), step=step)
+        launched = LaunchedStep(step.step_id, step=step)
         if not step.prefills:
             self._build_decode(launched)
         return launched

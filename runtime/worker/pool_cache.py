@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 
 from runtime.worker.kv_pool import KVPool
 
@@ -16,15 +17,14 @@ class ForwardBatch:
     ``write_slots``: slot of every new token, batch-major (B * L,).
     ``gather_index``: (B, T) slots of every position each row attends to, or None when
     the new tokens are the whole sequence (a prefill from position 0, single row).
-    ``offset``: the position of the first new token (int for one row, (B,) array for many).
-    ``mask``: the attention mask for the decode batch (None, or (B, 1, 1, T) bool).
+    ``offset``: the position of the first new token (int for a prefill, (B,) array for decode).
+    ``mask``: the decode mask ((B, 1, 1, T) bool), or None for a prefill (causal).
     """
 
     write_slots: mx.array
     gather_index: mx.array | None
     offset: int | mx.array
     mask: mx.array | None
-    num_new: int
 
 
 class PoolLayerCache:
@@ -55,14 +55,8 @@ class PoolLayerCache:
         if n == 1:
             return None
         if return_array or window_size is not None:
-            offset = self.batch.offset
-            assert isinstance(offset, int)
-            rinds = mx.arange(offset + n)[None]
-            linds = mx.arange(offset, offset + n)[:, None]
-            mask = linds >= rinds
-            if window_size is not None:
-                mask = mask & (linds < rinds + window_size)
-            return mask
+            assert isinstance(self.batch.offset, int)
+            return create_causal_mask(n, self.batch.offset, window_size=window_size)
         return "causal"
 
     @property
