@@ -47,8 +47,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         ready = server.ready
         assert ready is not None
         print(
-            f"runtime: serving {config.model.path} ({ready.model_type}, {ready.num_slots} KV slots, "
-            f"context {ready.max_context}) on {addresses.client}",
+            f"runtime: serving {config.model.path} ({ready.model_type}, {ready.num_slots} KV slots "
+            f"{ready.dtype} {(ready.pool_bytes + ready.aux_bytes) / 2**20:.1f} MiB, context {ready.max_context}) "
+            f"on {addresses.client}",
             flush=True,
         )
         serve = asyncio.create_task(server.serve_forever())

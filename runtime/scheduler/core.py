@@ -115,9 +115,6 @@ class Scheduler:
         return got
 
     # ---- planning --------------------------------------------------------------------
-    def has_work(self) -> bool:
-        return any(r.wants_decode or not r.prefill_done for r in self.running) or bool(self.waiting)
-
     def next_step(self) -> PlannedStep | None:
         """Plan the next worker step, or None when there is nothing to run."""
         lim = self.limits

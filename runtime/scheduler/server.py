@@ -42,7 +42,6 @@ class Server:
         self.ready: wp.Ready | None = None
         self.restarts = 0
         self.wakeup = asyncio.Event()
-        self.stopping = False
         self.owners: dict[str, bytes] = {}
         self.last_step: wp.StepDone | None = None
         self._outbox: dict[bytes, list[cp.Chunk]] = {}
@@ -114,11 +113,10 @@ class Server:
         identity = self.owners.pop(req.rid, None)
         if identity is None:
             return
-        if req.stream or req.detok is None:
-            text = req.detok.text if req.detok is not None else ""
+        if req.detok is not None:
+            text = req.detok.text
         else:
-            # Non-streaming requests are detokenized once, at the end; a stop token is not text.
-            ids = req.output_ids[:-1] if req.finish_reason == "stop" else req.output_ids
+            ids = req.output_ids[:-1] if req.finish_reason == "stop" else req.output_ids  # a stop token is not text
             text = self.tokenizer.decode(ids)
         self._send(
             identity,
@@ -174,7 +172,8 @@ class Server:
             stop_token_ids=frozenset(msg.stop_token_ids),
         )
         req = Request(rid=rid, prompt_ids=ids, params=params, max_new=max_new, stream=msg.stream)
-        req.detok = Detokenizer(self.tokenizer)
+        if msg.stream:
+            req.detok = Detokenizer(self.tokenizer)  # non-streaming requests decode once, at the end
         req.arrived_at = time.monotonic()
         self.owners[rid] = identity
         self.scheduler.add(req)
