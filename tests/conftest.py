@@ -81,10 +81,8 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def running_service(tmp_path: Path, model: Path, extra: str = "", timeout: float = 90.0):
-    """Start `runtime up` on an ipc socket in a temp dir; always tear the whole group down."""
-    config_file = tmp_path / "service.toml"
-    config_file.write_text(f'[model]\npath = "{model}"\n[server]\naddress = "ipc://"\n{extra}\n')
+def running_config(config_file: Path, timeout: float = 90.0):
+    """Start `runtime up -c config_file`; always tear the whole process group down."""
     proc, out, lines = start_runtime(config_file)
     try:
         deadline = time.monotonic() + timeout
@@ -111,6 +109,15 @@ def running_service(tmp_path: Path, model: Path, extra: str = "", timeout: float
             except subprocess.TimeoutExpired:
                 pass
         kill_group(proc)
+
+
+@contextmanager
+def running_service(tmp_path: Path, model: Path, extra: str = "", timeout: float = 90.0):
+    """Start `runtime up` on an ipc socket in a temp dir; always tear the whole group down."""
+    config_file = tmp_path / "service.toml"
+    config_file.write_text(f'[model]\npath = "{model}"\n[server]\naddress = "ipc://"\n{extra}\n')
+    with running_config(config_file, timeout) as svc:
+        yield svc
 
 
 @pytest.fixture

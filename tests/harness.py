@@ -9,7 +9,8 @@ from collections import deque
 from pathlib import Path
 
 from runtime.config import parse_config
-from runtime.scheduler.core import Limits, Scheduler
+from runtime.scheduler.admission import Limits
+from runtime.scheduler.core import Scheduler
 from runtime.scheduler.request import Request, SamplingParams
 from runtime.scheduler.tokenizer import Tokenizer
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH
-from runtime.scheduler.core import Limits, Scheduler
+from runtime.scheduler.admission import Limits
+from runtime.scheduler.core import Scheduler
 from runtime.scheduler.request import Request, SamplingParams
 from runtime.worker.aux_pool import AuxPool
 

@@ -11,18 +11,8 @@ import time
 
 import pytest
 
-from conftest import REPO, kill_group, running_service, start_runtime
+from conftest import REPO, running_config, running_service
 from model_factory import reference_greedy
-
-
-def _wait_serving(out, lines: list[str], timeout: float = 90) -> str:
-    """Block until `runtime up` prints its serving line; return the address in it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        line = out.get(timeout=max(0.1, deadline - time.monotonic()))
-        assert line is not None, "".join(lines)
-        if "serving" in line:
-            return line.rsplit(" on ", 1)[1].strip()
 
 
 def _runtime(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -102,9 +92,8 @@ def test_signal_shuts_down_within_10s_leaving_no_process(model_dir, tmp_path, si
     folder = model_dir("llama")
     config = tmp_path / "c.toml"
     config.write_text(f'[model]\npath = "{folder}"\n[server]\naddress = "ipc://"\n')
-    proc, out, lines = start_runtime(config)
-    try:
-        _wait_serving(out, lines)
+    with running_config(config) as svc:
+        proc = svc.proc
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert children, "the worker process should be a child of the scheduler"
         start = time.monotonic()
@@ -114,24 +103,13 @@ def test_signal_shuts_down_within_10s_leaving_no_process(model_dir, tmp_path, si
         for pid in children:
             with pytest.raises(ProcessLookupError):
                 os.kill(int(pid), 0)
-    finally:
-        if proc.poll() is None:
-            kill_group(proc)
 
 
-def test_default_config_serves_the_embedded_adder(tmp_path):
+def test_default_config_serves_the_embedded_adder():
     """`runtime up -c configs/default.toml` plus one `runtime generate` gives a correct sum."""
-    proc, out, lines = start_runtime(REPO / "configs" / "default.toml")
-    try:
-        address = _wait_serving(out, lines)
-        done = _runtime("generate", "-a", address, "123+456=")
-        as_json = json.loads(_runtime("generate", "-a", address, "--json", "250+250=").stdout)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        finally:
-            kill_group(proc)
+    with running_config(REPO / "configs" / "default.toml") as svc:
+        done = _runtime("generate", "-a", svc.address, "123+456=")
+        as_json = json.loads(_runtime("generate", "-a", svc.address, "--json", "250+250=").stdout)
     assert done.returncode == 0 and done.stdout.strip() == "579"
     assert as_json["text"] == "500" and as_json["finish_reason"] == "stop"
 
@@ -144,15 +122,7 @@ def test_tcp_address_binds_loopback(model_dir, tmp_path):
         port = probe.getsockname()[1]
     config = tmp_path / "tcp.toml"
     config.write_text(f'[model]\npath = "{model_dir("llama")}"\n[server]\naddress = "tcp://:{port}"\n')
-    proc, out, lines = start_runtime(config)
-    try:
-        _wait_serving(out, lines)
-        assert f"tcp://127.0.0.1:{port}" in "".join(lines)
-        done = _runtime("generate", "-a", f"tcp://127.0.0.1:{port}", "--json", "--max-tokens", "3", "--ignore-eos", "hi")
-        assert done.returncode == 0 and len(json.loads(done.stdout)["token_ids"]) == 3
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        finally:
-            kill_group(proc)
+    with running_config(config) as svc:
+        assert svc.address == f"tcp://127.0.0.1:{port}"
+        done = _runtime("generate", "-a", svc.address, "--json", "--max-tokens", "3", "--ignore-eos", "hi")
+    assert done.returncode == 0 and len(json.loads(done.stdout)["token_ids"]) == 3

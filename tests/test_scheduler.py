@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.scheduler.core import Limits, RequestRejected, Scheduler
+from runtime.scheduler.admission import Limits, RequestRejected
+from runtime.scheduler.core import Scheduler
 from runtime.scheduler.request import Request, SamplingParams
 
 EOS = 0

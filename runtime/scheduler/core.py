@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, DecodeBatch, PrefillChunk, Step
-from runtime.scheduler.admission import Limits, RequestRejected, validate_request
+from runtime.protocol.worker import AUX_CONTINUE, DecodeBatch, PrefillChunk, Step
+from runtime.scheduler.admission import Limits, validate_request
 from runtime.scheduler.aux_state import AuxTracker
 from runtime.scheduler.radix import InsertResult, RadixCache
 from runtime.scheduler.request import Request

@@ -14,7 +14,8 @@ from runtime.config import Config
 from runtime.protocol import client as cp
 from runtime.protocol import worker as wp
 from runtime.scheduler.addresses import Addresses
-from runtime.scheduler.core import Limits, RequestRejected, Scheduler, StepOutput
+from runtime.scheduler.admission import Limits, RequestRejected
+from runtime.scheduler.core import Scheduler, StepOutput
 from runtime.scheduler.request import Request, SamplingParams
 from runtime.scheduler.tokenizer import Detokenizer, Tokenizer
 from runtime.scheduler.worker_process import WorkerProcess
