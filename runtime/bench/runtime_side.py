@@ -7,38 +7,20 @@ import time
 from collections.abc import Callable, Sequence
 
 from runtime.bench.measure import StreamTiming
-from runtime.client import Client, RequestFailed
-from runtime.client.client import GenerationResult
-from runtime.protocol import client as cp
+from runtime.client import Client
 
 REPLY_TIMEOUT_S = 600.0
 
 
 async def _stream_one(client: Client, prompt: list[int], gen_len: int, timing: StreamTiming) -> None:
-    """One streaming request, greedy and ignoring EOS; chunks are stamped as they arrive.
-
-    ``Client.stream`` yields chunks only; to also read the final ``Done`` (for
-    ``cached_tokens``) this speaks the same messages through the client's own
-    request/queue helpers.
-    """
-    msg = client._request(None, True, None, prompt, gen_len, 0.0, True, None)
-    queue = await client._call(msg, msg.rid)
-    try:
-        while True:
-            reply = await client._get(queue)
-            if isinstance(reply, cp.Chunk):
-                timing.add(list(reply.token_ids))
-            elif isinstance(reply, cp.Done):
-                if reply.finish_reason == "error":
-                    raise RequestFailed(GenerationResult(rid=msg.rid, finish_reason="error", error=reply.error))
-                timing.cached_tokens = reply.cached_tokens
-                if not timing.token_ids and reply.token_ids:
-                    timing.add(list(reply.token_ids))
-                return
-            elif isinstance(reply, cp.ProtocolError):
-                raise RequestFailed(GenerationResult(rid=msg.rid, finish_reason="error", error=reply.message))
-    finally:
-        client._queues.pop(msg.rid, None)
+    """One streaming request, greedy and ignoring EOS; chunks are stamped as they arrive."""
+    stream = client.stream(token_ids=prompt, max_tokens=gen_len, ignore_eos=True)
+    async for chunk in stream:
+        timing.add(chunk.token_ids)
+    assert stream.result is not None
+    timing.cached_tokens = stream.result.cached_tokens
+    if not timing.token_ids and stream.result.token_ids:
+        timing.add(list(stream.result.token_ids))
 
 
 async def _together(address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int]) -> list[StreamTiming]:
