@@ -9,9 +9,11 @@ import mlx.nn as nn
 import numpy as np
 
 from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, DecodeBatch, PrefillChunk, Step
+from runtime.worker import attention_patch
 from runtime.worker.aux_pool import AuxPool
 from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
+from runtime.worker.paged_attention import PagedAttention
 from runtime.worker.pool_cache import ForwardBatch, PoolLayerCache
 
 
@@ -61,6 +63,11 @@ class Engine:
         self.slot_table = np.zeros((max_rows, max_context), dtype=np.int32)
         self._prev_tokens: mx.array | None = None
         self._prev_index: dict[int, int] = {}
+        # Decode attention reads the pool through the slot table when mlx-lm's attention
+        # call can be routed to it; otherwise K/V are gathered into a masked batch.
+        paged = layout.kv_shape is not None and attention_patch.install(model, layout.attn_attr)
+        self.attention = PagedAttention(PagedAttention.kernel_available()) if paged else None
+        self._decode_mask = self.attention is None or not self.attention.supports(pool.shape.head_dim)
 
     def _caches(self, batch: ForwardBatch, aux: list | None = None) -> list:
         """One cache object per entry: pool views for attention, ArraysCache for auxiliary state."""
@@ -154,12 +161,17 @@ class Engine:
             positions = np.concatenate([positions, np.zeros(pad, dtype=positions.dtype)])
             slot_ids += [0] * pad
             aux_slots += [0] * pad if aux_slots else []
-        valid = np.arange(length)[None, :] <= positions[:, None]
+        mask = None
+        if self._decode_mask:
+            mask = mx.array(np.arange(length)[None, :] <= positions[:, None])[:, None, None, :]
+        positions32 = positions.astype(np.int32)
         batch = ForwardBatch(
             write_slots=mx.array(slot_ids, dtype=mx.int32),
             gather_index=mx.array(gather_np),
-            offset=mx.array(positions.astype(np.int32)),
-            mask=mx.array(valid)[:, None, None, :],
+            offset=mx.array(positions32),
+            mask=mask,
+            lengths=mx.array(positions32 + 1) if self.attention is not None else None,
+            attention=self.attention,
         )
         inputs = self._decode_inputs(decode)
         if pad:

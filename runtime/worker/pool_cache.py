@@ -8,6 +8,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from runtime.worker.kv_pool import KVPool
+from runtime.worker.paged_attention import PagedAttention
 
 
 @dataclass
@@ -18,13 +19,18 @@ class ForwardBatch:
     ``gather_index``: (B, T) slots of every position each row attends to, or None when
     the new tokens are the whole sequence (a prefill from position 0, single row).
     ``offset``: the position of the first new token (int for a prefill, (B,) array for decode).
-    ``mask``: the decode mask ((B, 1, 1, T) bool), or None for a prefill (causal).
+    ``mask``: the decode mask ((B, 1, 1, T) bool), or None for a prefill (causal) and for
+    a paged decode whose kernel takes ``lengths`` instead.
+    ``lengths``/``attention``: set for a paged decode (the model's attention call is routed
+    to ``PoolLayerCache.paged_attend``): valid positions per row, and the kernel to use.
     """
 
     write_slots: mx.array
     gather_index: mx.array | None
     offset: int | mx.array
     mask: mx.array | None
+    lengths: mx.array | None = None
+    attention: PagedAttention | None = None
 
 
 class PoolLayerCache:
@@ -44,10 +50,23 @@ class PoolLayerCache:
         flat_k = keys.transpose(0, 2, 1, 3).reshape(b * length, h, d)
         flat_v = values.transpose(0, 2, 1, 3).reshape(b * length, h, d)
         self.pool.write(self.kv_layer, self.batch.write_slots, flat_k, flat_v)
+        if self.paged:
+            # The attention call comes back to paged_attend, which reads the pool itself.
+            return keys, values
         if self.batch.gather_index is None:
             # The new tokens are the whole sequence: attend to them directly, as mlx-lm's KVCache does.
             return keys, values
         return self.pool.gather(self.kv_layer, self.batch.gather_index)
+
+    @property
+    def paged(self) -> bool:
+        return self.batch.attention is not None
+
+    def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
+        """Decode attention over this row's pool slots (the K/V just written included)."""
+        b = self.batch
+        assert b.attention is not None and b.gather_index is not None and b.lengths is not None
+        return b.attention.attend(queries, self.pool, self.kv_layer, b.gather_index, b.lengths, b.mask, scale)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
         if self.batch.mask is not None:

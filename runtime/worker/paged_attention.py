@@ -1,0 +1,144 @@
+"""Decode attention that reads K/V straight from the pool through a slot table.
+
+On a CUDA device this is one custom kernel per layer: no gathered copy of K/V, no mask
+array (MLX's fused decode kernel refuses array masks, so a masked batch would fall back
+to unfused matmul + softmax), and far fewer kernels to launch per step. Elsewhere it is
+the gather + masked ``mx.fast.scaled_dot_product_attention`` the worker always used.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from runtime.worker.kv_pool import KVPool
+
+WARPS = 8
+
+_SOURCE = """
+    constexpr int PER = D / 32;
+    const int b = blockIdx.x / HKV;
+    const int h = blockIdx.x % HKV;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int tcap = table_shape[1];
+    const int n = lengths[b];
+    const float sc = scale[0];
+    float qr[NREP][PER];
+    float acc[NREP][PER];
+    float m[NREP];
+    float l[NREP];
+    for (int r = 0; r < NREP; ++r) {
+        const size_t qbase = ((size_t)(b * HKV + h) * NREP + r) * D + lane * PER;
+        for (int i = 0; i < PER; ++i) {
+            qr[r][i] = static_cast<float>(queries[qbase + i]) * sc;
+            acc[r][i] = 0.f;
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    const int* trow = table + (size_t)b * tcap;
+    for (int t = warp; t < n; t += NWARPS) {
+        const size_t base = ((size_t)trow[t] * HKV + h) * D + lane * PER;
+        float kr[PER];
+        float vr[PER];
+        for (int i = 0; i < PER; ++i) {
+            kr[i] = static_cast<float>(keys[base + i]);
+            vr[i] = static_cast<float>(values[base + i]);
+        }
+        for (int r = 0; r < NREP; ++r) {
+            float s = 0.f;
+            for (int i = 0; i < PER; ++i) s += qr[r][i] * kr[i];
+            for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+            const float mn = fmaxf(m[r], s);
+            const float corr = expf(m[r] - mn);
+            const float p = expf(s - mn);
+            l[r] = l[r] * corr + p;
+            for (int i = 0; i < PER; ++i) acc[r][i] = acc[r][i] * corr + p * vr[i];
+            m[r] = mn;
+        }
+    }
+    __shared__ float sm_m[NWARPS][NREP];
+    __shared__ float sm_l[NWARPS][NREP];
+    __shared__ float sm_acc[NWARPS][NREP][D];
+    for (int r = 0; r < NREP; ++r) {
+        if (lane == 0) {
+            sm_m[warp][r] = m[r];
+            sm_l[warp][r] = l[r];
+        }
+        for (int i = 0; i < PER; ++i) sm_acc[warp][r][lane * PER + i] = acc[r][i];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < NREP * D; idx += NWARPS * 32) {
+        const int r = idx / D;
+        const int d = idx % D;
+        float top = -INFINITY;
+        for (int w = 0; w < NWARPS; ++w) top = fmaxf(top, sm_m[w][r]);
+        float total = 0.f;
+        float value = 0.f;
+        for (int w = 0; w < NWARPS; ++w) {
+            if (sm_m[w][r] == -INFINITY) continue;
+            const float f = expf(sm_m[w][r] - top);
+            total += sm_l[w][r] * f;
+            value += sm_acc[w][r][d] * f;
+        }
+        out[((size_t)(b * HKV + h) * NREP + r) * D + d] = static_cast<T>(value / total);
+    }
+"""
+
+
+class PagedAttention:
+    """``attend(queries, pool, layer, table, lengths, mask, scale)`` for one decode token per row.
+
+    ``queries``: (B, Hq, 1, D); the pool layer's K/V: (slots, Hkv, D); ``table``: (B, T) int32 slots of
+    every attended position (padding slot beyond each row's length); ``lengths``: (B,)
+    int32 valid positions per row; ``mask``: (B, 1, 1, T) bool, used only by the fallback.
+    """
+
+    def __init__(self, use_kernel: bool) -> None:
+        self.use_kernel = use_kernel
+        self._kernel = None
+        self._scales: dict[float, mx.array] = {}
+
+    @staticmethod
+    def kernel_available() -> bool:
+        """True on a CUDA GPU (the only device the custom kernel is written for)."""
+        return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+
+    def supports(self, head_dim: int) -> bool:
+        return self.use_kernel and head_dim % 32 == 0 and head_dim <= 256
+
+    def attend(
+        self,
+        queries: mx.array,
+        pool: KVPool,
+        layer: int,
+        table: mx.array,
+        lengths: mx.array,
+        mask: mx.array | None,
+        scale: float,
+    ) -> mx.array:
+        b, n_q, length, d = queries.shape
+        keys_pool, values_pool = pool.keys[layer], pool.values[layer]
+        n_kv = keys_pool.shape[1]
+        if not self.supports(d) or length != 1:
+            keys, values = pool.gather(layer, table)
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        if self._kernel is None:
+            self._kernel = mx.fast.cuda_kernel(
+                name="runtime_paged_decode",
+                input_names=["queries", "keys", "values", "table", "lengths", "scale"],
+                output_names=["out"],
+                source=_SOURCE,
+            )
+        scale_arr = self._scales.get(scale)
+        if scale_arr is None:
+            scale_arr = self._scales[scale] = mx.array([scale], dtype=mx.float32)
+        (out,) = self._kernel(
+            inputs=[queries, keys_pool, values_pool, table, lengths, scale_arr],
+            template=[("T", queries.dtype), ("D", d), ("NREP", n_q // n_kv), ("HKV", n_kv), ("NWARPS", WARPS)],
+            grid=(b * n_kv * WARPS * 32, 1, 1),
+            threadgroup=(WARPS * 32, 1, 1),
+            output_shapes=[queries.shape],
+            output_dtypes=[queries.dtype],
+        )
+        return out
