@@ -214,10 +214,47 @@ class Engine:
         """
         if launched.step is None or not launched.step.prefills:
             return
-        for chunk in launched.step.prefills:
-            self._prefill(chunk)
+        for group in self._prefill_groups(launched.step.prefills):
+            if len(group) == 1:
+                self._prefill(group[0])
+            else:
+                self._prefill_batch(group)
             mx.eval(self._written())
         self._build_decode(launched)
+
+    def _prefill_groups(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+        """Consecutive chunks of distinct rows with the same start and length run as one batch
+        (attention-only models: a recurrent state would need per-row lengths)."""
+        groups: list[list[PrefillChunk]] = []
+        for chunk in chunks:
+            last = groups[-1] if groups else None
+            if (
+                last is not None
+                and self.aux_pool is None
+                and chunk.token_ids
+                and chunk.start == last[0].start
+                and len(chunk.token_ids) == len(last[0].token_ids)
+                and all(c.row != chunk.row for c in last)
+            ):
+                last.append(chunk)
+            else:
+                groups.append([chunk])
+        return groups
+
+    def _prefill_batch(self, group: list[PrefillChunk]) -> None:
+        start, n = group[0].start, len(group[0].token_ids)
+        for chunk in group:
+            if chunk.prefix_slots:
+                self.slot_table[chunk.row, : len(chunk.prefix_slots)] = chunk.prefix_slots
+            self.slot_table[chunk.row, start : start + n] = chunk.slot_ids
+        rows = [c.row for c in group]
+        batch = ForwardBatch(
+            write_slots=mx.array([s for c in group for s in c.slot_ids], dtype=mx.int32),
+            gather_index=None if start == 0 else mx.array(self.slot_table[rows, : start + n]),
+            offset=start,
+            mask=None,
+        )
+        self.model(mx.array([c.token_ids for c in group], dtype=mx.int32), cache=self._caches(batch))
 
     def _build_decode(self, launched: LaunchedStep) -> None:
         step = launched.step

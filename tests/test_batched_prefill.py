@@ -1,0 +1,55 @@
+"""Prefill chunks of several requests run as one batched forward, token-exact against mlx-lm."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from harness import InProcessService
+from model_factory import reference_greedy
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def folder(request, model_dir):
+    return model_dir(request.param)
+
+
+def _spy_groups(svc: InProcessService) -> list[tuple[int, int]]:
+    """(start, rows) of every batched prefill the engine runs."""
+    groups: list[tuple[int, int]] = []
+    batch = svc.engine._prefill_batch
+
+    def spy(group):
+        groups.append((group[0].start, len(group)))
+        return batch(group)
+
+    svc.engine._prefill_batch = spy
+    return groups
+
+
+def test_equal_chunks_are_batched_and_exact(folder):
+    svc = InProcessService(folder, max_step_tokens=512)
+    groups = _spy_groups(svc)
+    rng = random.Random(3)
+    same = [svc.request(f"s{i}", [rng.randrange(3, 250) for _ in range(31)], 10) for i in range(6)]
+    other = [svc.request(f"o{i}", [rng.randrange(3, 250) for _ in range(17 + 9 * i)], 10) for i in range(2)]
+    svc.run({0: same + other})
+    assert (0, 6) in groups, groups
+    for r in same + other:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, 10), r.rid
+
+
+def test_batched_chunks_after_a_prefix_hit_are_exact(folder):
+    svc = InProcessService(folder, max_step_tokens=512)
+    groups = _spy_groups(svc)
+    rng = random.Random(4)
+    shared = [rng.randrange(3, 250) for _ in range(40)]
+    seed = svc.request("seed", shared + [5, 6, 7], 6)
+    svc.run({0: [seed]})
+    hits = [svc.request(f"h{i}", shared + [rng.randrange(3, 250) for _ in range(5)], 8) for i in range(4)]
+    svc.run({0: hits})
+    assert all(r.prefix_len == 40 for r in hits)
+    assert (40, 4) in groups, groups
+    for r in [seed] + hits:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
