@@ -1,0 +1,65 @@
+"""Decode attention is routed from mlx-lm's attention call to the KV pool (worker side)."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import mlx.nn as nn
+import pytest
+
+from harness import InProcessService
+from model_factory import reference_greedy
+from runtime.worker import attention_patch
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_next"])
+def test_decode_reads_the_pool_through_the_dispatcher(arch, model_dir):
+    folder = model_dir(arch)
+    svc = InProcessService(folder, cache=arch != "qwen3_next", aux_slots=64 if arch == "qwen3_next" else 0)
+    engine = svc.engine
+    assert engine.attention is not None, "the attention call of this architecture was not routed"
+    calls = []
+    attend = engine.attention.attend
+    engine.attention.attend = lambda *a: calls.append(a[0].shape) or attend(*a)
+    rng = random.Random(2)
+    reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(9 + 7 * i)], 8) for i in range(3)]
+    svc.run({0: reqs[:2], 3: reqs[2:]})
+    assert calls and all(shape[2] == 1 for shape in calls), "decode must attend through the pool, one token per row"
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, 8), r.rid
+
+
+def test_install_is_idempotent_and_keeps_the_original(model_dir):
+    from mlx_lm.utils import load_model
+
+    from runtime.worker.discovery import discover
+
+    model, _ = load_model(model_dir("llama"))
+    layout = discover(model)
+    module = sys.modules[type(model.layers[0].self_attn).__module__]
+    assert attention_patch.install(model, layout.attn_attr)
+    first = module.scaled_dot_product_attention
+    assert attention_patch.install(model, layout.attn_attr)
+    assert module.scaled_dot_product_attention is first
+    assert attention_patch.is_installed(module)
+
+
+class _OwnAttention(nn.Module):
+    """An attention module whose module has no ``scaled_dot_product_attention`` name."""
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = _OwnAttention()
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = [_Layer()]
+
+
+def test_install_refuses_modules_it_cannot_route():
+    assert not attention_patch.install(_Model(), ("self_attn",))
