@@ -30,6 +30,7 @@ class InProcessService:
         cache: bool = True,
         aux_slots: int = 0,
         track_chunk: int = 64,
+        row_cache: bool | None = None,
     ) -> None:
         from runtime.worker.engine import Engine
         from runtime.worker.loader import load
@@ -49,7 +50,9 @@ class InProcessService:
         loaded = load(config)
         layout = loaded.layout
         self.pool, self.aux_pool = loaded.make_pools()
-        self.engine = Engine(loaded.model, layout, self.pool, max_running, loaded.max_context, self.aux_pool)
+        self.engine = Engine(
+            loaded.model, layout, self.pool, max_running, loaded.max_context, self.aux_pool, row_cache=row_cache
+        )
         self.tokenizer = Tokenizer(str(folder))
         limits = Limits(
             num_slots=loaded.num_slots,

@@ -16,7 +16,9 @@ from runtime.worker import attention_patch
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_next"])
 def test_decode_reads_the_pool_through_the_dispatcher(arch, model_dir):
     folder = model_dir(arch)
-    svc = InProcessService(folder, cache=arch != "qwen3_next", aux_slots=64 if arch == "qwen3_next" else 0)
+    svc = InProcessService(
+        folder, cache=arch != "qwen3_next", aux_slots=64 if arch == "qwen3_next" else 0, row_cache=False
+    )
     engine = svc.engine
     assert engine.attention is not None, "the attention call of this architecture was not routed"
     calls = []

@@ -15,6 +15,7 @@ from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.paged_attention import PagedAttention
 from runtime.worker.pool_cache import ForwardBatch, PoolLayerCache
+from runtime.worker.row_cache import MAX_BYTES, RowCache, RowSpan
 
 
 def row_bucket(rows: int) -> int:
@@ -54,6 +55,7 @@ class Engine:
         max_rows: int,
         max_context: int,
         aux_pool: AuxPool | None = None,
+        row_cache: bool | None = None,
     ) -> None:
         self.model = model
         self.layout = layout
@@ -68,6 +70,25 @@ class Engine:
         paged = layout.kv_shape is not None and attention_patch.install(model, layout.attn_attr)
         self.attention = PagedAttention(PagedAttention.kernel_available()) if paged else None
         self._decode_mask = self.attention is None or not self.attention.supports(pool.shape.head_dim)
+        # ``row_cache``: None picks it where the paged kernel is unavailable and it fits.
+        want_rows = self._decode_mask if row_cache is None else row_cache
+        self.row_cache = self._make_row_cache(layout, max_rows, max_context, force=bool(row_cache)) if want_rows else None
+        if self.row_cache is not None:
+            self.attention = None  # decode attends to the row cache with mlx-lm's own call
+
+    @staticmethod
+    def _make_row_cache(layout: CacheLayout, max_rows: int, max_context: int, force: bool) -> RowCache | None:
+        """A row cache of at most ``MAX_BYTES`` (any size when forced)."""
+        if layout.kv_shape is None:
+            return None
+        size = RowCache.nbytes_for(len(layout.attention_layers), max_rows, max_context, layout.kv_shape, layout.kv_dtype)
+        if size > MAX_BYTES and not force:
+            return None
+        return RowCache(len(layout.attention_layers), max_rows, max_context, layout.kv_shape, layout.kv_dtype)
+
+    def _fill_prefix(self, chunk: PrefillChunk) -> None:
+        if self.row_cache is not None and chunk.prefix_slots:
+            self.row_cache.fill_prefix(self.pool, chunk.row, mx.array(chunk.prefix_slots, dtype=mx.int32))
 
     def _caches(self, batch: ForwardBatch, aux: list | None = None) -> list:
         """One cache object per entry: pool views for attention, ArraysCache for auxiliary state."""
@@ -101,6 +122,7 @@ class Engine:
         if chunk.prefix_slots:
             self.slot_table[row, : len(chunk.prefix_slots)] = chunk.prefix_slots
         hybrid = self.aux_pool is not None
+        self._fill_prefix(chunk)
         if n == 0:
             # A full-prefix hit only sets the table row (and restores the prefix's state).
             if hybrid and chunk.aux_source >= 0:
@@ -115,6 +137,7 @@ class Engine:
             gather_index=gather,
             offset=start,
             mask=None,
+            rows=RowSpan(self.row_cache, [row], start) if self.row_cache is not None else None,
         )
         aux = None
         if hybrid:
@@ -150,8 +173,11 @@ class Engine:
         # the same shapes recur for many steps, so MLX reuses its buffers instead of faulting
         # in new ones every step (mlx-lm's exact, growing shapes would flood its cache).
         length = min(-(-(int(positions.max()) + 1) // self.LENGTH_BUCKET) * self.LENGTH_BUCKET, self.max_context)
-        pad = row_bucket(bsz) - bsz
-        gather_np = self.slot_table[rows, :length]
+        rc = self.row_cache
+        # With a row cache, decode attends to a slice of it (no padding rows: they would
+        # write into rows other requests own).
+        pad = 0 if rc is not None else row_bucket(bsz) - bsz
+        gather_np = self.slot_table[rows, :length] if rc is None else None
         slot_ids = list(decode.slot_ids)
         aux_slots = list(decode.aux_slots)
         if pad:
@@ -165,13 +191,20 @@ class Engine:
         if self._decode_mask:
             mask = mx.array(np.arange(length)[None, :] <= positions[:, None])[:, None, None, :]
         positions32 = positions.astype(np.int32)
+        offsets = mx.array(positions32)
+        span = None
+        if rc is not None:
+            compact = bool(np.array_equal(rows, np.arange(bsz)))
+            span = RowSpan(rc, decode.rows, positions=offsets, rows_array=mx.array(rows.astype(np.int32)),
+                           length=length, compact=compact)
         batch = ForwardBatch(
             write_slots=mx.array(slot_ids, dtype=mx.int32),
-            gather_index=mx.array(gather_np),
-            offset=mx.array(positions32),
+            gather_index=mx.array(gather_np) if gather_np is not None else None,
+            offset=offsets,
             mask=mask,
             lengths=mx.array(positions32 + 1) if self.attention is not None else None,
             attention=self.attention,
+            rows=span,
         )
         inputs = self._decode_inputs(decode)
         if pad:
@@ -191,6 +224,9 @@ class Engine:
             inv = mx.array([1.0 / t if t > 0 else 1.0 for t in temps], dtype=logprobs.dtype)
             sampled = mx.random.categorical(logprobs * inv[:, None]).astype(mx.int32)
             tokens = mx.where(mx.array([t > 0 for t in temps]), sampled, tokens)
+        if rc is not None:
+            # Attention read the row cache, so the pool writes are not in the tokens' graph.
+            tokens = mx.depends(tokens, self.pool.arrays())
         self._prev_tokens = tokens
         self._prev_index = {r: i for i, r in enumerate(decode.rows)}
         return tokens
@@ -247,12 +283,14 @@ class Engine:
             if chunk.prefix_slots:
                 self.slot_table[chunk.row, : len(chunk.prefix_slots)] = chunk.prefix_slots
             self.slot_table[chunk.row, start : start + n] = chunk.slot_ids
+            self._fill_prefix(chunk)
         rows = [c.row for c in group]
         batch = ForwardBatch(
             write_slots=mx.array([s for c in group for s in c.slot_ids], dtype=mx.int32),
             gather_index=None if start == 0 else mx.array(self.slot_table[rows, : start + n]),
             offset=start,
             mask=None,
+            rows=RowSpan(self.row_cache, rows, start) if self.row_cache is not None else None,
         )
         self.model(mx.array([c.token_ids for c in group], dtype=mx.int32), cache=self._caches(batch))
 
@@ -300,7 +338,13 @@ class Engine:
         return on_gpu and pool_bytes <= limit_mb * 2**20
 
     def _state_arrays(self) -> list[mx.array]:
-        return self.pool.arrays() + (self.aux_pool.arrays() if self.aux_pool is not None else [])
+        arrays = self.pool.arrays() + (self.aux_pool.arrays() if self.aux_pool is not None else [])
+        return arrays + (self.row_cache.arrays() if self.row_cache is not None else [])
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of every array a step updates in place (KV pool, aux pool, row cache)."""
+        return sum(a.nbytes for a in self._state_arrays())
 
     def reset_chain(self) -> None:
         self._prev_tokens = None

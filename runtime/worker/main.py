@@ -73,7 +73,7 @@ def serve(config: Config, address: str) -> int:
         )
     )
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
-    overlap = engine.overlap_submit(on_gpu, pool_bytes, config.worker.overlap_submit_max_mb)
+    overlap = engine.overlap_submit(on_gpu, engine.state_bytes, config.worker.overlap_submit_max_mb)
     clock = IdleClock()
     pending = None
     while True:

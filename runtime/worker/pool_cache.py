@@ -9,6 +9,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.paged_attention import PagedAttention
+from runtime.worker.row_cache import RowSpan
 
 
 @dataclass
@@ -21,6 +22,7 @@ class ForwardBatch:
     ``offset``: the position of the first new token (int for a prefill, (B,) array for decode).
     ``mask``: the decode mask ((B, 1, 1, T) bool), or None for a prefill (causal) and for
     a paged decode whose kernel takes ``lengths`` instead.
+    ``rows``: where the new K/V also go in the row cache (and, for decode, what to attend to).
     ``lengths``/``attention``: set for a paged decode (the model's attention call is routed
     to ``PoolLayerCache.paged_attend``): valid positions per row, and the kernel to use.
     """
@@ -31,6 +33,7 @@ class ForwardBatch:
     mask: mx.array | None
     lengths: mx.array | None = None
     attention: PagedAttention | None = None
+    rows: RowSpan | None = None
 
 
 class PoolLayerCache:
@@ -50,6 +53,10 @@ class PoolLayerCache:
         flat_k = keys.transpose(0, 2, 1, 3).reshape(b * length, h, d)
         flat_v = values.transpose(0, 2, 1, 3).reshape(b * length, h, d)
         self.pool.write(self.kv_layer, self.batch.write_slots, flat_k, flat_v)
+        if self.batch.rows is not None:
+            dense = self.batch.rows.write(self.kv_layer, keys, values)
+            if dense is not None:
+                return dense
         if self.paged:
             # The attention call comes back to paged_attend, which reads the pool itself.
             return keys, values

@@ -1,0 +1,84 @@
+"""A dense K/V copy per request row, so decode attention reads contiguous memory.
+
+Used where the paged decode kernel is not available (the CPU): there, gathering every
+row's K/V out of the pool each step and making it contiguous costs as much as the rest of
+the step. The pool stays the source of truth for the prefix cache (every token is still
+written there); the row cache holds the running rows' K/V laid out as mlx-lm's KVCache
+does, (rows, kv_heads, max_context, head_dim), so a decode batch whose rows are exactly
+``0..B-1`` attends to a slice of it with no copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from runtime.worker.discovery import AttentionShape
+from runtime.worker.kv_pool import KVPool
+
+MAX_BYTES = 2 * 2**30
+
+
+class RowCache:
+    """``keys[i]``/``values[i]``: (rows, n_kv_heads, max_context, head_dim) for KV layer i.
+
+    A row's positions past its current length hold stale data; decode masks them out.
+    """
+
+    def __init__(self, num_layers: int, rows: int, max_context: int, shape: AttentionShape, dtype: mx.Dtype) -> None:
+        dims = (rows, shape.n_kv_heads, max_context, shape.head_dim)
+        self.keys = [mx.zeros(dims, dtype=dtype) for _ in range(num_layers)]
+        self.values = [mx.zeros(dims, dtype=dtype) for _ in range(num_layers)]
+        self._heads = mx.arange(shape.n_kv_heads)[None, :]
+        mx.eval(self.keys, self.values)
+
+    @staticmethod
+    def nbytes_for(num_layers: int, rows: int, max_context: int, shape: AttentionShape, dtype: mx.Dtype) -> int:
+        return 2 * num_layers * rows * max_context * shape.n_kv_heads * shape.head_dim * dtype.size
+
+    def arrays(self) -> list[mx.array]:
+        return self.keys + self.values
+
+    def fill_prefix(self, pool: KVPool, row: int, slots: mx.array) -> None:
+        """Copy a cached prefix's K/V (pool ``slots``, positions 0..) into ``row``."""
+        n = slots.shape[0]
+        for layer in range(len(self.keys)):
+            self.keys[layer][row, :, :n, :] = pool.keys[layer][slots].transpose(1, 0, 2)
+            self.values[layer][row, :, :n, :] = pool.values[layer][slots].transpose(1, 0, 2)
+
+
+@dataclass
+class RowSpan:
+    """Where one forward's new K/V go in the row cache, and what decode attends to.
+
+    Prefill (``positions`` None): rows ``rows`` receive positions ``start..start+L``.
+    Decode: row ``rows[b]`` receives position ``positions[b]``; attention reads the first
+    ``length`` positions of those rows (a slice when ``compact``: rows are ``0..B-1`` in order).
+    """
+
+    cache: RowCache
+    rows: list[int]
+    start: int = 0
+    positions: mx.array | None = None
+    rows_array: mx.array | None = None
+    length: int = 0
+    compact: bool = False
+
+    def write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
+        """Store the new K/V ((B, n_kv_heads, L, head_dim)); for decode, return what to attend to."""
+        c = self.cache
+        if self.positions is None:
+            n = keys.shape[2]
+            for i, row in enumerate(self.rows):
+                c.keys[layer][row, :, self.start : self.start + n, :] = keys[i]
+                c.values[layer][row, :, self.start : self.start + n, :] = values[i]
+            return None
+        assert self.rows_array is not None
+        r, p = self.rows_array[:, None], self.positions[:, None]
+        c.keys[layer][r, c._heads, p] = keys[:, :, 0, :]
+        c.values[layer][r, c._heads, p] = values[:, :, 0, :]
+        if self.compact:
+            b = len(self.rows)
+            return c.keys[layer][:b, :, : self.length, :], c.values[layer][:b, :, : self.length, :]
+        return c.keys[layer][:, :, : self.length, :][self.rows_array], c.values[layer][:, :, : self.length, :][self.rows_array]

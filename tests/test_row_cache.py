@@ -1,0 +1,37 @@
+"""Decode through the dense row cache (the CPU path), token-exact against mlx-lm."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from harness import InProcessService
+from model_factory import reference_greedy
+from runtime.worker import row_cache as rc
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compact_and_scattered_rows_with_prefix_hits(arch, model_dir, monkeypatch):
+    folder = model_dir(arch)
+    svc = InProcessService(folder, max_running=4)
+    assert svc.engine.row_cache is not None, "the CPU decode path should use the row cache"
+    seen = []
+    write = rc.RowSpan.write
+
+    def spy(self, layer, keys, values):
+        if self.positions is not None and layer == 0:
+            seen.append((tuple(self.rows), self.compact))
+        return write(self, layer, keys, values)
+
+    monkeypatch.setattr(rc.RowSpan, "write", spy)
+    rng = random.Random(8)
+    shared = [rng.randrange(3, 250) for _ in range(30)]
+    reqs = [svc.request(f"r{i}", shared[: 10 + 5 * i] + [rng.randrange(3, 250) for _ in range(3 + i)], 4 + 6 * (i % 3))
+            for i in range(8)]
+    repeat = svc.request("repeat", list(reqs[0].prompt_ids), 6)  # a full-prompt hit
+    svc.run({0: reqs[:4], 5: reqs[4:6], 9: reqs[6:] + [repeat]})
+    assert any(compact for _, compact in seen) and any(not compact for _, compact in seen), seen
+    assert sum(r.prefix_len > 0 for r in reqs) >= 2 and repeat.prefix_len == len(repeat.prompt_ids) - 1
+    for r in reqs + [repeat]:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
