@@ -169,13 +169,20 @@ class Engine:
         positions = np.asarray(decode.positions, dtype=np.int64)
         self.slot_table[rows, positions] = decode.slot_ids
         bsz = len(decode.rows)
-        # Round the attended length and the row count up to buckets (padding is masked out):
-        # the same shapes recur for many steps, so MLX reuses its buffers instead of faulting
-        # in new ones every step (mlx-lm's exact, growing shapes would flood its cache).
-        length = min(-(-(int(positions.max()) + 1) // self.LENGTH_BUCKET) * self.LENGTH_BUCKET, self.max_context)
         rc = self.row_cache
-        # With a row cache, decode attends to a slice of it (no padding rows: they would
-        # write into rows other requests own).
+        compact = rc is not None and bool(np.array_equal(rows, np.arange(bsz)))
+        lockstep = compact and bool((positions == positions[0]).all())
+        if lockstep:
+            # Rows 0..B-1 all at one position: attend to exactly pos + 1 row-cache positions
+            # (views, so a growing length costs no new buffers) without a mask, as mlx-lm does.
+            length = int(positions[0]) + 1
+        else:
+            # Round the attended length up to a bucket (padding is masked out): the same
+            # shapes recur for many steps, so MLX reuses its buffers instead of faulting in
+            # new ones every step (exact, growing gathered shapes would flood its cache).
+            length = min(-(-(int(positions.max()) + 1) // self.LENGTH_BUCKET) * self.LENGTH_BUCKET, self.max_context)
+        # Pool path: rows are padded to a few bucket sizes too. Row cache: no padding rows
+        # (they would write into rows other requests own).
         pad = 0 if rc is not None else row_bucket(bsz) - bsz
         gather_np = self.slot_table[rows, :length] if rc is None else None
         slot_ids = list(decode.slot_ids)
@@ -188,15 +195,16 @@ class Engine:
             slot_ids += [0] * pad
             aux_slots += [0] * pad if aux_slots else []
         mask = None
-        if self._decode_mask:
+        if self._decode_mask and not lockstep:
             mask = mx.array(np.arange(length)[None, :] <= positions[:, None])[:, None, None, :]
         positions32 = positions.astype(np.int32)
-        offsets = mx.array(positions32)
+        offsets: int | mx.array = int(positions[0]) if lockstep else mx.array(positions32)
         span = None
         if rc is not None:
-            compact = bool(np.array_equal(rows, np.arange(bsz)))
-            span = RowSpan(rc, decode.rows, positions=offsets, rows_array=mx.array(rows.astype(np.int32)),
-                           length=length, compact=compact)
+            span = RowSpan(rc, decode.rows, positions=None if lockstep else offsets,
+                           rows_array=None if lockstep else mx.array(rows.astype(np.int32)),
+                           length=length, compact=compact, same_position=int(positions[0]) if lockstep else None,
+                           decode=True)
         batch = ForwardBatch(
             write_slots=mx.array(slot_ids, dtype=mx.int32),
             gather_index=mx.array(gather_np) if gather_np is not None else None,

@@ -52,9 +52,10 @@ class RowCache:
 class RowSpan:
     """Where one forward's new K/V go in the row cache, and what decode attends to.
 
-    Prefill (``positions`` None): rows ``rows`` receive positions ``start..start+L``.
-    Decode: row ``rows[b]`` receives position ``positions[b]``; attention reads the first
-    ``length`` positions of those rows (a slice when ``compact``: rows are ``0..B-1`` in order).
+    Prefill (not ``decode``): rows ``rows`` receive positions ``start..start+L``.
+    Decode: row ``rows[b]`` receives position ``positions[b]`` (or ``same_position`` for
+    all); attention reads the first ``length`` positions of those rows (a slice when
+    ``compact``: rows are ``0..B-1`` in order).
     """
 
     cache: RowCache
@@ -64,21 +65,32 @@ class RowSpan:
     rows_array: mx.array | None = None
     length: int = 0
     compact: bool = False
+    same_position: int | None = None
+    decode: bool = False
+
+    def __post_init__(self) -> None:
+        if self.positions is not None and self.rows_array is not None:
+            # Index arrays shared by every layer's write (built once per step).
+            self._r, self._p = self.rows_array[:, None], self.positions[:, None]
 
     def write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
         """Store the new K/V ((B, n_kv_heads, L, head_dim)); for decode, return what to attend to."""
         c = self.cache
-        if self.positions is None:
+        if not self.decode:
             n = keys.shape[2]
             for i, row in enumerate(self.rows):
                 c.keys[layer][row, :, self.start : self.start + n, :] = keys[i]
                 c.values[layer][row, :, self.start : self.start + n, :] = values[i]
             return None
-        assert self.rows_array is not None
-        r, p = self.rows_array[:, None], self.positions[:, None]
-        c.keys[layer][r, c._heads, p] = keys[:, :, 0, :]
-        c.values[layer][r, c._heads, p] = values[:, :, 0, :]
+        b = len(self.rows)
+        if self.compact and self.same_position is not None:
+            # Rows 0..B-1 all at one position (a batch in lockstep): one slice update.
+            pos = self.same_position
+            c.keys[layer][:b, :, pos : pos + 1, :] = keys
+            c.values[layer][:b, :, pos : pos + 1, :] = values
+        else:
+            c.keys[layer][self._r, c._heads, self._p] = keys[:, :, 0, :]
+            c.values[layer][self._r, c._heads, self._p] = values[:, :, 0, :]
         if self.compact:
-            b = len(self.rows)
             return c.keys[layer][:b, :, : self.length, :], c.values[layer][:b, :, : self.length, :]
         return c.keys[layer][:, :, : self.length, :][self.rows_array], c.values[layer][:, :, : self.length, :][self.rows_array]
