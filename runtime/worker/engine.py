@@ -64,7 +64,7 @@ class Engine:
         self.max_context = max_context
         self.slot_table = np.zeros((max_rows, max_context), dtype=np.int32)
         self._prev_tokens: mx.array | None = None
-        self._prev_index: dict[int, int] = {}
+        self._prev_rows: list[int] = []
         # Decode attention reads the pool through the slot table when mlx-lm's attention
         # call can be routed to it; otherwise K/V are gathered into a masked batch.
         paged = layout.kv_shape is not None and attention_patch.install(model, layout.attn_attr)
@@ -153,15 +153,15 @@ class Engine:
 
     def _decode_inputs(self, decode: DecodeBatch) -> mx.array:
         rows, token_ids = decode.rows, decode.token_ids
-        if self._prev_tokens is not None and all(t < 0 for t in token_ids):
-            if [self._prev_index.get(r, -1) for r in rows] == list(range(len(rows))) and len(rows) == self._prev_tokens.size:
-                return self._prev_tokens
+        if self._prev_tokens is not None and rows == self._prev_rows and max(token_ids) < 0:
+            return self._prev_tokens  # the common case: the same rows, every one chained
         explicit = mx.array([max(t, 0) for t in token_ids], dtype=mx.int32)
         chained = [t < 0 for t in token_ids]
         if not any(chained):
             return explicit
         assert self._prev_tokens is not None, "chained decode without a previous decode step"
-        prev_idx = mx.array([self._prev_index[r] if t < 0 else 0 for r, t in zip(rows, token_ids)], dtype=mx.int32)
+        prev_index = {r: i for i, r in enumerate(self._prev_rows)}
+        prev_idx = mx.array([prev_index[r] if t < 0 else 0 for r, t in zip(rows, token_ids)], dtype=mx.int32)
         return mx.where(mx.array(chained), self._prev_tokens[prev_idx], explicit)
 
     def _decode(self, decode: DecodeBatch) -> mx.array:
@@ -228,7 +228,7 @@ class Engine:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = mx.argmax(logprobs, axis=-1).astype(mx.int32)
         temps = decode.temperatures
-        if any(t > 0 for t in temps):
+        if max(temps) > 0:
             inv = mx.array([1.0 / t if t > 0 else 1.0 for t in temps], dtype=logprobs.dtype)
             sampled = mx.random.categorical(logprobs * inv[:, None]).astype(mx.int32)
             tokens = mx.where(mx.array([t > 0 for t in temps]), sampled, tokens)
@@ -236,7 +236,7 @@ class Engine:
             # Attention read the row cache, so the pool writes are not in the tokens' graph.
             tokens = mx.depends(tokens, self.pool.arrays())
         self._prev_tokens = tokens
-        self._prev_index = {r: i for i, r in enumerate(decode.rows)}
+        self._prev_rows = decode.rows
         return tokens
 
     def build(self, step: Step) -> LaunchedStep:
@@ -356,4 +356,4 @@ class Engine:
 
     def reset_chain(self) -> None:
         self._prev_tokens = None
-        self._prev_index = {}
+        self._prev_rows = []
