@@ -135,9 +135,13 @@ def check_kernel() -> None:
         table[np.arange(t)[None, :] >= lengths[:, None]] = 0
         q = mx.random.normal((b, n_q, 1, d)).astype(mx.bfloat16)
         mask = mx.array(np.arange(t)[None, :] < lengths[:, None])[:, None, None, :]
-        args = (q, pool, 0, mx.array(table), mx.array(lengths.astype(np.int32)), mask, d**-0.5)
-        ref = PagedAttention(False).attend(*args)
-        out = PagedAttention(True).attend(*args)
+        full = np.zeros((b + 3, t), dtype=np.int32)
+        order = rng.permutation(b + 3)[:b]
+        full[order] = table
+        kwargs = dict(gather_index=mx.array(table), table=mx.array(full), table_rows=mx.array(order.astype(np.int32)),
+                      lengths=mx.array(lengths.astype(np.int32)), mask=mask)
+        ref = PagedAttention(False).attend(q, pool, 0, d**-0.5, **kwargs)
+        out = PagedAttention(True).attend(q, pool, 0, d**-0.5, **kwargs)
         err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
         print(f"kernel check heads {n_q}/{n_kv} dim {d}: max abs diff {err:.5f}", flush=True)
 

@@ -23,7 +23,7 @@ def test_decode_reads_the_pool_through_the_dispatcher(arch, model_dir):
     assert engine.attention is not None, "the attention call of this architecture was not routed"
     calls = []
     attend = engine.attention.attend
-    engine.attention.attend = lambda *a: calls.append(a[0].shape) or attend(*a)
+    engine.attention.attend = lambda *a, **kw: calls.append(a[0].shape) or attend(*a, **kw)
     rng = random.Random(2)
     reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(9 + 7 * i)], 8) for i in range(3)]
     svc.run({0: reqs[:2], 3: reqs[2:]})
@@ -65,3 +65,36 @@ class _Model(nn.Module):
 
 def test_install_refuses_modules_it_cannot_route():
     assert not attention_patch.install(_Model(), ("self_attn",))
+
+
+def _table_reference(self, queries, keys_pool, values_pool, table, table_rows, lengths, scale):
+    """What the CUDA kernel computes, in plain MLX ops over the device slot table."""
+    import mlx.core as mx
+
+    index = table[table_rows]
+    keys = mx.contiguous(keys_pool[index].transpose(0, 2, 1, 3))
+    values = mx.contiguous(values_pool[index].transpose(0, 2, 1, 3))
+    mask = (mx.arange(index.shape[1])[None, :] < lengths[:, None])[:, None, None, :]
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_device_slot_table_path(arch, model_dir, monkeypatch):
+    """The kernel path's bookkeeping (device table, padding rows, lengths) with the kernel
+    replaced by a reference computation, so it runs on the CPU."""
+    from runtime.worker.paged_attention import PagedAttention
+
+    monkeypatch.setattr(PagedAttention, "kernel_available", staticmethod(lambda: True))
+    monkeypatch.setattr(PagedAttention, "_kernel_attend", _table_reference)
+    monkeypatch.setattr(PagedAttention, "supports", lambda self, head_dim: self.use_kernel)
+    folder = model_dir(arch)
+    svc = InProcessService(folder, max_running=8, row_cache=False)
+    assert svc.engine.device_table is not None
+    rng = random.Random(6)
+    shared = [rng.randrange(3, 250) for _ in range(24)]
+    reqs = [svc.request(f"r{i}", shared[: 8 + 4 * i] + [rng.randrange(3, 250) for _ in range(2 + i)], 3 + 4 * (i % 3))
+            for i in range(7)]
+    svc.run({0: reqs[:3], 4: reqs[3:]})
+    assert sum(r.prefix_len > 0 for r in reqs) >= 2
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid

@@ -72,6 +72,10 @@ class Engine:
         self._decode_mask = self.attention is None or not self.attention.supports(pool.shape.head_dim)
         # ``row_cache``: None picks it where the paged kernel is unavailable and it fits.
         want_rows = self._decode_mask if row_cache is None else row_cache
+        # The paged kernel reads slots from a device copy of the table (one extra all-padding
+        # row for padding batch rows), so a decode step uploads O(batch) ints, not O(batch * length).
+        kernel = self.attention is not None and not self._decode_mask
+        self.device_table = mx.zeros((max_rows + 1, max_context), dtype=mx.int32) if kernel else None
         self.row_cache = self._make_row_cache(layout, max_rows, max_context, force=bool(row_cache)) if want_rows else None
         if self.row_cache is not None:
             self.attention = None  # decode attends to the row cache with mlx-lm's own call
@@ -85,6 +89,12 @@ class Engine:
         if size > MAX_BYTES and not force:
             return None
         return RowCache(len(layout.attention_layers), max_rows, max_context, layout.kv_shape, layout.kv_dtype)
+
+    def _set_table(self, row: int, start: int, slots: list[int]) -> None:
+        """Record the slots of positions ``start..`` of ``row`` (host table, and the device copy)."""
+        self.slot_table[row, start : start + len(slots)] = slots
+        if self.device_table is not None:
+            self.device_table[row, start : start + len(slots)] = mx.array(slots, dtype=mx.int32)
 
     def _fill_prefix(self, chunk: PrefillChunk) -> None:
         if self.row_cache is not None and chunk.prefix_slots:
@@ -120,7 +130,7 @@ class Engine:
     def _prefill(self, chunk: PrefillChunk) -> None:
         row, start, n = chunk.row, chunk.start, len(chunk.token_ids)
         if chunk.prefix_slots:
-            self.slot_table[row, : len(chunk.prefix_slots)] = chunk.prefix_slots
+            self._set_table(row, 0, chunk.prefix_slots)
         hybrid = self.aux_pool is not None
         self._fill_prefix(chunk)
         if n == 0:
@@ -130,7 +140,7 @@ class Engine:
             elif hybrid and chunk.aux_source == AUX_FRESH:
                 self.aux_pool.zero(chunk.aux_slot)
             return
-        self.slot_table[row, start : start + n] = chunk.slot_ids
+        self._set_table(row, start, chunk.slot_ids)
         gather = None if start == 0 else mx.array(self.slot_table[row : row + 1, : start + n])
         batch = ForwardBatch(
             write_slots=mx.array(chunk.slot_ids, dtype=mx.int32),
@@ -184,13 +194,16 @@ class Engine:
         # Pool path: rows are padded to a few bucket sizes too. Row cache: no padding rows
         # (they would write into rows other requests own).
         pad = 0 if rc is not None else row_bucket(bsz) - bsz
-        gather_np = self.slot_table[rows, :length] if rc is None else None
+        dt = self.device_table
+        gather_np = self.slot_table[rows, :length] if rc is None and dt is None else None
         slot_ids = list(decode.slot_ids)
         aux_slots = list(decode.aux_slots)
         if pad:
             # Padding rows attend to the padding slot 0 only and write their K/V (and aux
             # state) there; their tokens are dropped.
-            gather_np = np.concatenate([gather_np, np.zeros((pad, length), dtype=gather_np.dtype)])
+            if gather_np is not None:
+                gather_np = np.concatenate([gather_np, np.zeros((pad, length), dtype=gather_np.dtype)])
+            rows = np.concatenate([rows, np.full(pad, len(self.slot_table), dtype=rows.dtype)])
             positions = np.concatenate([positions, np.zeros(pad, dtype=positions.dtype)])
             slot_ids += [0] * pad
             aux_slots += [0] * pad if aux_slots else []
@@ -205,9 +218,16 @@ class Engine:
                            rows_array=None if lockstep else mx.array(rows.astype(np.int32)),
                            length=length, compact=compact, same_position=int(positions[0]) if lockstep else None,
                            decode=True)
+        write_slots = mx.array(slot_ids, dtype=mx.int32)
+        table_rows = None
+        if dt is not None:
+            table_rows = mx.array(rows.astype(np.int32))
+            dt[table_rows, offsets] = write_slots
         batch = ForwardBatch(
-            write_slots=mx.array(slot_ids, dtype=mx.int32),
+            write_slots=write_slots,
             gather_index=mx.array(gather_np) if gather_np is not None else None,
+            table=dt,
+            table_rows=table_rows,
             offset=offsets,
             mask=mask,
             lengths=mx.array(positions32 + 1) if self.attention is not None else None,
@@ -289,8 +309,8 @@ class Engine:
         start, n = group[0].start, len(group[0].token_ids)
         for chunk in group:
             if chunk.prefix_slots:
-                self.slot_table[chunk.row, : len(chunk.prefix_slots)] = chunk.prefix_slots
-            self.slot_table[chunk.row, start : start + n] = chunk.slot_ids
+                self._set_table(chunk.row, 0, chunk.prefix_slots)
+            self._set_table(chunk.row, start, chunk.slot_ids)
             self._fill_prefix(chunk)
         rows = [c.row for c in group]
         batch = ForwardBatch(
@@ -347,6 +367,7 @@ class Engine:
 
     def _state_arrays(self) -> list[mx.array]:
         arrays = self.pool.arrays() + (self.aux_pool.arrays() if self.aux_pool is not None else [])
+        arrays += [self.device_table] if self.device_table is not None else []
         return arrays + (self.row_cache.arrays() if self.row_cache is not None else [])
 
     @property

@@ -36,7 +36,7 @@ _SOURCE = """
         m[r] = -INFINITY;
         l[r] = 0.f;
     }
-    const int* trow = table + (size_t)b * tcap;
+    const int* trow = table + (size_t)rows[b] * tcap;
     for (int t = warp; t < n; t += NWARPS) {
         const size_t base = ((size_t)trow[t] * HKV + h) * D + lane * PER;
         float kr[PER];
@@ -87,11 +87,12 @@ _SOURCE = """
 
 
 class PagedAttention:
-    """``attend(queries, pool, layer, table, lengths, mask, scale)`` for one decode token per row.
+    """``attend(queries, pool, layer, scale, ...)`` for one decode token per row.
 
-    ``queries``: (B, Hq, 1, D); the pool layer's K/V: (slots, Hkv, D); ``table``: (B, T) int32 slots of
-    every attended position (padding slot beyond each row's length); ``lengths``: (B,)
-    int32 valid positions per row; ``mask``: (B, 1, 1, T) bool, used only by the fallback.
+    ``queries``: (B, Hq, 1, D); the pool layer's K/V: (slots, Hkv, D); ``lengths``: (B,)
+    int32 valid positions per row. The kernel reads row ``table_rows[b]`` of the device slot
+    table ``table`` (rows, max_context); the fallback attends to the (B, T) slots
+    ``gather_index`` with ``mask`` ((B, 1, 1, T) bool).
     """
 
     def __init__(self, use_kernel: bool) -> None:
@@ -112,21 +113,40 @@ class PagedAttention:
         queries: mx.array,
         pool: KVPool,
         layer: int,
-        table: mx.array,
+        scale: float,
+        *,
+        gather_index: mx.array | None,
+        table: mx.array | None,
+        table_rows: mx.array | None,
         lengths: mx.array,
         mask: mx.array | None,
-        scale: float,
     ) -> mx.array:
         b, n_q, length, d = queries.shape
         keys_pool, values_pool = pool.keys[layer], pool.values[layer]
         n_kv = keys_pool.shape[1]
         if not self.supports(d) or length != 1:
-            keys, values = pool.gather(layer, table)
+            assert gather_index is not None, "the fallback needs the gathered slot table"
+            keys, values = pool.gather(layer, gather_index)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        assert table is not None and table_rows is not None
+        return self._kernel_attend(queries, keys_pool, values_pool, table, table_rows, lengths, scale)
+
+    def _kernel_attend(
+        self,
+        queries: mx.array,
+        keys_pool: mx.array,
+        values_pool: mx.array,
+        table: mx.array,
+        table_rows: mx.array,
+        lengths: mx.array,
+        scale: float,
+    ) -> mx.array:
+        b, n_q, _, d = queries.shape
+        n_kv = keys_pool.shape[1]
         if self._kernel is None:
             self._kernel = mx.fast.cuda_kernel(
                 name="runtime_paged_decode",
-                input_names=["queries", "keys", "values", "table", "lengths", "scale"],
+                input_names=["queries", "keys", "values", "table", "rows", "lengths", "scale"],
                 output_names=["out"],
                 source=_SOURCE,
             )
@@ -134,7 +154,7 @@ class PagedAttention:
         if scale_arr is None:
             scale_arr = self._scales[scale] = mx.array([scale], dtype=mx.float32)
         (out,) = self._kernel(
-            inputs=[queries, keys_pool, values_pool, table, lengths, scale_arr],
+            inputs=[queries, keys_pool, values_pool, table, table_rows, lengths, scale_arr],
             template=[("T", queries.dtype), ("D", d), ("NREP", n_q // n_kv), ("HKV", n_kv), ("NWARPS", WARPS)],
             grid=(b * n_kv * WARPS * 32, 1, 1),
             threadgroup=(WARPS * 32, 1, 1),

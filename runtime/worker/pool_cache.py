@@ -24,7 +24,9 @@ class ForwardBatch:
     a paged decode whose kernel takes ``lengths`` instead.
     ``rows``: where the new K/V also go in the row cache (and, for decode, what to attend to).
     ``lengths``/``attention``: set for a paged decode (the model's attention call is routed
-    to ``PoolLayerCache.paged_attend``): valid positions per row, and the kernel to use.
+    to ``PoolLayerCache.paged_attend``): valid positions per row, and the kernel to use;
+    ``table``/``table_rows``: the device slot table and each batch row's row in it (kernel
+    path; the fallback gathers through ``gather_index``).
     """
 
     write_slots: mx.array
@@ -33,6 +35,8 @@ class ForwardBatch:
     mask: mx.array | None
     lengths: mx.array | None = None
     attention: PagedAttention | None = None
+    table: mx.array | None = None
+    table_rows: mx.array | None = None
     rows: RowSpan | None = None
 
 
@@ -72,8 +76,11 @@ class PoolLayerCache:
     def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
         """Decode attention over this row's pool slots (the K/V just written included)."""
         b = self.batch
-        assert b.attention is not None and b.gather_index is not None and b.lengths is not None
-        return b.attention.attend(queries, self.pool, self.kv_layer, b.gather_index, b.lengths, b.mask, scale)
+        assert b.attention is not None and b.lengths is not None
+        return b.attention.attend(
+            queries, self.pool, self.kv_layer, scale,
+            gather_index=b.gather_index, table=b.table, table_rows=b.table_rows, lengths=b.lengths, mask=b.mask,
+        )
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
         if self.batch.mask is not None:
