@@ -216,3 +216,17 @@ def test_worker_death_while_draining_keeps_the_finish_reason():
     s.fail_all("worker died")
     assert s.pop_completed() == [r] and r.finish_reason == "stop"
     s.check_invariants()
+
+
+def test_chunks_are_not_cut_just_to_fill_the_budget():
+    s = make(num_slots=200, max_rows=4, max_context=64, budget=20, chunk=8)
+    a, b, c = (req(s, rid, [k + 1] + list(range(1, 9)), 2) for k, rid in enumerate("abc"))  # 8 prefill positions each
+    p1 = s.next_step()
+    assert [(ch.row, ch.start, len(ch.token_ids)) for ch in p1.step.prefills] == [(0, 0, 8), (1, 0, 8)]
+    assert c.prefilled == 0, "c's chunk must not be cut to the 4 tokens left"
+    p2 = s.next_step()
+    assert [(len(ch.token_ids)) for ch in p2.step.prefills] == [8]
+    # Alone in a step, a chunk larger than the budget is still cut, so prefill always progresses.
+    s2 = make(num_slots=200, max_rows=4, max_context=64, budget=5, chunk=8)
+    req(s2, "x", list(range(1, 12)), 2)
+    assert [len(ch.token_ids) for ch in s2.next_step().step.prefills] == [5]

@@ -126,7 +126,14 @@ class Scheduler:
             for req in candidates:
                 while budget > 0 and not req.prefill_done:
                     start = req.prefilled
-                    n = min(req.prefill_target - start, lim.prefill_chunk, budget)
+                    whole = min(req.prefill_target - start, lim.prefill_chunk)
+                    if budget < whole and prefills:
+                        # Cutting this chunk just to fill the budget makes odd shapes (a new
+                        # kernel build each on a GPU) and splits equal-length batches: close
+                        # the step and run the chunk whole in the next one.
+                        budget = 0
+                        break
+                    n = min(whole, budget)
                     if self.aux is not None:
                         n = self.aux.clip_chunk(req, start, n)
                     slot_ids = self._alloc(req, n)

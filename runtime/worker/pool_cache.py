@@ -54,8 +54,11 @@ class PoolLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b, h, length, d = keys.shape
-        flat_k = keys.transpose(0, 2, 1, 3).reshape(b * length, h, d)
-        flat_v = values.transpose(0, 2, 1, 3).reshape(b * length, h, d)
+        if length == 1:  # decode: a plain slice, no transpose to copy
+            flat_k, flat_v = keys[:, :, 0, :], values[:, :, 0, :]
+        else:
+            flat_k = keys.transpose(0, 2, 1, 3).reshape(b * length, h, d)
+            flat_v = values.transpose(0, 2, 1, 3).reshape(b * length, h, d)
         self.pool.write(self.kv_layer, self.batch.write_slots, flat_k, flat_v)
         if self.batch.rows is not None:
             dense = self.batch.rows.write(self.kv_layer, keys, values)
