@@ -98,3 +98,12 @@ def test_device_slot_table_path(arch, model_dir, monkeypatch):
     assert sum(r.prefix_len > 0 for r in reqs) >= 2
     for r in reqs:
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+def test_kernel_warps_fit_shared_memory():
+    from runtime.worker.paged_attention import SHARED_BYTES, warps_for
+
+    assert warps_for(8, 4, 64) == 16 and warps_for(2048, 4, 64) == 8  # more warps when few blocks
+    for n_rep, dim in ((4, 128), (8, 128), (16, 128), (32, 256)):
+        w = warps_for(8, n_rep, dim)
+        assert w >= 1 and w * n_rep * dim * 4 <= SHARED_BYTES

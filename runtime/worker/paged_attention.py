@@ -12,7 +12,16 @@ import mlx.core as mx
 
 from runtime.worker.kv_pool import KVPool
 
-WARPS = 8
+UNROLL = 4
+SHARED_BYTES = 40 * 1024  # the per-warp partial results live in static shared memory (48 KiB max)
+
+
+def warps_for(blocks: int, n_rep: int, head_dim: int) -> int:
+    """Warps per (row, kv head) block: more when few blocks would leave the GPU idle."""
+    warps = 16 if blocks < 264 else 8
+    while warps > 1 and warps * n_rep * head_dim * 4 > SHARED_BYTES:
+        warps //= 2
+    return warps
 
 _SOURCE = """
     constexpr int PER = D / 32;
@@ -37,24 +46,36 @@ _SOURCE = """
         l[r] = 0.f;
     }
     const int* trow = table + (size_t)rows[b] * tcap;
-    for (int t = warp; t < n; t += NWARPS) {
-        const size_t base = ((size_t)trow[t] * HKV + h) * D + lane * PER;
-        float kr[PER];
-        float vr[PER];
-        for (int i = 0; i < PER; ++i) {
-            kr[i] = static_cast<float>(keys[base + i]);
-            vr[i] = static_cast<float>(values[base + i]);
+    // Each warp takes UNROLL consecutive positions per pass: their loads are issued
+    // together, so a warp waits for memory once per pass instead of once per position.
+    for (int t0 = warp * UNROLL; t0 < n; t0 += NWARPS * UNROLL) {
+        float kr[UNROLL][PER];
+        float vr[UNROLL][PER];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (t0 + u < n) {
+                const size_t base = ((size_t)trow[t0 + u] * HKV + h) * D + lane * PER;
+#pragma unroll
+                for (int i = 0; i < PER; ++i) {
+                    kr[u][i] = static_cast<float>(keys[base + i]);
+                    vr[u][i] = static_cast<float>(values[base + i]);
+                }
+            }
         }
-        for (int r = 0; r < NREP; ++r) {
-            float s = 0.f;
-            for (int i = 0; i < PER; ++i) s += qr[r][i] * kr[i];
-            for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
-            const float mn = fmaxf(m[r], s);
-            const float corr = expf(m[r] - mn);
-            const float p = expf(s - mn);
-            l[r] = l[r] * corr + p;
-            for (int i = 0; i < PER; ++i) acc[r][i] = acc[r][i] * corr + p * vr[i];
-            m[r] = mn;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (t0 + u >= n) break;  // uniform across the warp
+            for (int r = 0; r < NREP; ++r) {
+                float s = 0.f;
+                for (int i = 0; i < PER; ++i) s += qr[r][i] * kr[u][i];
+                for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+                const float mn = fmaxf(m[r], s);
+                const float corr = expf(m[r] - mn);
+                const float p = expf(s - mn);
+                l[r] = l[r] * corr + p;
+                for (int i = 0; i < PER; ++i) acc[r][i] = acc[r][i] * corr + p * vr[u][i];
+                m[r] = mn;
+            }
         }
     }
     __shared__ float sm_m[NWARPS][NREP];
@@ -153,11 +174,13 @@ class PagedAttention:
         scale_arr = self._scales.get(scale)
         if scale_arr is None:
             scale_arr = self._scales[scale] = mx.array([scale], dtype=mx.float32)
+        warps = warps_for(b * n_kv, n_q // n_kv, d)
         (out,) = self._kernel(
             inputs=[queries, keys_pool, values_pool, table, table_rows, lengths, scale_arr],
-            template=[("T", queries.dtype), ("D", d), ("NREP", n_q // n_kv), ("HKV", n_kv), ("NWARPS", WARPS)],
-            grid=(b * n_kv * WARPS * 32, 1, 1),
-            threadgroup=(WARPS * 32, 1, 1),
+            template=[("T", queries.dtype), ("D", d), ("NREP", n_q // n_kv), ("HKV", n_kv), ("NWARPS", warps),
+                      ("UNROLL", UNROLL)],
+            grid=(b * n_kv * warps * 32, 1, 1),
+            threadgroup=(warps * 32, 1, 1),
             output_shapes=[queries.shape],
             output_dtypes=[queries.dtype],
         )
