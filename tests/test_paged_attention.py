@@ -67,36 +67,52 @@ def test_install_refuses_modules_it_cannot_route():
     assert not attention_patch.install(_Model(), ("self_attn",))
 
 
-def _table_reference(self, queries, keys_pool, values_pool, table, table_rows, lengths, scale):
-    """What the CUDA kernel computes, in plain MLX ops over the device slot table."""
+def _table_reference(self, queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values,
+                     scale):
+    """What the CUDA kernel computes, in plain MLX ops: pool positions through the device slot
+    table, then the decode tail's positions."""
     import mlx.core as mx
 
     index = table[table_rows]
-    keys = mx.contiguous(keys_pool[index].transpose(0, 2, 1, 3))
-    values = mx.contiguous(values_pool[index].transpose(0, 2, 1, 3))
-    mask = (mx.arange(index.shape[1])[None, :] < lengths[:, None])[:, None, None, :]
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    keys = mx.concatenate([keys_pool[index].transpose(0, 2, 1, 3), tail_keys], axis=2)
+    values = mx.concatenate([values_pool[index].transpose(0, 2, 1, 3), tail_values], axis=2)
+    in_pool = mx.arange(index.shape[1])[None, :] < (lengths - tail_keys.shape[2])[:, None]
+    mask = mx.concatenate([in_pool, mx.ones((index.shape[0], tail_keys.shape[2]), dtype=mx.bool_)], axis=1)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask[:, None, None, :])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_device_slot_table_path(arch, model_dir, monkeypatch):
-    """The kernel path's bookkeeping (device table, padding rows, lengths) with the kernel
-    replaced by a reference computation, so it runs on the CPU."""
+@pytest.mark.parametrize(("arch", "tail_steps"), [("llama", 16), ("qwen3", 16), ("llama", 3)])
+def test_device_slot_table_and_decode_tail(arch, tail_steps, model_dir, monkeypatch):
+    """The kernel path's bookkeeping (device table, padding rows, lengths, the decode tail and
+    its flushes) with the kernel replaced by a reference computation, so it runs on the CPU."""
+    from runtime.worker.decode_tail import DecodeTail
+    from runtime.worker.engine import Engine
     from runtime.worker.paged_attention import PagedAttention
 
     monkeypatch.setattr(PagedAttention, "kernel_available", staticmethod(lambda: True))
     monkeypatch.setattr(PagedAttention, "_kernel_attend", _table_reference)
     monkeypatch.setattr(PagedAttention, "supports", lambda self, head_dim: self.use_kernel)
+    monkeypatch.setattr(Engine, "TAIL_STEPS", tail_steps)
+    flushed = []
+    flush = DecodeTail.flush
+    monkeypatch.setattr(DecodeTail, "flush", lambda self, *a: flushed.append(len(self)) or flush(self, *a))
     folder = model_dir(arch)
     svc = InProcessService(folder, max_running=8, row_cache=False)
-    assert svc.engine.device_table is not None
+    assert svc.engine.device_table is not None and svc.engine.tail is not None
     rng = random.Random(6)
     shared = [rng.randrange(3, 250) for _ in range(24)]
-    reqs = [svc.request(f"r{i}", shared[: 8 + 4 * i] + [rng.randrange(3, 250) for _ in range(2 + i)], 3 + 4 * (i % 3))
+    reqs = [svc.request(f"r{i}", shared[: 8 + 4 * i] + [rng.randrange(3, 250) for _ in range(2 + i)], 3 + 5 * (i % 3))
             for i in range(7)]
     svc.run({0: reqs[:3], 4: reqs[3:]})
+    # A prompt that extends a finished request's whole sequence reuses the K/V its decode
+    # steps wrote, which reached the pool only through tail flushes.
+    first = reqs[2]
+    follow = svc.request("follow", first.prompt_ids + first.output_ids[:-1] + [5, 6], 6)
+    svc.run({0: [follow]})
+    assert follow.prefix_len > len(first.prompt_ids)
     assert sum(r.prefix_len > 0 for r in reqs) >= 2
-    for r in reqs:
+    assert max(flushed) > 1 and (tail_steps > 3 or max(flushed) == tail_steps), flushed
+    for r in reqs + [follow]:
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
 
 

@@ -11,6 +11,7 @@ import numpy as np
 from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, DecodeBatch, PrefillChunk, Step
 from runtime.worker import attention_patch
 from runtime.worker.aux_pool import AuxPool
+from runtime.worker.decode_tail import DecodeTail
 from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.paged_attention import PagedAttention
@@ -33,6 +34,7 @@ class LaunchedStep:
     tokens: mx.array | None = None
     written: mx.array | None = None
     step: Step | None = None
+    in_place: bool = True  # updates the pools in place: submit only after the previous read-back
 
 
 class Engine:
@@ -46,6 +48,7 @@ class Engine:
     """
 
     LENGTH_BUCKET = 128
+    TAIL_STEPS = 16
 
     def __init__(
         self,
@@ -65,20 +68,24 @@ class Engine:
         self.slot_table = np.zeros((max_rows, max_context), dtype=np.int32)
         self._prev_tokens: mx.array | None = None
         self._prev_rows: list[int] = []
+        self._flushed = False
         # Decode attention reads the pool through the slot table when mlx-lm's attention
         # call can be routed to it; otherwise K/V are gathered into a masked batch.
         paged = layout.kv_shape is not None and attention_patch.install(model, layout.attn_attr)
         self.attention = PagedAttention(PagedAttention.kernel_available()) if paged else None
-        self._decode_mask = self.attention is None or not self.attention.supports(pool.shape.head_dim)
+        kernel = self.attention is not None and self.attention.supports(pool.shape.head_dim)
         # ``row_cache``: None picks it where the paged kernel is unavailable and it fits.
-        want_rows = self._decode_mask if row_cache is None else row_cache
-        # The paged kernel reads slots from a device copy of the table (one extra all-padding
-        # row for padding batch rows), so a decode step uploads O(batch) ints, not O(batch * length).
-        kernel = self.attention is not None and not self._decode_mask
-        self.device_table = mx.zeros((max_rows + 1, max_context), dtype=mx.int32) if kernel else None
+        want_rows = not kernel if row_cache is None else row_cache
         self.row_cache = self._make_row_cache(layout, max_rows, max_context, force=bool(row_cache)) if want_rows else None
         if self.row_cache is not None:
-            self.attention = None  # decode attends to the row cache with mlx-lm's own call
+            self.attention, kernel = None, False  # decode attends to the row cache with mlx-lm's own call
+        self._decode_mask = not kernel
+        # The paged kernel reads slots from a device copy of the table (one extra all-padding
+        # row for padding batch rows), so a decode step uploads O(batch) ints, not O(batch * length);
+        # its decode steps keep their new K/V in a tail instead of the pool (see DecodeTail).
+        self.device_table = mx.zeros((max_rows + 1, max_context), dtype=mx.int32) if kernel else None
+        n_attn = len(layout.attention_layers)
+        self.tail = DecodeTail(n_attn, self.TAIL_STEPS) if kernel and aux_pool is None else None
 
     @staticmethod
     def _make_row_cache(layout: CacheLayout, max_rows: int, max_context: int, force: bool) -> RowCache | None:
@@ -220,9 +227,18 @@ class Engine:
                            decode=True)
         write_slots = mx.array(slot_ids, dtype=mx.int32)
         table_rows = None
+        self._flushed = False
         if dt is not None:
             table_rows = mx.array(rows.astype(np.int32))
-            dt[table_rows, offsets] = write_slots
+            if self.tail is None:
+                dt[table_rows, offsets] = write_slots
+            else:
+                # A batch that only advances every row by one chained token extends the tail;
+                # any other batch first moves the tail into the pool.
+                batch_key = (tuple(decode.rows), pad)
+                if max(decode.token_ids) >= 0 or not self.tail.continues(batch_key):
+                    self._flushed = self._flush_tail()
+                self.tail.start_step(batch_key, table_rows, offsets, write_slots)
         batch = ForwardBatch(
             write_slots=write_slots,
             gather_index=mx.array(gather_np) if gather_np is not None else None,
@@ -233,6 +249,7 @@ class Engine:
             lengths=mx.array(positions32 + 1) if self.attention is not None else None,
             attention=self.attention,
             rows=span,
+            tail=self.tail,
         )
         inputs = self._decode_inputs(decode)
         if pad:
@@ -278,6 +295,7 @@ class Engine:
         """
         if launched.step is None or not launched.step.prefills:
             return
+        self._flush_tail()
         for group in self._prefill_groups(launched.step.prefills):
             if len(group) == 1:
                 self._prefill(group[0])
@@ -325,7 +343,10 @@ class Engine:
     def _build_decode(self, launched: LaunchedStep) -> None:
         step = launched.step
         assert step is not None
+        self._flushed = True
         launched.tokens = self._decode(step.decode) if step.decode is not None and step.decode.rows else None
+        # With the tail, a decode-only step that did not flush it writes nothing in place.
+        launched.in_place = bool(step.prefills) or self.tail is None or self._flushed
         if launched.tokens is not None and not step.prefills:
             # Decode reads every KV pool back after writing it, so the tokens already depend
             # on those writes; only the aux-state write-backs need a marker.
@@ -375,6 +396,11 @@ class Engine:
         """Bytes of every array a step updates in place (KV pool, aux pool, row cache)."""
         return sum(a.nbytes for a in self._state_arrays())
 
+    def _flush_tail(self) -> bool:
+        return self.tail is not None and self.tail.flush(self.pool, self.device_table)
+
     def reset_chain(self) -> None:
         self._prev_tokens = None
         self._prev_rows = []
+        if self.tail is not None:
+            self.tail.clear()

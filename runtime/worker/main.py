@@ -3,8 +3,10 @@
 Loop shape: step N+1's graph is built from step N's lazy tokens while step N runs; then
 step N is read back, step N+1 is submitted, and step N's tokens are reported. Submitting
 only after the read-back keeps the KV/aux pool updates in place (a graph still in
-flight would hold the pools and force MLX to copy them on every write). On a GPU with
-small pools, where that copy is cheaper than the launch gap, N+1 is submitted first.
+flight would hold the pools and force MLX to copy them on every write). Steps that write
+nothing in place (paged-kernel decode steps, whose K/V go to the decode tail) and, on a
+GPU with small pools, where that copy is cheaper than the launch gap, every decode step
+are submitted before N is read back.
 """
 
 from __future__ import annotations
@@ -102,9 +104,11 @@ def serve(config: Config, address: str) -> int:
             traceback.print_exc()
             sock.send(worker_encoder.encode(StepFailed(step_id=cmd.step_id, error=f"{type(exc).__name__}: {exc}")))
             continue
-        # Built from the previous step's lazy tokens; read that step back before submitting
-        # this one, so no in-flight graph holds the pools and their updates stay in place.
-        if overlap and built.step is None:
+        # Built from the previous step's lazy tokens. A step that updates the pools is submitted
+        # after that step's read-back, so no in-flight graph holds the pools and the updates
+        # stay in place; one that writes nothing in place (a decode step feeding the tail)
+        # goes first, so the device never waits for the host.
+        if built.step is None and (overlap or not built.in_place):
             clock.busy()
             engine.submit(built)
             previous = _read_back(engine, pending, clock) if pending is not None else None

@@ -30,7 +30,9 @@ _SOURCE = """
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int tcap = table_shape[1];
-    const int n = lengths[b];
+    const int R = tail_keys_shape[2];
+    const int n = lengths[b] - R;  // positions in the pool; the last R are in the tail
+    const int total = n + R;
     const float sc = scale[0];
     float qr[NREP][PER];
     float acc[NREP][PER];
@@ -48,23 +50,31 @@ _SOURCE = """
     const int* trow = table + (size_t)rows[b] * tcap;
     // Each warp takes UNROLL consecutive positions per pass: their loads are issued
     // together, so a warp waits for memory once per pass instead of once per position.
-    for (int t0 = warp * UNROLL; t0 < n; t0 += NWARPS * UNROLL) {
+    for (int t0 = warp * UNROLL; t0 < total; t0 += NWARPS * UNROLL) {
         float kr[UNROLL][PER];
         float vr[UNROLL][PER];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (t0 + u < n) {
-                const size_t base = ((size_t)trow[t0 + u] * HKV + h) * D + lane * PER;
+            const int t = t0 + u;
+            if (t < n) {
+                const size_t base = ((size_t)trow[t] * HKV + h) * D + lane * PER;
 #pragma unroll
                 for (int i = 0; i < PER; ++i) {
                     kr[u][i] = static_cast<float>(keys[base + i]);
                     vr[u][i] = static_cast<float>(values[base + i]);
                 }
+            } else if (t < total) {
+                const size_t base = ((size_t)(b * HKV + h) * R + (t - n)) * D + lane * PER;
+#pragma unroll
+                for (int i = 0; i < PER; ++i) {
+                    kr[u][i] = static_cast<float>(tail_keys[base + i]);
+                    vr[u][i] = static_cast<float>(tail_values[base + i]);
+                }
             }
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (t0 + u >= n) break;  // uniform across the warp
+            if (t0 + u >= total) break;  // uniform across the warp
             for (int r = 0; r < NREP; ++r) {
                 float s = 0.f;
                 for (int i = 0; i < PER; ++i) s += qr[r][i] * kr[u][i];
@@ -112,8 +122,9 @@ class PagedAttention:
 
     ``queries``: (B, Hq, 1, D); the pool layer's K/V: (slots, Hkv, D); ``lengths``: (B,)
     int32 valid positions per row. The kernel reads row ``table_rows[b]`` of the device slot
-    table ``table`` (rows, max_context); the fallback attends to the (B, T) slots
-    ``gather_index`` with ``mask`` ((B, 1, 1, T) bool).
+    table ``table`` (rows, max_context) for all but the last R positions, which come from
+    ``tail_keys``/``tail_values`` ((B, Hkv, R, D), see ``DecodeTail``); the fallback attends to
+    the (B, T) slots ``gather_index`` with ``mask`` ((B, 1, 1, T) bool).
     """
 
     def __init__(self, use_kernel: bool) -> None:
@@ -141,6 +152,8 @@ class PagedAttention:
         table_rows: mx.array | None,
         lengths: mx.array,
         mask: mx.array | None,
+        tail_keys: mx.array | None = None,
+        tail_values: mx.array | None = None,
     ) -> mx.array:
         b, n_q, length, d = queries.shape
         keys_pool, values_pool = pool.keys[layer], pool.values[layer]
@@ -149,8 +162,9 @@ class PagedAttention:
             assert gather_index is not None, "the fallback needs the gathered slot table"
             keys, values = pool.gather(layer, gather_index)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-        assert table is not None and table_rows is not None
-        return self._kernel_attend(queries, keys_pool, values_pool, table, table_rows, lengths, scale)
+        assert table is not None and table_rows is not None and tail_keys is not None and tail_values is not None
+        return self._kernel_attend(queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values,
+                                   scale)
 
     def _kernel_attend(
         self,
@@ -160,6 +174,8 @@ class PagedAttention:
         table: mx.array,
         table_rows: mx.array,
         lengths: mx.array,
+        tail_keys: mx.array,
+        tail_values: mx.array,
         scale: float,
     ) -> mx.array:
         b, n_q, _, d = queries.shape
@@ -167,7 +183,8 @@ class PagedAttention:
         if self._kernel is None:
             self._kernel = mx.fast.cuda_kernel(
                 name="runtime_paged_decode",
-                input_names=["queries", "keys", "values", "table", "rows", "lengths", "scale"],
+                input_names=["queries", "keys", "values", "table", "rows", "lengths", "tail_keys", "tail_values",
+                             "scale"],
                 output_names=["out"],
                 source=_SOURCE,
             )
@@ -176,7 +193,7 @@ class PagedAttention:
             scale_arr = self._scales[scale] = mx.array([scale], dtype=mx.float32)
         warps = warps_for(b * n_kv, n_q // n_kv, d)
         (out,) = self._kernel(
-            inputs=[queries, keys_pool, values_pool, table, table_rows, lengths, scale_arr],
+            inputs=[queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values, scale_arr],
             template=[("T", queries.dtype), ("D", d), ("NREP", n_q // n_kv), ("HKV", n_kv), ("NWARPS", warps),
                       ("UNROLL", UNROLL)],
             grid=(b * n_kv * warps * 32, 1, 1),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
+from runtime.worker.decode_tail import DecodeTail
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.paged_attention import PagedAttention
 from runtime.worker.row_cache import RowSpan
@@ -26,7 +27,8 @@ class ForwardBatch:
     ``lengths``/``attention``: set for a paged decode (the model's attention call is routed
     to ``PoolLayerCache.paged_attend``): valid positions per row, and the kernel to use;
     ``table``/``table_rows``: the device slot table and each batch row's row in it (kernel
-    path; the fallback gathers through ``gather_index``).
+    path; the fallback gathers through ``gather_index``); ``tail``: where a kernel-path decode
+    puts its new K/V instead of the pool.
     """
 
     write_slots: mx.array
@@ -37,6 +39,7 @@ class ForwardBatch:
     attention: PagedAttention | None = None
     table: mx.array | None = None
     table_rows: mx.array | None = None
+    tail: DecodeTail | None = None
     rows: RowSpan | None = None
 
 
@@ -54,6 +57,9 @@ class PoolLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b, h, length, d = keys.shape
+        if self.batch.tail is not None:
+            self.batch.tail.append(self.kv_layer, keys, values)
+            return keys, values  # paged_attend reads the pool and the tail
         if length == 1:  # decode: a plain slice, no transpose to copy
             flat_k, flat_v = keys[:, :, 0, :], values[:, :, 0, :]
         else:
@@ -80,9 +86,12 @@ class PoolLayerCache:
         """Decode attention over this row's pool slots (the K/V just written included)."""
         b = self.batch
         assert b.attention is not None and b.lengths is not None
+        tail_k = b.tail.keys[self.kv_layer] if b.tail is not None else None
+        tail_v = b.tail.values[self.kv_layer] if b.tail is not None else None
         return b.attention.attend(
             queries, self.pool, self.kv_layer, scale,
             gather_index=b.gather_index, table=b.table, table_rows=b.table_rows, lengths=b.lengths, mask=b.mask,
+            tail_keys=tail_k, tail_values=tail_v,
         )
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
