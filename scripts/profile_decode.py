@@ -104,6 +104,12 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
             engine.finalize(pending)
             t3 = time.perf_counter()
             submit, wait = submit + t2 - t1, wait + t3 - t2
+        elif not built.in_place:  # what the worker does with a step that feeds the decode tail
+            engine.submit(built)
+            t2 = time.perf_counter()
+            engine.finalize(pending)
+            t3 = time.perf_counter()
+            submit, wait = submit + t2 - t1, wait + t3 - t2
         else:
             engine.finalize(pending)
             t2 = time.perf_counter()
@@ -134,14 +140,19 @@ def check_kernel() -> None:
         table = rng.integers(1, 4000, (b, t)).astype(np.int32)
         table[np.arange(t)[None, :] >= lengths[:, None]] = 0
         q = mx.random.normal((b, n_q, 1, d)).astype(mx.bfloat16)
-        mask = mx.array(np.arange(t)[None, :] < lengths[:, None])[:, None, None, :]
         full = np.zeros((b + 3, t), dtype=np.int32)
         order = rng.permutation(b + 3)[:b]
         full[order] = table
-        kwargs = dict(gather_index=mx.array(table), table=mx.array(full), table_rows=mx.array(order.astype(np.int32)),
-                      lengths=mx.array(lengths.astype(np.int32)), mask=mask)
-        ref = PagedAttention(False).attend(q, pool, 0, d**-0.5, **kwargs)
-        out = PagedAttention(True).attend(q, pool, 0, d**-0.5, **kwargs)
+        tail = 3  # the last 3 positions of each row come from the decode tail
+        tail_k = mx.random.normal((b, n_kv, tail, d)).astype(mx.bfloat16)
+        tail_v = mx.random.normal((b, n_kv, tail, d)).astype(mx.bfloat16)
+        keys = mx.concatenate([pool.keys[0][mx.array(table)].transpose(0, 2, 1, 3), tail_k], axis=2)
+        values = mx.concatenate([pool.values[0][mx.array(table)].transpose(0, 2, 1, 3), tail_v], axis=2)
+        valid = np.concatenate([np.arange(t)[None, :] < lengths[:, None], np.ones((b, tail), dtype=bool)], axis=1)
+        ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d**-0.5, mask=mx.array(valid)[:, None, None, :])
+        out = PagedAttention(True).attend(
+            q, pool, 0, d**-0.5, gather_index=None, table=mx.array(full), table_rows=mx.array(order.astype(np.int32)),
+            lengths=mx.array((lengths + tail).astype(np.int32)), mask=None, tail_keys=tail_k, tail_values=tail_v)
         err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
         print(f"kernel check heads {n_q}/{n_kv} dim {d}: max abs diff {err:.5f}", flush=True)
 
