@@ -305,8 +305,9 @@ class Engine:
         self._build_decode(launched)
 
     def _prefill_groups(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
-        """Consecutive chunks of distinct rows with the same start and length run as one batch
-        (attention-only models: a recurrent state would need per-row lengths)."""
+        """Consecutive chunks of distinct rows with the same start run as one batch, shorter
+        ones padded at the end (attention-only models: a recurrent state would need per-row
+        lengths). Causal attention keeps every real token blind to the padding after it."""
         groups: list[list[PrefillChunk]] = []
         for chunk in chunks:
             last = groups[-1] if groups else None
@@ -314,8 +315,8 @@ class Engine:
                 last is not None
                 and self.aux_pool is None
                 and chunk.token_ids
+                and last[0].token_ids
                 and chunk.start == last[0].start
-                and len(chunk.token_ids) == len(last[0].token_ids)
                 and all(c.row != chunk.row for c in last)
             ):
                 last.append(chunk)
@@ -323,22 +324,36 @@ class Engine:
                 groups.append([chunk])
         return groups
 
+    PREFILL_PAD = 16  # a padded batch's length is rounded up to this, so shapes recur
+
     def _prefill_batch(self, group: list[PrefillChunk]) -> None:
-        start, n = group[0].start, len(group[0].token_ids)
+        start = group[0].start
+        longest = max(len(c.token_ids) for c in group)
+        n = min(-(-longest // self.PREFILL_PAD) * self.PREFILL_PAD, self.max_context - start)
         for chunk in group:
             if chunk.prefix_slots:
                 self._set_table(chunk.row, 0, chunk.prefix_slots)
             self._set_table(chunk.row, start, chunk.slot_ids)
             self._fill_prefix(chunk)
         rows = [c.row for c in group]
+        # Padding positions write their K/V to the padding slot 0; in the row cache they land
+        # past the row's length, which decode overwrites before it ever attends there.
+        pads = [n - len(c.token_ids) for c in group]
+        tokens = [c.token_ids + [0] * pad for c, pad in zip(group, pads)]
+        gather = None
+        if start:
+            gather = self.slot_table[rows, : start + n].copy()
+            for i, c in enumerate(group):
+                gather[i, start + len(c.token_ids) :] = 0
+            gather = mx.array(gather)
         batch = ForwardBatch(
-            write_slots=mx.array([s for c in group for s in c.slot_ids], dtype=mx.int32),
-            gather_index=None if start == 0 else mx.array(self.slot_table[rows, : start + n]),
+            write_slots=mx.array([s for c, pad in zip(group, pads) for s in c.slot_ids + [0] * pad], dtype=mx.int32),
+            gather_index=gather,
             offset=start,
             mask=None,
             rows=RowSpan(self.row_cache, rows, start) if self.row_cache is not None else None,
         )
-        self.model(mx.array([c.token_ids for c in group], dtype=mx.int32), cache=self._caches(batch))
+        self.model(mx.array(tokens, dtype=mx.int32), cache=self._caches(batch))
 
     def _build_decode(self, launched: LaunchedStep) -> None:
         step = launched.step
