@@ -69,6 +69,9 @@ class Engine:
         self._prev_tokens: mx.array | None = None
         self._prev_rows: list[int] = []
         self._flushed = False
+        # Share of padding a batched prefill may carry: on a GPU, where a step costs its launch
+        # overhead more than its arithmetic, batching pays for some; on the CPU it does not.
+        self.max_padding = 0.25 if mx.default_device().type == mx.DeviceType.gpu else 0.0
         # Decode attention reads the pool through the slot table when mlx-lm's attention
         # call can be routed to it; otherwise K/V are gathered into a masked batch.
         paged = layout.kv_shape is not None and attention_patch.install(model, layout.attn_attr)
@@ -305,12 +308,17 @@ class Engine:
         self._build_decode(launched)
 
     def _prefill_groups(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
-        """Consecutive chunks of distinct rows with the same start run as one batch, shorter
-        ones padded at the end (attention-only models: a recurrent state would need per-row
-        lengths). Causal attention keeps every real token blind to the padding after it."""
-        groups: list[list[PrefillChunk]] = []
+        """Batches of prefill chunks that can run as one forward.
+
+        A run of consecutive chunks of distinct rows with the same start (attention-only
+        models: a recurrent state would need per-row lengths) is independent row by row, so
+        it is sorted by length and cut into batches whose padding (shorter chunks are padded
+        at the end; causal attention keeps real tokens blind to it) stays within
+        ``max_padding`` of the real tokens.
+        """
+        runs: list[list[PrefillChunk]] = []
         for chunk in chunks:
-            last = groups[-1] if groups else None
+            last = runs[-1] if runs else None
             if (
                 last is not None
                 and self.aux_pool is None
@@ -321,7 +329,19 @@ class Engine:
             ):
                 last.append(chunk)
             else:
-                groups.append([chunk])
+                runs.append([chunk])
+        groups: list[list[PrefillChunk]] = []
+        for run in runs:
+            current: list[PrefillChunk] = []
+            real = 0
+            for chunk in sorted(run, key=lambda c: len(c.token_ids)):
+                n = len(chunk.token_ids)
+                if current and (len(current) + 1) * n > (1 + self.max_padding) * (real + n):
+                    groups.append(current)
+                    current, real = [], 0
+                current.append(chunk)
+                real += n
+            groups.append(current)
         return groups
 
     PREFILL_PAD = 16  # a padded batch's length is rounded up to this, so shapes recur

@@ -52,7 +52,8 @@ class RowCache:
 class RowSpan:
     """Where one forward's new K/V go in the row cache, and what decode attends to.
 
-    Prefill (not ``decode``): rows ``rows`` receive positions ``start..start+L``.
+    Prefill (not ``decode``): rows ``rows`` receive positions ``start..start+L``; a chunk
+    past position 0 attends to the row cache's positions ``0..start+L``.
     Decode: row ``rows[b]`` receives position ``positions[b]`` (or ``same_position`` for
     all); attention reads the first ``length`` positions of those rows (a slice when
     ``compact``: rows are ``0..B-1`` in order).
@@ -81,7 +82,15 @@ class RowSpan:
             for i, row in enumerate(self.rows):
                 c.keys[layer][row, :, self.start : self.start + n, :] = keys[i]
                 c.values[layer][row, :, self.start : self.start + n, :] = values[i]
-            return None
+            if self.start == 0:
+                return None  # the new tokens are the whole sequence
+            # A later chunk attends to its rows' cached prefix and itself, already in place.
+            end = self.start + n
+            if len(self.rows) == 1:
+                row = self.rows[0]
+                return c.keys[layer][row : row + 1, :, :end, :], c.values[layer][row : row + 1, :, :end, :]
+            index = mx.array(self.rows, dtype=mx.int32)
+            return c.keys[layer][:, :, :end, :][index], c.values[layer][:, :, :end, :][index]
         b = len(self.rows)
         if self.compact and self.same_position is not None:
             # Rows 0..B-1 all at one position (a batch in lockstep): one slice update.
