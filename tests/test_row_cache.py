@@ -35,3 +35,24 @@ def test_compact_and_scattered_rows_with_prefix_hits(arch, model_dir, monkeypatc
     assert sum(r.prefix_len > 0 for r in reqs) >= 2 and repeat.prefix_len == len(repeat.prompt_ids) - 1
     for r in reqs + [repeat]:
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+@pytest.mark.parametrize("pending_steps", [64, 3])
+def test_decode_tokens_reach_the_pool_for_later_prefix_hits(pending_steps, model_dir, monkeypatch):
+    """Decode K/V live in the row cache and are copied into the pool later; a prompt that
+    extends a finished request's whole sequence must still reuse exact K/V."""
+    from runtime.worker.engine import Engine
+
+    monkeypatch.setattr(Engine, "PENDING_STEPS", pending_steps)
+    folder = model_dir("llama")
+    svc = InProcessService(folder, max_running=4)
+    rng = random.Random(12)
+    first = [svc.request(f"f{i}", [40 + i] + [rng.randrange(3, 250) for _ in range(8 + 5 * i)], 10 + 4 * i)
+             for i in range(3)]
+    svc.run({0: first})
+    follow = [svc.request(f"g{i}", r.prompt_ids + r.output_ids[:-1] + [7, 8], 6) for i, r in enumerate(first)]
+    svc.run({0: follow})
+    for f, g in zip(first, follow):
+        assert g.prefix_len > len(f.prompt_ids) + 5, (g.prefix_len, len(f.prompt_ids))
+    for r in first + follow:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid

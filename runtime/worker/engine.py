@@ -49,6 +49,7 @@ class Engine:
 
     LENGTH_BUCKET = 128
     TAIL_STEPS = 16
+    PENDING_STEPS = 64
 
     def __init__(
         self,
@@ -69,6 +70,9 @@ class Engine:
         self._prev_tokens: mx.array | None = None
         self._prev_rows: list[int] = []
         self._flushed = False
+        # Row-cache decode writes not yet copied into the pool: (rows, positions, slots) per step.
+        self._pending: list[tuple[np.ndarray, np.ndarray, list[int]]] = []
+        self._pending_rows: list[int] = []
         # Share of padding a batched prefill may carry: on a GPU, where a step costs its launch
         # overhead more than its arithmetic, batching pays for some; on the CPU it does not.
         self.max_padding = 0.25 if mx.default_device().type == mx.DeviceType.gpu else 0.0
@@ -224,6 +228,13 @@ class Engine:
         offsets: int | mx.array = int(positions[0]) if lockstep else mx.array(positions32)
         span = None
         if rc is not None:
+            # Decode K/V stay in the row cache (decode reads nothing else); the pool gets them
+            # before anything reads it: at the first step that changes the batch or prefills.
+            if self._pending and (max(decode.token_ids) >= 0 or decode.rows != self._pending_rows
+                                  or len(self._pending) >= self.PENDING_STEPS):
+                self._flush_pending()
+            self._pending.append((rows, positions, decode.slot_ids))
+            self._pending_rows = decode.rows
             span = RowSpan(rc, decode.rows, positions=None if lockstep else offsets,
                            rows_array=None if lockstep else mx.array(rows.astype(np.int32)),
                            length=length, compact=compact, same_position=int(positions[0]) if lockstep else None,
@@ -253,6 +264,7 @@ class Engine:
             attention=self.attention,
             rows=span,
             tail=self.tail,
+            write_pool=rc is None,
         )
         inputs = self._decode_inputs(decode)
         if pad:
@@ -272,9 +284,6 @@ class Engine:
             inv = mx.array([1.0 / t if t > 0 else 1.0 for t in temps], dtype=logprobs.dtype)
             sampled = mx.random.categorical(logprobs * inv[:, None]).astype(mx.int32)
             tokens = mx.where(mx.array([t > 0 for t in temps]), sampled, tokens)
-        if rc is not None:
-            # Attention read the row cache, so the pool writes are not in the tokens' graph.
-            tokens = mx.depends(tokens, self.pool.arrays())
         self._prev_tokens = tokens
         self._prev_rows = decode.rows
         return tokens
@@ -299,6 +308,7 @@ class Engine:
         if launched.step is None or not launched.step.prefills:
             return
         self._flush_tail()
+        self._flush_pending()
         for group in self._prefill_groups(launched.step.prefills):
             if len(group) == 1:
                 self._prefill(group[0])
@@ -431,6 +441,19 @@ class Engine:
         """Bytes of every array a step updates in place (KV pool, aux pool, row cache)."""
         return sum(a.nbytes for a in self._state_arrays())
 
+    def _flush_pending(self) -> None:
+        """Copy pending row-cache decode K/V into the pool, now: the next writes to the row
+        cache must not find this copy's graph still holding it."""
+        if not self._pending:
+            return
+        assert self.row_cache is not None
+        rows = mx.array(np.concatenate([r for r, _, _ in self._pending]).astype(np.int32))
+        positions = mx.array(np.concatenate([p for _, p, _ in self._pending]).astype(np.int32))
+        slots = mx.array([s for _, _, step_slots in self._pending for s in step_slots], dtype=mx.int32)
+        self.row_cache.flush(self.pool, rows, positions, slots)
+        mx.eval(self.pool.arrays())
+        self._pending, self._pending_rows = [], []
+
     def _flush_tail(self) -> bool:
         return self.tail is not None and self.tail.flush(self.pool, self.device_table)
 
@@ -439,3 +462,4 @@ class Engine:
         self._prev_rows = []
         if self.tail is not None:
             self.tail.clear()
+        self._pending, self._pending_rows = [], []

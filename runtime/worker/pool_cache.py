@@ -28,7 +28,8 @@ class ForwardBatch:
     to ``PoolLayerCache.paged_attend``): valid positions per row, and the kernel to use;
     ``table``/``table_rows``: the device slot table and each batch row's row in it (kernel
     path; the fallback gathers through ``gather_index``); ``tail``: where a kernel-path decode
-    puts its new K/V instead of the pool.
+    puts its new K/V instead of the pool; ``write_pool`` False: the new K/V go to the row
+    cache only (the engine copies them into the pool later).
     """
 
     write_slots: mx.array
@@ -40,6 +41,7 @@ class ForwardBatch:
     table: mx.array | None = None
     table_rows: mx.array | None = None
     tail: DecodeTail | None = None
+    write_pool: bool = True
     rows: RowSpan | None = None
 
 
@@ -65,7 +67,8 @@ class PoolLayerCache:
         else:
             flat_k = keys.transpose(0, 2, 1, 3).reshape(b * length, h, d)
             flat_v = values.transpose(0, 2, 1, 3).reshape(b * length, h, d)
-        self.pool.write(self.kv_layer, self.batch.write_slots, flat_k, flat_v)
+        if self.batch.write_pool:
+            self.pool.write(self.kv_layer, self.batch.write_slots, flat_k, flat_v)
         if self.batch.rows is not None:
             dense = self.batch.rows.write(self.kv_layer, keys, values)
             if dense is not None:

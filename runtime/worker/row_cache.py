@@ -40,6 +40,12 @@ class RowCache:
     def arrays(self) -> list[mx.array]:
         return self.keys + self.values
 
+    def flush(self, pool: KVPool, rows: mx.array, positions: mx.array, slots: mx.array) -> None:
+        """Copy the K/V at (``rows[i]``, ``positions[i]``) into pool slot ``slots[i]``."""
+        r, p = rows[:, None], positions[:, None]
+        for layer in range(len(self.keys)):
+            pool.write(layer, slots, self.keys[layer][r, self._heads, p], self.values[layer][r, self._heads, p])
+
     def fill_prefix(self, pool: KVPool, row: int, slots: mx.array) -> None:
         """Copy a cached prefix's K/V (pool ``slots``, positions 0..) into ``row``."""
         n = slots.shape[0]
