@@ -57,3 +57,26 @@ def test_batched_chunks_after_a_prefix_hit_are_exact(folder):
     assert (40, 4, 2) in groups, groups  # two suffix lengths, padded into one batch
     for r in [seed] + hits:
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+def _chunk(row: int, start: int, n: int):
+    from runtime.protocol.worker import PrefillChunk
+
+    return PrefillChunk(row, start, [1] * n, list(range(n)))
+
+
+def test_prefill_groups_policy():
+    from runtime.worker.prefill_groups import prefill_groups
+
+    def shape(groups):
+        return [[(c.row, c.start, len(c.token_ids)) for c in g] for g in groups]
+
+    chunks = [_chunk(0, 0, 30), _chunk(1, 0, 16), _chunk(2, 0, 25), _chunk(3, 0, 30)]
+    # Equal lengths only, sorted by length within the run.
+    assert shape(prefill_groups(chunks, True, 0.0)) == [[(1, 0, 16)], [(2, 0, 25)], [(0, 0, 30), (3, 0, 30)]]
+    # A quarter of padding lets 25 and 30 share a batch (16 would need more).
+    assert shape(prefill_groups(chunks, True, 0.25)) == [[(1, 0, 16), (2, 0, 25)], [(0, 0, 30), (3, 0, 30)]]
+    # A row's second chunk, another start, and models with recurrent state never join a batch.
+    mixed = [_chunk(0, 0, 8), _chunk(0, 8, 8), _chunk(1, 8, 8)]
+    assert shape(prefill_groups(mixed, True, 0.0)) == [[(0, 0, 8)], [(0, 8, 8), (1, 8, 8)]]
+    assert len(prefill_groups(chunks, False, 0.25)) == 4

@@ -15,6 +15,7 @@ from runtime.worker.decode_tail import DecodeTail
 from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.paged_attention import PagedAttention
+from runtime.worker.prefill_groups import prefill_groups
 from runtime.worker.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.row_cache import MAX_BYTES, RowCache, RowSpan
 
@@ -318,41 +319,7 @@ class Engine:
         self._build_decode(launched)
 
     def _prefill_groups(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
-        """Batches of prefill chunks that can run as one forward.
-
-        A run of consecutive chunks of distinct rows with the same start (attention-only
-        models: a recurrent state would need per-row lengths) is independent row by row, so
-        it is sorted by length and cut into batches whose padding (shorter chunks are padded
-        at the end; causal attention keeps real tokens blind to it) stays within
-        ``max_padding`` of the real tokens.
-        """
-        runs: list[list[PrefillChunk]] = []
-        for chunk in chunks:
-            last = runs[-1] if runs else None
-            if (
-                last is not None
-                and self.aux_pool is None
-                and chunk.token_ids
-                and last[0].token_ids
-                and chunk.start == last[0].start
-                and all(c.row != chunk.row for c in last)
-            ):
-                last.append(chunk)
-            else:
-                runs.append([chunk])
-        groups: list[list[PrefillChunk]] = []
-        for run in runs:
-            current: list[PrefillChunk] = []
-            real = 0
-            for chunk in sorted(run, key=lambda c: len(c.token_ids)):
-                n = len(chunk.token_ids)
-                if current and (len(current) + 1) * n > (1 + self.max_padding) * (real + n):
-                    groups.append(current)
-                    current, real = [], 0
-                current.append(chunk)
-                real += n
-            groups.append(current)
-        return groups
+        return prefill_groups(chunks, batchable=self.aux_pool is None, max_padding=self.max_padding)
 
     PREFILL_PAD = 16  # a padded batch's length is rounded up to this, so shapes recur
 
