@@ -155,16 +155,14 @@ class PagedAttention:
         tail_keys: mx.array | None = None,
         tail_values: mx.array | None = None,
     ) -> mx.array:
-        b, n_q, length, d = queries.shape
-        keys_pool, values_pool = pool.keys[layer], pool.values[layer]
-        n_kv = keys_pool.shape[1]
+        length, d = queries.shape[2], queries.shape[3]
         if not self.supports(d) or length != 1:
             assert gather_index is not None, "the fallback needs the gathered slot table"
             keys, values = pool.gather(layer, gather_index)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         assert table is not None and table_rows is not None and tail_keys is not None and tail_values is not None
-        return self._kernel_attend(queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values,
-                                   scale)
+        return self._kernel_attend(queries, pool.keys[layer], pool.values[layer], table, table_rows, lengths,
+                                   tail_keys, tail_values, scale)
 
     def _kernel_attend(
         self,
