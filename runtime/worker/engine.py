@@ -197,10 +197,10 @@ class Engine:
         rc = self.row_cache
         compact = rc is not None and bool(np.array_equal(rows, np.arange(bsz)))
         lockstep = compact and bool((positions == positions[0]).all())
-        if lockstep:
-            # Rows 0..B-1 all at one position: attend to exactly pos + 1 row-cache positions
-            # (views, so a growing length costs no new buffers) without a mask, as mlx-lm does.
-            length = int(positions[0]) + 1
+        if rc is not None:
+            # Row-cache views cost no new buffers as the length grows: attend to exactly the
+            # positions in use (no mask at all for rows 0..B-1 at one position, as mlx-lm).
+            length = int(positions.max()) + 1
         else:
             # Round the attended length up to a bucket (padding is masked out): the same
             # shapes recur for many steps, so MLX reuses its buffers instead of faulting in
