@@ -63,7 +63,7 @@ def time_mlx(model, batch: int, context: int, steps: int) -> dict:
             "wait": 1e3 * wait / steps}
 
 
-def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slots_total: int) -> dict:
+def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slots_total: int, stagger: bool = False) -> dict:
     """The worker's Engine: prefill every row, then chained decode steps in the worker's order."""
     from runtime.protocol.worker import DecodeBatch, PrefillChunk, Step
     from runtime.worker.discovery import discover
@@ -77,9 +77,12 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
     engine = Engine(model, layout, pool, batch, seq)
     rng = np.random.default_rng(0)
     step_id = 0
+    # ``stagger``: odd rows are one token longer, so the batch is never in lockstep.
+    extra = [int(stagger and r % 2) for r in range(batch)]
     for r in range(batch):
-        chunk = PrefillChunk(row=r, start=0, token_ids=rng.integers(0, 1000, context).tolist(),
-                             slot_ids=list(range(1 + r * seq, 1 + r * seq + context)))
+        n = context + extra[r]
+        chunk = PrefillChunk(row=r, start=0, token_ids=rng.integers(0, 1000, n).tolist(),
+                             slot_ids=list(range(1 + r * seq, 1 + r * seq + n)))
         engine.finalize(engine.launch(Step(step_id=step_id, prefills=[chunk], decode=None)))
         step_id += 1
 
@@ -88,7 +91,8 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
         step_id += 1
         return Step(step_id=step_id, prefills=[], decode=DecodeBatch(
             rows=list(range(batch)), token_ids=[1] * batch if first else [-1] * batch,
-            positions=[pos] * batch, slot_ids=[1 + r * seq + pos for r in range(batch)],
+            positions=[pos + extra[r] for r in range(batch)],
+            slot_ids=[1 + r * seq + pos + extra[r] for r in range(batch)],
             temperatures=[0.0] * batch))
 
     pending = engine.launch(decode_step(context, True))
@@ -177,6 +181,7 @@ def main() -> None:
                 "mlx": lambda: time_mlx(model, batch, args.context, args.steps),
                 "engine": lambda: time_engine(model, batch, args.context, args.steps, False, args.big_pool),
                 "engine-overlap": lambda: time_engine(model, batch, args.context, args.steps, True, args.big_pool),
+                "engine-stagger": lambda: time_engine(model, batch, args.context, args.steps, False, args.big_pool, True),
             }[mode]
             fn()  # warm-up: compile kernels, fill the buffer cache
             r = fn()
