@@ -22,6 +22,26 @@ def test_buffer_cache_limit_is_raised_but_never_lowered():
 
 
 def test_row_buckets():
-    from runtime.worker.engine import row_bucket
+    from runtime.worker.decode_plan import row_bucket
 
     assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 64)] == [1, 2, 4, 8, 8, 16, 16, 24, 64]
+
+
+def test_decode_plan_paths():
+    from runtime.protocol.worker import DecodeBatch
+    from runtime.worker.decode_plan import plan_decode
+
+    lockstep = DecodeBatch(rows=[0, 1, 2], token_ids=[-1] * 3, positions=[40, 40, 40], slot_ids=[5, 6, 7],
+                           temperatures=[0.0] * 3)
+    plan = plan_decode(lockstep, dense=True, length_bucket=128, max_context=512, padding_row=16)
+    assert (plan.pad, plan.length, plan.compact, plan.lockstep) == (0, 41, True, True)
+    scattered = DecodeBatch(rows=[2, 0, 1], token_ids=[-1] * 3, positions=[40, 41, 9], slot_ids=[5, 6, 7],
+                            temperatures=[0.0] * 3)
+    plan = plan_decode(scattered, dense=True, length_bucket=128, max_context=512, padding_row=16)
+    assert (plan.pad, plan.length, plan.compact, plan.lockstep) == (0, 42, False, False)
+    assert plan.valid().sum(axis=1).tolist() == [41, 42, 10]
+    # Pool paths: rows padded to a bucket (padding row, position 0, slot 0), length rounded up.
+    plan = plan_decode(scattered, dense=False, length_bucket=128, max_context=512, padding_row=16)
+    assert (plan.pad, plan.length) == (1, 128)
+    assert plan.rows.tolist() == [2, 0, 1, 16] and plan.positions.tolist() == [40, 41, 9, 0]
+    assert plan.slot_ids == [5, 6, 7, 0]

@@ -11,6 +11,7 @@ import numpy as np
 from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, DecodeBatch, PrefillChunk, Step
 from runtime.worker import attention_patch
 from runtime.worker.aux_pool import AuxPool
+from runtime.worker.decode_plan import plan_decode
 from runtime.worker.decode_tail import DecodeTail
 from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
@@ -18,13 +19,6 @@ from runtime.worker.paged_attention import PagedAttention
 from runtime.worker.prefill_groups import prefill_groups
 from runtime.worker.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.row_cache import MAX_BYTES, RowCache, RowSpan
-
-
-def row_bucket(rows: int) -> int:
-    """Batch rows rounded up to a few size classes: powers of two to 8, then multiples of 8."""
-    if rows <= 8:
-        return 1 << (rows - 1).bit_length()
-    return -(-rows // 8) * 8
 
 
 @dataclass
@@ -41,8 +35,8 @@ class LaunchedStep:
 class Engine:
     """Owns the model, the KV pool and the host-side request→slot table.
 
-    ``LENGTH_BUCKET``: decode attends to a multiple of this many positions, and batch rows
-    are padded to ``row_bucket`` sizes: few distinct shapes, so MLX reuses its buffers.
+    ``LENGTH_BUCKET``: on the pool paths decode attends to a multiple of this many positions
+    and batch rows are padded to bucket sizes (see ``plan_decode``).
 
     Chaining: a decode row whose input token is -1 takes the token this engine sampled
     for that row in the previous decode batch, as a lazy array (never read back first).
@@ -190,41 +184,18 @@ class Engine:
         return mx.where(mx.array(chained), self._prev_tokens[prev_idx], explicit)
 
     def _decode(self, decode: DecodeBatch) -> mx.array:
-        rows = np.asarray(decode.rows, dtype=np.int64)
-        positions = np.asarray(decode.positions, dtype=np.int64)
-        self.slot_table[rows, positions] = decode.slot_ids
-        bsz = len(decode.rows)
-        rc = self.row_cache
-        compact = rc is not None and bool(np.array_equal(rows, np.arange(bsz)))
-        lockstep = compact and bool((positions == positions[0]).all())
-        if rc is not None:
-            # Row-cache views cost no new buffers as the length grows: attend to exactly the
-            # positions in use (no mask at all for rows 0..B-1 at one position, as mlx-lm).
-            length = int(positions.max()) + 1
-        else:
-            # Round the attended length up to a bucket (padding is masked out): the same
-            # shapes recur for many steps, so MLX reuses its buffers instead of faulting in
-            # new ones every step (exact, growing gathered shapes would flood its cache).
-            length = min(-(-(int(positions.max()) + 1) // self.LENGTH_BUCKET) * self.LENGTH_BUCKET, self.max_context)
-        # Pool path: rows are padded to a few bucket sizes too. Row cache: no padding rows
-        # (they would write into rows other requests own).
-        pad = 0 if rc is not None else row_bucket(bsz) - bsz
-        dt = self.device_table
-        gather_np = self.slot_table[rows, :length] if rc is None and dt is None else None
-        slot_ids = list(decode.slot_ids)
-        aux_slots = list(decode.aux_slots)
-        if pad:
-            # Padding rows attend to the padding slot 0 only and write their K/V (and aux
-            # state) there; their tokens are dropped.
-            if gather_np is not None:
-                gather_np = np.concatenate([gather_np, np.zeros((pad, length), dtype=gather_np.dtype)])
-            rows = np.concatenate([rows, np.full(pad, len(self.slot_table), dtype=rows.dtype)])
-            positions = np.concatenate([positions, np.zeros(pad, dtype=positions.dtype)])
-            slot_ids += [0] * pad
-            aux_slots += [0] * pad if aux_slots else []
-        mask = None
-        if self._decode_mask and not lockstep:
-            mask = mx.array(np.arange(length)[None, :] <= positions[:, None])[:, None, None, :]
+        rc, dt = self.row_cache, self.device_table
+        self.slot_table[decode.rows, decode.positions] = decode.slot_ids
+        plan = plan_decode(decode, dense=rc is not None, length_bucket=self.LENGTH_BUCKET,
+                           max_context=self.max_context, padding_row=len(self.slot_table))
+        bsz, pad, length, lockstep = len(decode.rows), plan.pad, plan.length, plan.lockstep
+        rows, positions, slot_ids, aux_slots = plan.rows, plan.positions, plan.slot_ids, plan.aux_slots
+        gather_np = None
+        if rc is None and dt is None:
+            # Padding rows (past the host table) attend to the padding slot 0 only.
+            gather_np = np.zeros((len(rows), length), dtype=self.slot_table.dtype)
+            gather_np[:bsz] = self.slot_table[rows[:bsz], :length]
+        mask = mx.array(plan.valid())[:, None, None, :] if self._decode_mask and not lockstep else None
         positions32 = positions.astype(np.int32)
         offsets: int | mx.array = int(positions[0]) if lockstep else mx.array(positions32)
         span = None
@@ -238,7 +209,7 @@ class Engine:
             self._pending_rows = decode.rows
             span = RowSpan(rc, decode.rows, positions=None if lockstep else offsets,
                            rows_array=None if lockstep else mx.array(rows.astype(np.int32)),
-                           length=length, compact=compact, same_position=int(positions[0]) if lockstep else None,
+                           length=length, compact=plan.compact, same_position=int(positions[0]) if lockstep else None,
                            decode=True)
         write_slots = mx.array(slot_ids, dtype=mx.int32)
         table_rows = None
