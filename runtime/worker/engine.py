@@ -211,7 +211,7 @@ class Engine:
                            rows_array=None if lockstep else mx.array(rows.astype(np.int32)),
                            length=length, compact=plan.compact, same_position=int(positions[0]) if lockstep else None,
                            decode=True)
-        write_slots = mx.array(slot_ids, dtype=mx.int32)
+        write_slots = mx.array(slot_ids, dtype=mx.int32) if rc is None else None
         table_rows = None
         self._flushed = False
         if dt is not None:

@@ -17,7 +17,8 @@ from runtime.worker.row_cache import RowSpan
 class ForwardBatch:
     """What one forward pass needs to address the pool.
 
-    ``write_slots``: slot of every new token, batch-major (B * L,).
+    ``write_slots``: slot of every new token, batch-major (B * L,); None when the new K/V
+    do not go to the pool in this forward (``write_pool`` False).
     ``gather_index``: (B, T) slots of every position each row attends to, or None when
     the new tokens are the whole sequence (a prefill from position 0, single row).
     ``offset``: the position of the first new token (int for a prefill, (B,) array for decode).
@@ -32,7 +33,7 @@ class ForwardBatch:
     cache only (the engine copies them into the pool later).
     """
 
-    write_slots: mx.array
+    write_slots: mx.array | None
     gather_index: mx.array | None
     offset: int | mx.array
     mask: mx.array | None
@@ -62,12 +63,13 @@ class PoolLayerCache:
         if self.batch.tail is not None:
             self.batch.tail.append(self.kv_layer, keys, values)
             return keys, values  # paged_attend reads the pool and the tail
-        if length == 1:  # decode: a plain slice, no transpose to copy
-            flat_k, flat_v = keys[:, :, 0, :], values[:, :, 0, :]
-        else:
-            flat_k = keys.transpose(0, 2, 1, 3).reshape(b * length, h, d)
-            flat_v = values.transpose(0, 2, 1, 3).reshape(b * length, h, d)
         if self.batch.write_pool:
+            if length == 1:  # decode: a plain slice, no transpose to copy
+                flat_k, flat_v = keys[:, :, 0, :], values[:, :, 0, :]
+            else:
+                flat_k = keys.transpose(0, 2, 1, 3).reshape(b * length, h, d)
+                flat_v = values.transpose(0, 2, 1, 3).reshape(b * length, h, d)
+            assert self.batch.write_slots is not None
             self.pool.write(self.kv_layer, self.batch.write_slots, flat_k, flat_v)
         if self.batch.rows is not None:
             dense = self.batch.rows.write(self.kv_layer, keys, values)
