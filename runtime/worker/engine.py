@@ -35,6 +35,10 @@ class LaunchedStep:
 class Engine:
     """Owns the model, the KV pool and the host-side request→slot table.
 
+    Decode attention takes one of three paths: the CUDA paged kernel, with new K/V in a
+    ``DecodeTail`` (GPU); a dense ``RowCache`` (where the kernel does not apply and the copy
+    fits); or K/V gathered from the pool into a masked batch (otherwise).
+
     ``LENGTH_BUCKET``: on the pool paths decode attends to a multiple of this many positions
     and batch rows are padded to bucket sizes (see ``plan_decode``).
 
@@ -43,8 +47,9 @@ class Engine:
     """
 
     LENGTH_BUCKET = 128
-    TAIL_STEPS = 16
-    PENDING_STEPS = 64
+    PREFILL_PAD = 16  # a padded prefill batch's length is rounded up to this, so shapes recur
+    TAIL_STEPS = 16  # decode steps a DecodeTail holds before it is flushed into the pool
+    PENDING_STEPS = 64  # row-cache decode steps not yet copied into the pool, at most
 
     def __init__(
         self,
@@ -150,7 +155,10 @@ class Engine:
                 self.aux_pool.zero(chunk.aux_slot)
             return
         self._set_table(row, start, chunk.slot_ids)
-        gather = None if start == 0 else mx.array(self.slot_table[row : row + 1, : start + n])
+        # Past position 0 the chunk attends to its prefix: in the row cache, else gathered.
+        gather = None
+        if start and self.row_cache is None:
+            gather = mx.array(self.slot_table[row : row + 1, : start + n])
         batch = ForwardBatch(
             write_slots=mx.array(chunk.slot_ids, dtype=mx.int32),
             gather_index=gather,
@@ -292,8 +300,6 @@ class Engine:
     def _prefill_groups(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
         return prefill_groups(chunks, batchable=self.aux_pool is None, max_padding=self.max_padding)
 
-    PREFILL_PAD = 16  # a padded batch's length is rounded up to this, so shapes recur
-
     def _prefill_batch(self, group: list[PrefillChunk]) -> None:
         start = group[0].start
         longest = max(len(c.token_ids) for c in group)
@@ -309,7 +315,7 @@ class Engine:
         pads = [n - len(c.token_ids) for c in group]
         tokens = [c.token_ids + [0] * pad for c, pad in zip(group, pads)]
         gather = None
-        if start:
+        if start and self.row_cache is None:
             gather = self.slot_table[rows, : start + n].copy()
             for i, c in enumerate(group):
                 gather[i, start + len(c.token_ids) :] = 0
