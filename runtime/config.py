@@ -65,10 +65,12 @@ class CacheConfig:
 class WorkerConfig:
     """``[worker]``: the MLX process.
 
-    ``overlap_submit_max_mb``: on a GPU, submit step N+1 before reading step N back when
-    the KV and aux pools together are at most this size. That hides the launch cost, but
-    MLX then copies the pools on each write (a graph in flight still holds them), so it
-    only pays for small pools. On the CPU the worker always reads back first.
+    ``overlap_submit_max_mb``: on a GPU, submit every decode step N+1 before reading step N
+    back when the KV and aux pools together are at most this size. That hides the launch
+    cost, but MLX then copies the pools on each write (a graph in flight still holds them),
+    so it only pays for small pools. Decode steps that write nothing in place (the CUDA
+    kernel path's decode tail) are always submitted first; on the CPU every other step is
+    read back first.
 
     ``buffer_cache_mb``: MLX's cache of freed buffers. MLX's CPU default (32 MiB) is smaller
     than one decode step's temporaries at moderate batch sizes, and missing it costs a
