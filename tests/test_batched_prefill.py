@@ -80,3 +80,38 @@ def test_prefill_groups_policy():
     mixed = [_chunk(0, 0, 8), _chunk(0, 8, 8), _chunk(1, 8, 8)]
     assert shape(prefill_groups(mixed, True, 0.0)) == [[(0, 0, 8)], [(0, 8, 8), (1, 8, 8)]]
     assert len(prefill_groups(chunks, False, 0.25)) == 4
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "mamba2"])
+def test_hybrid_chunks_are_batched_with_their_states(arch, model_dir):
+    """Recurrent-state models batch equal chunks: fresh states together, saved states
+    together, each row's state and tracked snapshot stored to its own slots."""
+    folder = model_dir(arch)
+    svc = InProcessService(folder, aux_slots=64, track_chunk=8, max_step_tokens=512)
+    groups = _spy_groups(svc)
+    rng = random.Random(21)
+    shared = [rng.randrange(3, 250) for _ in range(16)]
+    wave = [svc.request(f"w{i}", [60 + i] + [rng.randrange(3, 250) for _ in range(20)], 6) for i in range(5)]
+    seed = svc.request("seed", shared + [5, 6, 7, 8, 9], 4)
+    svc.run({0: wave + [seed]})
+    hits = [svc.request(f"h{i}", shared + [70 + i] + [rng.randrange(3, 250) for _ in range(4)], 6) for i in range(4)]
+    svc.run({0: hits})
+    assert all(r.prefix_len == 16 for r in hits), [r.prefix_len for r in hits]
+    assert any(start == 0 and rows >= 5 for start, rows, _ in groups), groups  # fresh states
+    assert any(start == 16 and rows >= 4 for start, rows, _ in groups), groups  # restored states
+    for r in wave + [seed] + hits:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+def test_prefill_groups_run_dependencies_first():
+    from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, PrefillChunk
+    from runtime.worker.prefill_groups import prefill_groups
+
+    a0, a8, b8, c0 = _chunk(0, 0, 8), _chunk(0, 8, 8), _chunk(1, 8, 8), _chunk(2, 0, 8)
+    # b8 reads the prefix a0 writes; c0 may run alongside a0.
+    groups = prefill_groups([a0, a8, b8, c0], True, 0.0)
+    assert [[(c.row, c.start) for c in g] for g in groups] == [[(0, 0), (2, 0)], [(0, 8), (1, 8)]]
+    fresh = PrefillChunk(3, 8, [1] * 8, list(range(8)), aux_slot=1, aux_source=AUX_FRESH)
+    saved = PrefillChunk(4, 8, [1] * 8, list(range(8)), aux_slot=2, aux_source=AUX_CONTINUE)
+    groups = prefill_groups([fresh, saved], True, 0.25, recurrent=True)
+    assert [[c.row for c in g] for g in groups] == [[3], [4]]  # empty and saved states never share a batch

@@ -298,12 +298,14 @@ class Engine:
         self._build_decode(launched)
 
     def _prefill_groups(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
-        return prefill_groups(chunks, batchable=self.aux_pool is None, max_padding=self.max_padding)
+        return prefill_groups(chunks, batchable=True, max_padding=self.max_padding, recurrent=self.aux_pool is not None)
 
     def _prefill_batch(self, group: list[PrefillChunk]) -> None:
         start = group[0].start
         longest = max(len(c.token_ids) for c in group)
-        n = min(-(-longest // self.PREFILL_PAD) * self.PREFILL_PAD, self.max_context - start)
+        n = longest
+        if self.max_padding > 0 and self.aux_pool is None:
+            n = min(-(-longest // self.PREFILL_PAD) * self.PREFILL_PAD, self.max_context - start)
         for chunk in group:
             if chunk.prefix_slots:
                 self._set_table(chunk.row, 0, chunk.prefix_slots)
@@ -327,7 +329,22 @@ class Engine:
             mask=None,
             rows=RowSpan(self.row_cache, rows, start) if self.row_cache is not None else None,
         )
-        self.model(mx.array(tokens, dtype=mx.int32), cache=self._caches(batch))
+        aux = None
+        if self.aux_pool is not None:
+            # Every row starts from an empty state, or every row from a saved slot (see prefill_groups).
+            sources = None
+            if group[0].aux_source != AUX_FRESH:
+                sources = [c.aux_slot if c.aux_source == AUX_CONTINUE else c.aux_source for c in group]
+            aux = self._aux_caches(None if sources is None else mx.array(sources, dtype=mx.int32))
+        self.model(mx.array(tokens, dtype=mx.int32), cache=self._caches(batch, aux))
+        if aux is not None:
+            self._store_aux(aux, [c.aux_slot for c in group])
+            snaps = [(i, c.aux_snapshot) for i, c in enumerate(group) if c.aux_snapshot >= 0]
+            if snaps:
+                index = mx.array([i for i, _ in snaps], dtype=mx.int32)
+                slots = mx.array([s for _, s in snaps], dtype=mx.int32)
+                for k, cache in enumerate(aux):
+                    self.aux_pool.write(k, slots, [state[index] for state in cache.cache])
 
     def _build_decode(self, launched: LaunchedStep) -> None:
         step = launched.step
