@@ -20,10 +20,10 @@ def test_decode_reads_the_pool_through_the_dispatcher(arch, model_dir):
         folder, cache=arch != "qwen3_next", aux_slots=64 if arch == "qwen3_next" else 0, row_cache=False
     )
     engine = svc.engine
-    assert engine.attention is not None, "the attention call of this architecture was not routed"
+    assert engine.paths.attention is not None, "the attention call of this architecture was not routed"
     calls = []
-    attend = engine.attention.attend
-    engine.attention.attend = lambda *a, **kw: calls.append(a[0].shape) or attend(*a, **kw)
+    attend = engine.paths.attention.attend
+    engine.paths.attention.attend = lambda *a, **kw: calls.append(a[0].shape) or attend(*a, **kw)
     rng = random.Random(2)
     reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(9 + 7 * i)], 8) for i in range(3)]
     svc.run({0: reqs[:2], 3: reqs[2:]})
@@ -86,19 +86,19 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, model_dir, monkeypa
     """The kernel path's bookkeeping (device table, padding rows, lengths, the decode tail and
     its flushes) with the kernel replaced by a reference computation, so it runs on the CPU."""
     from runtime.worker.decode_tail import DecodeTail
-    from runtime.worker.engine import Engine
+    from runtime.worker import attention_paths
     from runtime.worker.paged_attention import PagedAttention
 
     monkeypatch.setattr(PagedAttention, "kernel_available", staticmethod(lambda: True))
     monkeypatch.setattr(PagedAttention, "_kernel_attend", _table_reference)
     monkeypatch.setattr(PagedAttention, "supports", lambda self, head_dim: self.use_kernel)
-    monkeypatch.setattr(Engine, "TAIL_STEPS", tail_steps)
+    monkeypatch.setattr(attention_paths, "TAIL_STEPS", tail_steps)
     flushed = []
     flush = DecodeTail.flush
-    monkeypatch.setattr(DecodeTail, "flush", lambda self, *a: flushed.append(len(self)) or flush(self, *a))
+    monkeypatch.setattr(DecodeTail, "flush", lambda self, *a: flushed.append(len(self.steps)) or flush(self, *a))
     folder = model_dir(arch)
     svc = InProcessService(folder, max_running=8, row_cache=False)
-    assert svc.engine.device_table is not None and svc.engine.tail is not None
+    assert svc.engine.paths.device_table is not None and svc.engine.paths.tail is not None
     rng = random.Random(6)
     shared = [rng.randrange(3, 250) for _ in range(24)]
     reqs = [svc.request(f"r{i}", shared[: 8 + 4 * i] + [rng.randrange(3, 250) for _ in range(2 + i)], 3 + 5 * (i % 3))

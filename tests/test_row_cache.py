@@ -15,7 +15,7 @@ from runtime.worker import row_cache as rc
 def test_compact_and_scattered_rows_with_prefix_hits(arch, model_dir, monkeypatch):
     folder = model_dir(arch)
     svc = InProcessService(folder, max_running=4)
-    assert svc.engine.row_cache is not None, "the CPU decode path should use the row cache"
+    assert svc.engine.paths.row_cache is not None, "the CPU decode path should use the row cache"
     seen = []
     write = rc.RowSpan.write
 
@@ -41,9 +41,9 @@ def test_compact_and_scattered_rows_with_prefix_hits(arch, model_dir, monkeypatc
 def test_decode_tokens_reach_the_pool_for_later_prefix_hits(pending_steps, model_dir, monkeypatch):
     """Decode K/V live in the row cache and are copied into the pool later; a prompt that
     extends a finished request's whole sequence must still reuse exact K/V."""
-    from runtime.worker.engine import Engine
+    from runtime.worker import attention_paths
 
-    monkeypatch.setattr(Engine, "PENDING_STEPS", pending_steps)
+    monkeypatch.setattr(attention_paths, "PENDING_STEPS", pending_steps)
     folder = model_dir("llama")
     svc = InProcessService(folder, max_running=4)
     rng = random.Random(12)

@@ -18,7 +18,7 @@ class ForwardBatch:
     """What one forward pass needs to address the pool.
 
     ``write_slots``: slot of every new token, batch-major (B * L,); None when the new K/V
-    do not go to the pool in this forward (``write_pool`` False).
+    do not go to the pool in this forward (row-cache decode: they are copied there later).
     ``gather_index``: (B, T) slots of every position each row attends to, or None when
     the new tokens are the whole sequence (a prefill from position 0, single row).
     ``offset``: the position of the first new token (int for a prefill, (B,) array for decode).
@@ -29,8 +29,7 @@ class ForwardBatch:
     to ``PoolLayerCache.paged_attend``): valid positions per row, and the kernel to use;
     ``table``/``table_rows``: the device slot table and each batch row's row in it (kernel
     path; the fallback gathers through ``gather_index``); ``tail``: where a kernel-path decode
-    puts its new K/V instead of the pool; ``write_pool`` False: the new K/V go to the row
-    cache only (the engine copies them into the pool later).
+    puts its new K/V instead of the pool.
     """
 
     write_slots: mx.array | None
@@ -42,7 +41,6 @@ class ForwardBatch:
     table: mx.array | None = None
     table_rows: mx.array | None = None
     tail: DecodeTail | None = None
-    write_pool: bool = True
     rows: RowSpan | None = None
 
 
@@ -63,13 +61,12 @@ class PoolLayerCache:
         if self.batch.tail is not None:
             self.batch.tail.append(self.kv_layer, keys, values)
             return keys, values  # paged_attend reads the pool and the tail
-        if self.batch.write_pool:
+        if self.batch.write_slots is not None:
             if length == 1:  # decode: a plain slice, no transpose to copy
                 flat_k, flat_v = keys[:, :, 0, :], values[:, :, 0, :]
             else:
                 flat_k = keys.transpose(0, 2, 1, 3).reshape(b * length, h, d)
                 flat_v = values.transpose(0, 2, 1, 3).reshape(b * length, h, d)
-            assert self.batch.write_slots is not None
             self.pool.write(self.kv_layer, self.batch.write_slots, flat_k, flat_v)
         if self.batch.rows is not None:
             dense = self.batch.rows.write(self.kv_layer, keys, values)

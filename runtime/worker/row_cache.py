@@ -2,10 +2,10 @@
 
 Used where the paged decode kernel is not available (the CPU): there, gathering every
 row's K/V out of the pool each step and making it contiguous costs as much as the rest of
-the step. The pool stays the source of truth for the prefix cache (every token is still
-written there); the row cache holds the running rows' K/V laid out as mlx-lm's KVCache
-does, (rows, kv_heads, max_context, head_dim), so a decode batch whose rows are exactly
-``0..B-1`` attends to a slice of it with no copy.
+the step. The pool stays the source of truth for the prefix cache (prefill writes it, and
+decode K/V are copied there before anything reads it, see ``AttentionPaths``); the row cache
+holds the running rows' K/V laid out as mlx-lm's KVCache does, (rows, kv_heads, max_context,
+head_dim), so a decode batch whose rows are exactly ``0..B-1`` attends to a slice of it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class RowCache:
         dims = (rows, shape.n_kv_heads, max_context, shape.head_dim)
         self.keys = [mx.zeros(dims, dtype=dtype) for _ in range(num_layers)]
         self.values = [mx.zeros(dims, dtype=dtype) for _ in range(num_layers)]
-        self._heads = mx.arange(shape.n_kv_heads)[None, :]
+        self.heads = mx.arange(shape.n_kv_heads)[None, :]
         mx.eval(self.keys, self.values)
 
     @staticmethod
@@ -44,7 +44,7 @@ class RowCache:
         """Copy the K/V at (``rows[i]``, ``positions[i]``) into pool slot ``slots[i]``."""
         r, p = rows[:, None], positions[:, None]
         for layer in range(len(self.keys)):
-            pool.write(layer, slots, self.keys[layer][r, self._heads, p], self.values[layer][r, self._heads, p])
+            pool.write(layer, slots, self.keys[layer][r, self.heads, p], self.values[layer][r, self.heads, p])
 
     def fill_prefix(self, pool: KVPool, row: int, slots: mx.array) -> None:
         """Copy a cached prefix's K/V (pool ``slots``, positions 0..) into ``row``."""
@@ -76,9 +76,11 @@ class RowSpan:
     decode: bool = False
 
     def __post_init__(self) -> None:
+        # Index arrays shared by every layer (built once per forward).
         if self.positions is not None and self.rows_array is not None:
-            # Index arrays shared by every layer's write (built once per step).
             self._r, self._p = self.rows_array[:, None], self.positions[:, None]
+        if not self.decode and len(self.rows) > 1:
+            self.rows_array = mx.array(self.rows, dtype=mx.int32)
 
     def write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
         """Store the new K/V ((B, n_kv_heads, L, head_dim)); for decode, return what to attend to."""
@@ -95,17 +97,16 @@ class RowSpan:
             if len(self.rows) == 1:
                 row = self.rows[0]
                 return c.keys[layer][row : row + 1, :, :end, :], c.values[layer][row : row + 1, :, :end, :]
-            index = mx.array(self.rows, dtype=mx.int32)
-            return c.keys[layer][:, :, :end, :][index], c.values[layer][:, :, :end, :][index]
+            return c.keys[layer][:, :, :end, :][self.rows_array], c.values[layer][:, :, :end, :][self.rows_array]
         b = len(self.rows)
-        if self.compact and self.same_position is not None:
-            # Rows 0..B-1 all at one position (a batch in lockstep): one slice update.
+        if self.same_position is not None:
+            # Rows 0..B-1 all at one position (a batch in lockstep, so compact): one slice update.
             pos = self.same_position
             c.keys[layer][:b, :, pos : pos + 1, :] = keys
             c.values[layer][:b, :, pos : pos + 1, :] = values
         else:
-            c.keys[layer][self._r, c._heads, self._p] = keys[:, :, 0, :]
-            c.values[layer][self._r, c._heads, self._p] = values[:, :, 0, :]
+            c.keys[layer][self._r, c.heads, self._p] = keys[:, :, 0, :]
+            c.values[layer][self._r, c.heads, self._p] = values[:, :, 0, :]
         if self.compact:
             return c.keys[layer][:b, :, : self.length, :], c.values[layer][:b, :, : self.length, :]
         return c.keys[layer][:, :, : self.length, :][self.rows_array], c.values[layer][:, :, : self.length, :][self.rows_array]

@@ -1,0 +1,182 @@
+"""Where a forward pass's new K/V go and what its attention reads, for the worker's three paths.
+
+* CUDA paged kernel (a GPU, attention routed by ``attention_patch``): decode reads the pool
+  through a device copy of the slot table and keeps its new K/V in a ``DecodeTail``.
+* Row cache (where the kernel does not apply and a dense copy fits): decode attends to a slice
+  of a ``RowCache``; its K/V reach the pool later (``DeferredSteps``), before anything reads it.
+* Otherwise: K/V are gathered from the pool into a masked batch.
+
+Prefill writes the pool (the prefix cache's source of truth) on every path.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from runtime.protocol.worker import DecodeBatch, PrefillChunk
+from runtime.worker import attention_patch
+from runtime.worker.decode_plan import DecodePlan
+from runtime.worker.decode_tail import DecodeTail
+from runtime.worker.deferred_steps import DeferredSteps
+from runtime.worker.discovery import CacheLayout
+from runtime.worker.kv_pool import KVPool
+from runtime.worker.paged_attention import PagedAttention
+from runtime.worker.pool_cache import ForwardBatch
+from runtime.worker.row_cache import MAX_BYTES, RowCache, RowSpan
+
+TAIL_STEPS = 16  # decode steps a DecodeTail holds before it is flushed into the pool
+PENDING_STEPS = 64  # row-cache decode steps not yet copied into the pool, at most
+
+
+class AttentionPaths:
+    """The host slot table, and the path-specific state: kernel + tail, row cache, or neither.
+
+    ``row_cache``: None picks the row cache where the kernel does not apply and it fits in
+    ``MAX_BYTES``; True forces it, False forbids it. ``hybrid`` models keep writing the
+    pool every decode step (their recurrent state is updated in place anyway).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: CacheLayout,
+        pool: KVPool,
+        max_rows: int,
+        max_context: int,
+        row_cache: bool | None,
+        hybrid: bool,
+    ) -> None:
+        self.pool = pool
+        self.slot_table = np.zeros((max_rows, max_context), dtype=np.int32)
+        routed = layout.kv_shape is not None and attention_patch.install(model, layout.attn_attr)
+        self.attention = PagedAttention(PagedAttention.kernel_available()) if routed else None
+        kernel = self.attention is not None and self.attention.supports(pool.shape.head_dim)
+        self.row_cache: RowCache | None = None
+        if (not kernel if row_cache is None else row_cache) and layout.kv_shape is not None:
+            n_layers = len(layout.attention_layers)
+            size = RowCache.nbytes_for(n_layers, max_rows, max_context, layout.kv_shape, layout.kv_dtype)
+            if size <= MAX_BYTES or row_cache:
+                self.row_cache = RowCache(n_layers, max_rows, max_context, layout.kv_shape, layout.kv_dtype)
+                self.attention, kernel = None, False  # decode attends with mlx-lm's own call
+        self.masked = not kernel
+        # The kernel reads slots from a device copy of the table (one extra all-padding row for
+        # padding batch rows), so a decode step uploads O(batch) ints, not O(batch * length).
+        self.device_table = mx.zeros((max_rows + 1, max_context), dtype=mx.int32) if kernel else None
+        self.tail = DecodeTail(len(layout.attention_layers), TAIL_STEPS) if kernel and not hybrid else None
+        self.pending = DeferredSteps(PENDING_STEPS)  # row-cache decode steps not in the pool yet
+
+    @property
+    def dense(self) -> bool:
+        """Decode attends to the row cache."""
+        return self.row_cache is not None
+
+    def set_table(self, row: int, start: int, slots: list[int]) -> None:
+        """Record the slots of positions ``start..`` of ``row`` (host table, and the device copy)."""
+        self.slot_table[row, start : start + len(slots)] = slots
+        if self.device_table is not None:
+            self.device_table[row, start : start + len(slots)] = mx.array(slots, dtype=mx.int32)
+
+    def admit_chunk(self, chunk: PrefillChunk) -> None:
+        """Table entries (and, with a row cache, the cached prefix's K/V) for a prefill chunk."""
+        if chunk.prefix_slots:
+            self.set_table(chunk.row, 0, chunk.prefix_slots)
+            if self.row_cache is not None:
+                self.row_cache.fill_prefix(self.pool, chunk.row, mx.array(chunk.prefix_slots, dtype=mx.int32))
+        if chunk.token_ids:
+            self.set_table(chunk.row, chunk.start, chunk.slot_ids)
+
+    def prefill_batch(self, group: list[PrefillChunk], length: int) -> ForwardBatch:
+        """One forward over ``group``'s chunks (one start), each padded at the end to ``length``.
+
+        Padding positions write their K/V to the padding slot 0; in the row cache they land
+        past the row's length, which decode overwrites before it ever attends there.
+        """
+        start = group[0].start
+        rows = [c.row for c in group]
+        gather = None
+        if start and self.row_cache is None:
+            # Past position 0 a chunk attends to its prefix (the row cache has it in place).
+            index = self.slot_table[rows, : start + length].copy()
+            for i, c in enumerate(group):
+                index[i, start + len(c.token_ids) :] = 0
+            gather = mx.array(index)
+        slots = [s for c in group for s in c.slot_ids + [0] * (length - len(c.token_ids))]
+        return ForwardBatch(
+            write_slots=mx.array(slots, dtype=mx.int32),
+            gather_index=gather,
+            offset=start,
+            mask=None,
+            rows=RowSpan(self.row_cache, rows, start) if self.row_cache is not None else None,
+        )
+
+    def decode_batch(self, decode: DecodeBatch, plan: DecodePlan) -> tuple[ForwardBatch, bool]:
+        """The forward batch of a decode step, and whether building it updated pools in place."""
+        self.slot_table[decode.rows, decode.positions] = decode.slot_ids
+        rows, positions, lockstep = plan.rows, plan.positions, plan.lockstep
+        positions32 = positions.astype(np.int32)
+        offsets: int | mx.array = int(positions[0]) if lockstep else mx.array(positions32)
+        mask = mx.array(plan.valid())[:, None, None, :] if self.masked and not lockstep else None
+        if self.row_cache is not None:
+            # Decode K/V stay in the row cache (decode reads nothing else) until the pool may be read.
+            if not self.pending.continues(decode, plan.pad):
+                self.flush_pending()
+            self.pending.add(decode, plan.pad, rows, positions, decode.slot_ids)
+            span = RowSpan(
+                self.row_cache, decode.rows, positions=None if lockstep else offsets,
+                rows_array=None if lockstep else mx.array(rows.astype(np.int32)), length=plan.length,
+                compact=plan.compact, same_position=int(positions[0]) if lockstep else None, decode=True,
+            )
+            return ForwardBatch(write_slots=None, gather_index=None, offset=offsets, mask=mask, rows=span), True
+        write_slots = mx.array(plan.slot_ids, dtype=mx.int32)
+        if self.device_table is None:
+            # Padding rows (past the host table) attend to the padding slot 0 only.
+            index = np.zeros((len(rows), plan.length), dtype=self.slot_table.dtype)
+            index[: len(decode.rows)] = self.slot_table[rows[: len(decode.rows)], : plan.length]
+            batch = ForwardBatch(write_slots=write_slots, gather_index=mx.array(index), offset=offsets, mask=mask,
+                                 lengths=mx.array(positions32 + 1) if self.attention is not None else None,
+                                 attention=self.attention)
+            return batch, True
+        table_rows = mx.array(rows.astype(np.int32))
+        in_place = True
+        if self.tail is None:
+            self.device_table[table_rows, offsets] = write_slots
+        else:
+            # A batch that only advances every row by one chained token extends the tail and
+            # writes nothing in place; any other batch first moves the tail into the pool.
+            in_place = False
+            if not self.tail.steps.continues(decode, plan.pad):
+                in_place = self.tail.flush(self.pool, self.device_table)
+            self.tail.steps.add(decode, plan.pad, rows, positions, plan.slot_ids)
+        batch = ForwardBatch(write_slots=write_slots, gather_index=None, offset=offsets, mask=mask,
+                             lengths=mx.array(positions32 + 1), attention=self.attention, table=self.device_table,
+                             table_rows=table_rows, tail=self.tail)
+        return batch, in_place
+
+    def flush_pending(self) -> None:
+        """Copy the row cache's deferred decode K/V into the pool, now: the next writes to the
+        row cache must not find this copy's graph still holding it."""
+        taken = self.pending.take()
+        if taken is not None:
+            assert self.row_cache is not None
+            self.row_cache.flush(self.pool, *taken)
+            mx.eval(self.pool.arrays())
+
+    def flush(self) -> None:
+        """Bring the pool up to date (before a prefill reads it)."""
+        if self.tail is not None:
+            assert self.device_table is not None
+            self.tail.flush(self.pool, self.device_table)
+        self.flush_pending()
+
+    def state_arrays(self) -> list[mx.array]:
+        """Arrays a step updates in place besides the pools."""
+        arrays = [self.device_table] if self.device_table is not None else []
+        return arrays + (self.row_cache.arrays() if self.row_cache is not None else [])
+
+    def reset(self) -> None:
+        """Forget deferred K/V (their requests failed with the step)."""
+        if self.tail is not None:
+            self.tail.clear()
+        self.pending.clear()

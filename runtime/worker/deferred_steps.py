@@ -1,0 +1,55 @@
+"""Bookkeeping for decode steps whose K/V have not reached the KV pool yet."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from runtime.protocol.worker import DecodeBatch
+
+
+class DeferredSteps:
+    """Where the K/V of the last few decode steps of one unchanged batch belong in the pool.
+
+    A batch continues the record only when it has the same rows (and padding) and advances
+    every row by one chained token; any other batch, or ``max_steps`` recorded steps, means
+    the owner must move the K/V into the pool (``take``) first. The pool is read only by
+    prefill and by batches that changed, so it is always complete when read.
+    """
+
+    def __init__(self, max_steps: int) -> None:
+        self.max_steps = max_steps
+        self._key: tuple | None = None
+        self._steps: list[tuple[np.ndarray, np.ndarray, list[int]]] = []  # (rows, positions, slots)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def continues(self, decode: DecodeBatch, pad: int) -> bool:
+        return (
+            bool(self._steps)
+            and len(self._steps) < self.max_steps
+            and (tuple(decode.rows), pad) == self._key
+            and max(decode.token_ids) < 0
+        )
+
+    def add(self, decode: DecodeBatch, pad: int, rows: np.ndarray, positions: np.ndarray, slots: list[int]) -> None:
+        """Record one step (padded ``rows``/``positions``/``slots``); flush before a batch change."""
+        key = (tuple(decode.rows), pad)
+        assert not self._steps or key == self._key, "take the recorded steps before changing the batch"
+        self._key = key
+        self._steps.append((rows, positions, slots))
+
+    def take(self) -> tuple[mx.array, mx.array, mx.array] | None:
+        """Rows, positions and slots of every recorded step, step-major; None when empty."""
+        if not self._steps:
+            return None
+        rows = mx.array(np.concatenate([r for r, _, _ in self._steps]).astype(np.int32))
+        positions = mx.array(np.concatenate([p for _, p, _ in self._steps]).astype(np.int32))
+        slots = mx.array([s for _, _, step_slots in self._steps for s in step_slots], dtype=mx.int32)
+        self.clear()
+        return rows, positions, slots
+
+    def clear(self) -> None:
+        self._key = None
+        self._steps = []
