@@ -191,13 +191,19 @@ def test_worker_death_resets_everything():
     s.check_invariants()
 
 
-def test_completion_is_reported_only_after_release_to_the_cache():
-    """SPEC 5.2: snapshot, then release to the cache, then completion."""
-    s = make()
+def _finished_with_a_step_in_flight(s: Scheduler):
+    """A request that hits EOS at its second step while its third (chained) is in flight."""
     r = req(s, "a", [5, 6, 7], 10)
     p1, p2, p3 = s.next_step(), s.next_step(), s.next_step()
     finish_step(s, p1, [9])
-    finish_step(s, p2, [EOS])  # finished here, but p3 (chained past the end) is in flight
+    finish_step(s, p2, [EOS])
+    return r, p3
+
+
+def test_completion_is_reported_only_after_release_to_the_cache():
+    """SPEC 5.2: snapshot, then release to the cache, then completion."""
+    s = make()
+    r, p3 = _finished_with_a_step_in_flight(s)
     assert r.finished and r in s.draining
     assert s.pop_completed() == []  # no reply yet: its K/V is not in the cache yet
     finish_step(s, p3, [42])
@@ -209,10 +215,7 @@ def test_completion_is_reported_only_after_release_to_the_cache():
 
 def test_worker_death_while_draining_keeps_the_finish_reason():
     s = make()
-    r = req(s, "a", [5, 6, 7], 10)
-    p1, p2, _ = s.next_step(), s.next_step(), s.next_step()
-    finish_step(s, p1, [9])
-    finish_step(s, p2, [EOS])
+    r, _ = _finished_with_a_step_in_flight(s)
     s.fail_all("worker died")
     assert s.pop_completed() == [r] and r.finish_reason == "stop"
     s.check_invariants()
