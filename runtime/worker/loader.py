@@ -31,15 +31,15 @@ class LoadedModel:
     aux_templates: list | None = None
     aux_slots: int = 0
 
-    @property
-    def kv_shape(self) -> AttentionShape:
-        """K/V geometry; a placeholder for models without attention (the pool then has no layers)."""
-        return self.layout.kv_shape or AttentionShape(1, 1, 1)
-
     def make_pools(self) -> tuple[KVPool, AuxPool | None]:
-        kv = KVPool(len(self.layout.attention_layers), self.num_slots, self.kv_shape, self.layout.kv_dtype)
+        kv = KVPool(len(self.layout.attention_layers), self.num_slots, _kv_shape(self.layout), self.layout.kv_dtype)
         aux = AuxPool(self.aux_templates, self.aux_slots) if self.aux_templates is not None else None
         return kv, aux
+
+
+def _kv_shape(layout: CacheLayout) -> AttentionShape:
+    """K/V geometry; a placeholder for models without attention (the pool then has no layers)."""
+    return layout.kv_shape or AttentionShape(1, 1, 1)
 
 
 def _total_memory() -> int:
@@ -56,9 +56,9 @@ def _total_memory() -> int:
 def buffer_cache_bytes(configured_mb: int, default_bytes: int, pool_bytes: int) -> int:
     """The MLX buffer-cache limit to use (see WorkerConfig.buffer_cache_mb).
 
-    A step's temporaries (gathered K/V, attention scratch) scale with the pool, so the
-    automatic limit is four pools' worth: enough to reuse buffers step after step, and
-    bounded, so resident memory stops growing once the cache is warm.
+    A step's temporaries (gathered K/V on the gather path, attention scratch) scale with
+    the pool, so the automatic limit is four pools' worth: enough to reuse buffers step
+    after step, and bounded, so resident memory stops growing once the cache is warm.
     """
     if configured_mb:
         return configured_mb * 2**20
@@ -84,7 +84,7 @@ def load(config: Config) -> LoadedModel:
     vocab_size = int(text_config.get("vocab_size", 0))
     num_slots = config.cache.kv_slots
     if not num_slots:
-        per_slot = KVPool.bytes_per_slot(len(layout.attention_layers), layout.kv_shape or AttentionShape(1, 1, 1), layout.kv_dtype)
+        per_slot = KVPool.bytes_per_slot(len(layout.attention_layers), _kv_shape(layout), layout.kv_dtype)
         budget = int(_total_memory() * config.cache.kv_memory_fraction) // max(per_slot, 1)
         num_slots = min(budget, config.scheduler.max_running * max_context + 1)
     if num_slots < 2:

@@ -77,10 +77,14 @@ def serve(config: Config, address: str) -> int:
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     overlap = engine.overlap_submit(on_gpu, engine.state_bytes, config.worker.overlap_submit_max_mb)
     clock = IdleClock()
+
+    def report(launched) -> None:
+        sock.send(worker_encoder.encode(_read_back(engine, launched, clock)))
+
     pending = None
     while True:
         if pending is not None and not sock.poll(0):
-            sock.send(worker_encoder.encode(_read_back(engine, pending, clock)))
+            report(pending)
             pending = None
             clock.idle()
             continue
@@ -91,14 +95,14 @@ def serve(config: Config, address: str) -> int:
         cmd = worker_cmd_decoder.decode(sock.recv())
         if isinstance(cmd, Shutdown):
             if pending is not None:
-                sock.send(worker_encoder.encode(_read_back(engine, pending, clock)))
+                report(pending)
             return 0
         assert isinstance(cmd, Step)
         try:
             built = engine.build(cmd)
         except Exception as exc:
             if pending is not None:
-                sock.send(worker_encoder.encode(_read_back(engine, pending, clock)))
+                report(pending)
                 pending = None
             engine.reset_chain()
             traceback.print_exc()
@@ -111,13 +115,14 @@ def serve(config: Config, address: str) -> int:
         if built.step is None and (overlap or not built.in_place):
             clock.busy()
             engine.submit(built)
-            previous = _read_back(engine, pending, clock) if pending is not None else None
+            if pending is not None:
+                report(pending)
         else:
             previous = _read_back(engine, pending, clock) if pending is not None else None
             clock.busy()
             engine.submit(built)
-        if previous is not None:
-            sock.send(worker_encoder.encode(previous))
+            if previous is not None:
+                sock.send(worker_encoder.encode(previous))
         pending = built
 
 
