@@ -3,8 +3,9 @@
 Pure Python over ints (no mlx, no sockets). The server asks ``next_step()`` for the
 next worker step and feeds results back through ``on_step_done``; up to
 ``pipeline_depth`` steps are in flight, so a step is planned before the previous ones'
-tokens are known. A request that finishes replies at once; its tokens from steps already
-in flight are dropped, and its slots are released (and cached) when those steps return.
+tokens are known. A request that finishes stops at once; its tokens from steps already in
+flight are dropped, its slots are released (and cached) when those steps return, and only
+then is it reported complete (``pop_completed``).
 """
 
 from __future__ import annotations

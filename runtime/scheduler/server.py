@@ -285,7 +285,7 @@ class Server:
     async def shutdown(self) -> None:
         """Fail what is left, stop the worker, close sockets."""
         if self.scheduler is not None:
-            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            for req in list(self.scheduler.waiting):  # fail_all covers the running ones
                 req.error = "the service is shutting down"
                 self.scheduler.finish(req, "error")
             self.scheduler.fail_all("the service is shutting down")
