@@ -113,7 +113,6 @@ class AttentionPaths:
 
     def decode_batch(self, decode: DecodeBatch, plan: DecodePlan) -> tuple[ForwardBatch, bool]:
         """The forward batch of a decode step, and whether building it updated pools in place."""
-        self.slot_table[decode.rows, decode.positions] = decode.slot_ids
         rows, positions, lockstep = plan.rows, plan.positions, plan.lockstep
         positions32 = positions.astype(np.int32)
         offsets: int | mx.array = int(positions[0]) if lockstep else mx.array(positions32)
@@ -131,6 +130,8 @@ class AttentionPaths:
             return ForwardBatch(write_slots=None, gather_index=None, offset=offsets, mask=mask, rows=span), True
         write_slots = mx.array(plan.slot_ids, dtype=mx.int32)
         if self.device_table is None:
+            # Only this path reads decode positions back from the host table.
+            self.slot_table[decode.rows, decode.positions] = decode.slot_ids
             # Padding rows (past the host table) attend to the padding slot 0 only.
             index = np.zeros((len(rows), plan.length), dtype=self.slot_table.dtype)
             index[: len(decode.rows)] = self.slot_table[rows[: len(decode.rows)], : plan.length]
