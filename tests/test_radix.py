@@ -109,6 +109,19 @@ def test_insert_with_matched_prefix_has_no_duplicates(tree: RadixCache, alloc: R
     assert tree.total_size == 5
 
 
+def test_insert_reports_the_node_and_slots_a_match_would(tree: RadixCache, alloc: RecordingAllocator) -> None:
+    put(tree, alloc, [1, 2, 3, 4])  # slots 1..4
+    extra = alloc.alloc(2)
+    # The caller's own slots for the shared part are duplicates; the tree's are reported.
+    r = tree.insert([1, 2, 9, 9], [7, 8] + extra)
+    m = tree.match_prefix([1, 2, 9, 9])
+    assert r.node is m.node and r.tree_slots == m.slots == [1, 2] + extra
+    assert r.duplicate_slots == [7, 8]
+    r = tree.insert([1, 2], [1, 2])  # ends inside an edge: the edge is split there
+    assert r.node is tree.match_prefix([1, 2]).node and r.tree_slots == [1, 2]
+    tree.check_invariants()
+
+
 def test_lock_unlock_sizes(tree: RadixCache, alloc: RecordingAllocator) -> None:
     put(tree, alloc, [1, 2, 3, 4])
     put(tree, alloc, [1, 2, 7])

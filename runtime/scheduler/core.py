@@ -219,13 +219,12 @@ class Scheduler:
         n = len(tokens)
         result = self.tree.insert(tokens, req.slots[:n], aux_slot)
         req.dup_slots.extend(result.duplicate_slots)
-        match = self.tree.match_prefix(tokens)
-        assert len(match.slots) == n
-        self.tree.lock(match.node)
+        assert result.node is not None and len(result.tree_slots) == n
+        self.tree.lock(result.node)
         if req.tree_node is not None:
             self.tree.unlock(req.tree_node)
-        req.tree_node = match.node
-        req.slots[:n] = match.slots
+        req.tree_node = result.node
+        req.slots[:n] = result.tree_slots
         req.cached_len = n
         return result
 

@@ -58,6 +58,10 @@ class InsertResult:
     dup_len: int
     aux_accepted: bool = False
     duplicate_slots: list[int] = field(default_factory=list)
+    # The node ending at ``len(tokens)`` and the tree's slots for ``tokens`` (what
+    # ``match_prefix(tokens)`` would return right after the insert).
+    node: Node | None = None
+    tree_slots: list[int] = field(default_factory=list)
 
 
 def _common_len(a: list[int], b: list[int], start: int) -> int:
@@ -184,6 +188,7 @@ class RadixCache:
         now = self._tick()
         node = self.root
         duplicates: list[int] = []
+        tree_slots: list[int] = []
         i = 0
         while i < len(tokens):
             child = node.children.get(tokens[i])
@@ -195,6 +200,7 @@ class RadixCache:
             for j, tree_slot in enumerate(child.slots):
                 if slots[i + j] != tree_slot:
                     duplicates.append(slots[i + j])
+            tree_slots.extend(child.slots)
             child.last_access = now
             i += k
             node = child
@@ -204,6 +210,7 @@ class RadixCache:
             node = self._new_node(list(tokens[i:]), list(slots[i:]), node)
             node.last_access = now
             self._evictable += len(tokens) - i
+            tree_slots.extend(slots[i:])
         accepted = False
         if aux_slot is not None and node is not self.root:
             if node.aux_slot is None:
@@ -211,7 +218,7 @@ class RadixCache:
                 accepted = True
             else:
                 accepted = node.aux_slot == aux_slot  # already ours: nothing to free
-        return InsertResult(dup_len, accepted, duplicates)
+        return InsertResult(dup_len, accepted, duplicates, node, tree_slots)
 
     def evict(self, num_slots: int) -> int:
         """Free unlocked LRU leaves until ``num_slots`` slots are freed or none remain.
