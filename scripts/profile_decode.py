@@ -10,6 +10,7 @@ Prints ms per step and where the host time goes (graph build, async_eval, wait).
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import mlx.core as mx
@@ -132,14 +133,14 @@ def check_kernel() -> None:
     """The paged decode kernel against the gather + masked SDPA fallback on random data."""
     from runtime.worker.discovery import AttentionShape
     from runtime.worker.kv_pool import KVPool
-    from runtime.worker.paged_attention import PagedAttention
+    from runtime.worker.paged_attention import PagedAttention, splits_for
 
     rng = np.random.default_rng(0)
-    for n_q, n_kv, d in ((32, 8, 64), (32, 8, 128), (16, 2, 128), (8, 8, 64)):
+    for (n_q, n_kv, d), b in itertools.product(((32, 8, 64), (32, 8, 128), (16, 2, 128), (8, 8, 64)), (5, 1)):
         pool = KVPool(1, 4000, AttentionShape(n_q, n_kv, d), mx.bfloat16)
         pool.keys[0] = mx.random.normal(pool.keys[0].shape).astype(mx.bfloat16)
         pool.values[0] = mx.random.normal(pool.values[0].shape).astype(mx.bfloat16)
-        b, t = 5, 384
+        t = 384
         lengths = rng.integers(1, t + 1, b)
         table = rng.integers(1, 4000, (b, t)).astype(np.int32)
         table[np.arange(t)[None, :] >= lengths[:, None]] = 0
@@ -154,11 +155,54 @@ def check_kernel() -> None:
         values = mx.concatenate([pool.values[0][mx.array(table)].transpose(0, 2, 1, 3), tail_v], axis=2)
         valid = np.concatenate([np.arange(t)[None, :] < lengths[:, None], np.ones((b, tail), dtype=bool)], axis=1)
         ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d**-0.5, mask=mx.array(valid)[:, None, None, :])
-        out = PagedAttention(True).attend(
-            q, pool, 0, d**-0.5, gather_index=None, table=mx.array(full), table_rows=mx.array(order.astype(np.int32)),
-            lengths=mx.array((lengths + tail).astype(np.int32)), mask=None, tail_keys=tail_k, tail_values=tail_v)
-        err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
-        print(f"kernel check heads {n_q}/{n_kv} dim {d}: max abs diff {err:.5f}", flush=True)
+        for max_length in (0, t + tail):
+            out = PagedAttention(True).attend(
+                q, pool, 0, d**-0.5, gather_index=None, table=mx.array(full), table_rows=mx.array(order.astype(np.int32)),
+                lengths=mx.array((lengths + tail).astype(np.int32)), mask=None, tail_keys=tail_k, tail_values=tail_v,
+                max_length=max_length)
+            err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+            splits = splits_for(b * n_kv, max_length)
+            print(f"kernel check heads {n_q}/{n_kv} dim {d} rows {b} splits {splits}: max abs diff {err:.5f}", flush=True)
+
+
+def time_kernel(batches: list[int], context: int, calls: int = 64) -> None:
+    """The paged kernel alone (one split vs the chosen splits) against MLX's fused SDPA on
+    contiguous K/V, at the 8B shape (32/8 heads, dim 128), ``calls`` layers chained per eval."""
+    from runtime.worker.discovery import AttentionShape
+    from runtime.worker.kv_pool import KVPool
+    from runtime.worker.paged_attention import PagedAttention, splits_for
+
+    n_q, n_kv, d = 32, 8, 128
+    for b in batches:
+        pool = KVPool(1, b * context + 8, AttentionShape(n_q, n_kv, d), mx.bfloat16)
+        pool.keys[0] = mx.random.normal(pool.keys[0].shape).astype(mx.bfloat16)
+        pool.values[0] = mx.random.normal(pool.values[0].shape).astype(mx.bfloat16)
+        table = mx.array((1 + np.arange(b * context)).reshape(b, context).astype(np.int32))
+        rows = mx.arange(b, dtype=mx.int32)
+        lengths = mx.full((b,), context, dtype=mx.int32)
+        tail_k = mx.zeros((b, n_kv, 0, d), dtype=mx.bfloat16)
+        q = mx.random.normal((b, n_q, 1, d)).astype(mx.bfloat16)
+        k = mx.random.normal((b, n_kv, context, d)).astype(mx.bfloat16)
+        v = mx.random.normal((b, n_kv, context, d)).astype(mx.bfloat16)
+        attn = PagedAttention(True)
+        runs = {
+            "kernel 1 split": lambda x: attn.attend(x, pool, 0, d**-0.5, gather_index=None, table=table, table_rows=rows,
+                                                    lengths=lengths, mask=None, tail_keys=tail_k, tail_values=tail_k),
+            f"kernel {splits_for(b * n_kv, context)} splits": lambda x: attn.attend(
+                x, pool, 0, d**-0.5, gather_index=None, table=table, table_rows=rows, lengths=lengths, mask=None,
+                tail_keys=tail_k, tail_values=tail_k, max_length=context),
+            "mx.fast sdpa": lambda x: mx.fast.scaled_dot_product_attention(x, k, v, scale=d**-0.5),
+        }
+        for name, fn in runs.items():
+            for rep in range(2):
+                x = q
+                mx.eval(x)
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    x = fn(x)
+                mx.eval(x)
+                us = 1e6 * (time.perf_counter() - t0) / calls
+            print(f"attention B={b:4d} context {context}: {name:16s} {us:7.1f} us/call", flush=True)
 
 
 def main() -> None:
@@ -170,9 +214,14 @@ def main() -> None:
     p.add_argument("--modes", default="mlx,engine,engine-overlap")
     p.add_argument("--big-pool", type=int, default=0, help="engine pool slots at least this many")
     p.add_argument("--check", action="store_true", help="check the paged kernel first (CUDA)")
+    p.add_argument("--kernel", default="", help="time the attention kernel alone at these batch sizes (CUDA)")
     args = p.parse_args()
     if args.check:
         check_kernel()
+    if args.kernel:
+        time_kernel([int(b) for b in args.kernel.split(",")], args.context)
+    if not args.modes:
+        return
     model, _ = make_model(args.shape)
     print(f"device {mx.default_device()}, shape {args.shape}, context {args.context}, steps {args.steps}")
     for batch in [int(b) for b in args.batch.split(",")]:

@@ -68,7 +68,7 @@ def test_install_refuses_modules_it_cannot_route():
 
 
 def _table_reference(self, queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values,
-                     scale):
+                     scale, max_length):
     """What the CUDA kernel computes, in plain MLX ops: pool positions through the device slot
     table, then the decode tail's positions."""
     import mlx.core as mx
@@ -123,3 +123,15 @@ def test_kernel_warps_fit_shared_memory():
     for n_rep, dim in ((4, 128), (8, 128), (16, 128), (32, 256)):
         w = warps_for(8, n_rep, dim)
         assert w >= 1 and w * n_rep * dim * 4 <= SHARED_BYTES
+
+
+def test_small_batches_split_their_positions_over_blocks():
+    from runtime.worker.paged_attention import MIN_SPLIT, TARGET_BLOCKS, splits_for, warps_for
+
+    assert splits_for(8, 512) == 16  # one row of an 8-KV-head model: 128 blocks of 32 positions
+    assert splits_for(8, 0) == 1 and splits_for(8, 40) == 1  # unknown or short lengths: no split
+    assert splits_for(TARGET_BLOCKS, 4096) == 1  # a big batch fills the GPU by itself
+    for blocks, length in ((1, 100000), (8, 300), (64, 2048), (200, 512)):
+        s = splits_for(blocks, length)
+        assert s & (s - 1) == 0 and (s == 1 or length >= s * MIN_SPLIT)
+    assert warps_for(128, 4, 128, positions=32) == 8  # 8 warps x 4 positions cover a 32-position split

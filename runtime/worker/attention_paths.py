@@ -152,7 +152,7 @@ class AttentionPaths:
             self.tail.steps.add(decode, plan.pad, rows, positions, plan.slot_ids)
         batch = ForwardBatch(write_slots=write_slots, gather_index=None, offset=offsets, mask=mask,
                              lengths=mx.array(positions32 + 1), attention=self.attention, table=self.device_table,
-                             table_rows=table_rows, tail=self.tail)
+                             table_rows=table_rows, tail=self.tail, max_length=plan.length)
         return batch, in_place
 
     def flush_pending(self) -> None:

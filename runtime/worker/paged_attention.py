@@ -14,32 +14,56 @@ from runtime.worker.kv_pool import KVPool
 
 UNROLL = 4
 SHARED_BYTES = 40 * 1024  # the per-warp partial results live in static shared memory (48 KiB max)
+TARGET_BLOCKS = 264  # about two blocks per SM on an H100/H200 (132 SMs)
+MIN_SPLIT = 32  # positions per split, at least
+MAX_SPLITS = 32
 
 
-def warps_for(blocks: int, n_rep: int, head_dim: int) -> int:
-    """Warps per (row, kv head) block: more when few blocks would leave the GPU idle."""
-    warps = 16 if blocks < 264 else 8
+def warps_for(blocks: int, n_rep: int, head_dim: int, positions: int | None = None) -> int:
+    """Warps per block: more when few blocks would leave the GPU idle, no more than the
+    block's ``positions`` keep busy, and few enough for the shared-memory partials."""
+    warps = 16 if blocks < TARGET_BLOCKS else 8
+    if positions is not None:
+        while warps > 1 and (warps // 2) * UNROLL >= positions:
+            warps //= 2
     while warps > 1 and warps * n_rep * head_dim * 4 > SHARED_BYTES:
         warps //= 2
     return warps
 
-_SOURCE = """
+
+def splits_for(blocks: int, max_length: int) -> int:
+    """Splits of each row's positions over separate blocks (flash-decoding): a batch of few
+    rows and KV heads is too few blocks to keep the GPU's memory system busy on its own."""
+    splits = 1
+    while splits < MAX_SPLITS and blocks * splits < TARGET_BLOCKS and max_length >= 2 * splits * MIN_SPLIT:
+        splits *= 2
+    return splits
+
+
+# One block per (row, KV head, split): its warps walk the split's positions, keeping an
+# online softmax per query head of the group in float32, and the block combines its warps.
+_BODY = """
     constexpr int PER = D / 32;
-    const int b = blockIdx.x / HKV;
-    const int h = blockIdx.x % HKV;
+    const int bh = blockIdx.x / SPLITS;
+    const int split = blockIdx.x % SPLITS;
+    const int b = bh / HKV;
+    const int h = bh % HKV;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int tcap = table_shape[1];
     const int R = tail_keys_shape[2];
     const int n = lengths[b] - R;  // positions in the pool; the last R are in the tail
     const int total = n + R;
+    const int chunk = (total + SPLITS - 1) / SPLITS;
+    const int tbegin = split * chunk;
+    const int tend = min(total, tbegin + chunk);
     const float sc = scale[0];
     float qr[NREP][PER];
     float acc[NREP][PER];
     float m[NREP];
     float l[NREP];
     for (int r = 0; r < NREP; ++r) {
-        const size_t qbase = ((size_t)(b * HKV + h) * NREP + r) * D + lane * PER;
+        const size_t qbase = ((size_t)bh * NREP + r) * D + lane * PER;
         for (int i = 0; i < PER; ++i) {
             qr[r][i] = static_cast<float>(queries[qbase + i]) * sc;
             acc[r][i] = 0.f;
@@ -50,21 +74,22 @@ _SOURCE = """
     const int* trow = table + (size_t)rows[b] * tcap;
     // Each warp takes UNROLL consecutive positions per pass: their loads are issued
     // together, so a warp waits for memory once per pass instead of once per position.
-    for (int t0 = warp * UNROLL; t0 < total; t0 += NWARPS * UNROLL) {
+    for (int t0 = tbegin + warp * UNROLL; t0 < tend; t0 += NWARPS * UNROLL) {
         float kr[UNROLL][PER];
         float vr[UNROLL][PER];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int t = t0 + u;
-            if (t < n) {
+            if (t >= tend) {
+            } else if (t < n) {
                 const size_t base = ((size_t)trow[t] * HKV + h) * D + lane * PER;
 #pragma unroll
                 for (int i = 0; i < PER; ++i) {
                     kr[u][i] = static_cast<float>(keys[base + i]);
                     vr[u][i] = static_cast<float>(values[base + i]);
                 }
-            } else if (t < total) {
-                const size_t base = ((size_t)(b * HKV + h) * R + (t - n)) * D + lane * PER;
+            } else {
+                const size_t base = ((size_t)bh * R + (t - n)) * D + lane * PER;
 #pragma unroll
                 for (int i = 0; i < PER; ++i) {
                     kr[u][i] = static_cast<float>(tail_keys[base + i]);
@@ -74,7 +99,7 @@ _SOURCE = """
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (t0 + u >= total) break;  // uniform across the warp
+            if (t0 + u >= tend) break;  // uniform across the warp
             for (int r = 0; r < NREP; ++r) {
                 float s = 0.f;
                 for (int i = 0; i < PER; ++i) s += qr[r][i] * kr[u][i];
@@ -104,17 +129,54 @@ _SOURCE = """
         const int d = idx % D;
         float top = -INFINITY;
         for (int w = 0; w < NWARPS; ++w) top = fmaxf(top, sm_m[w][r]);
-        float total = 0.f;
+        float sum = 0.f;
         float value = 0.f;
         for (int w = 0; w < NWARPS; ++w) {
             if (sm_m[w][r] == -INFINITY) continue;
             const float f = expf(sm_m[w][r] - top);
-            total += sm_l[w][r] * f;
+            sum += sm_l[w][r] * f;
             value += sm_acc[w][r][d] * f;
         }
-        out[((size_t)(b * HKV + h) * NREP + r) * D + d] = static_cast<T>(value / total);
+"""
+
+_WRITE_OUT = """
+        out[((size_t)bh * NREP + r) * D + d] = static_cast<T>(value / sum);
     }
 """
+
+# A split block leaves its unnormalized result with its running max and sum (an empty split:
+# max -inf, sum 0); the combine kernel below rescales the splits to a common max.
+_WRITE_PARTIAL = """
+        const size_t part = ((size_t)bh * SPLITS + split) * NREP + r;
+        part_acc[part * D + d] = value;
+        if (d == 0) {
+            part_m[part] = top;
+            part_l[part] = sum;
+        }
+    }
+"""
+
+_COMBINE = """
+    const int bhr = blockIdx.x;  // (row, KV head, query head of the group)
+    const int d = threadIdx.x;
+    const int bh = bhr / NREP;
+    const int r = bhr % NREP;
+    float top = -INFINITY;
+    for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, part_m[((size_t)bh * SPLITS + s) * NREP + r]);
+    float sum = 0.f;
+    float value = 0.f;
+    for (int s = 0; s < SPLITS; ++s) {
+        const size_t part = ((size_t)bh * SPLITS + s) * NREP + r;
+        const float pm = part_m[part];
+        if (pm == -INFINITY) continue;
+        const float f = expf(pm - top);
+        sum += part_l[part] * f;
+        value += part_acc[part * D + d] * f;
+    }
+    out[(size_t)bhr * D + d] = static_cast<T>(value / sum);
+"""
+
+_INPUTS = ["queries", "keys", "values", "table", "rows", "lengths", "tail_keys", "tail_values", "scale"]
 
 
 class PagedAttention:
@@ -129,7 +191,7 @@ class PagedAttention:
 
     def __init__(self, use_kernel: bool) -> None:
         self.use_kernel = use_kernel
-        self._kernel = None
+        self._kernels: tuple | None = None
         self._scales: dict[float, mx.array] = {}
 
     @staticmethod
@@ -154,7 +216,10 @@ class PagedAttention:
         mask: mx.array | None,
         tail_keys: mx.array | None = None,
         tail_values: mx.array | None = None,
+        max_length: int = 0,
     ) -> mx.array:
+        """``max_length``: the longest row's positions (or a bound on it), which sets how the
+        kernel splits each row's positions over blocks."""
         length, d = queries.shape[2], queries.shape[3]
         if not self.supports(d) or length != 1:
             assert gather_index is not None, "the fallback needs the gathered slot table"
@@ -162,7 +227,7 @@ class PagedAttention:
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         assert table is not None and table_rows is not None and tail_keys is not None and tail_values is not None
         return self._kernel_attend(queries, pool.keys[layer], pool.values[layer], table, table_rows, lengths,
-                                   tail_keys, tail_values, scale)
+                                   tail_keys, tail_values, scale, max_length)
 
     def _kernel_attend(
         self,
@@ -175,28 +240,43 @@ class PagedAttention:
         tail_keys: mx.array,
         tail_values: mx.array,
         scale: float,
+        max_length: int = 0,
     ) -> mx.array:
         b, n_q, _, d = queries.shape
         n_kv = keys_pool.shape[1]
-        if self._kernel is None:
-            self._kernel = mx.fast.cuda_kernel(
-                name="runtime_paged_decode",
-                input_names=["queries", "keys", "values", "table", "rows", "lengths", "tail_keys", "tail_values",
-                             "scale"],
-                output_names=["out"],
-                source=_SOURCE,
+        n_rep = n_q // n_kv
+        blocks = b * n_kv
+        splits = splits_for(blocks, max_length)
+        if self._kernels is None:
+            self._kernels = (
+                mx.fast.cuda_kernel(name="runtime_paged_decode", input_names=_INPUTS, output_names=["out"],
+                                    source=_BODY + _WRITE_OUT),
+                mx.fast.cuda_kernel(name="runtime_paged_decode_split", input_names=_INPUTS,
+                                    output_names=["part_acc", "part_m", "part_l"], source=_BODY + _WRITE_PARTIAL),
+                mx.fast.cuda_kernel(name="runtime_paged_decode_combine", input_names=["part_acc", "part_m", "part_l"],
+                                    output_names=["out"], source=_COMBINE),
             )
+        single, split, combine = self._kernels
         scale_arr = self._scales.get(scale)
         if scale_arr is None:
             scale_arr = self._scales[scale] = mx.array([scale], dtype=mx.float32)
-        warps = warps_for(b * n_kv, n_q // n_kv, d)
-        (out,) = self._kernel(
-            inputs=[queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values, scale_arr],
-            template=[("T", queries.dtype), ("D", d), ("NREP", n_q // n_kv), ("HKV", n_kv), ("NWARPS", warps),
-                      ("UNROLL", UNROLL)],
-            grid=(b * n_kv * warps * 32, 1, 1),
-            threadgroup=(warps * 32, 1, 1),
-            output_shapes=[queries.shape],
-            output_dtypes=[queries.dtype],
-        )
+        per_block = -(-max_length // splits) if max_length else None
+        warps = warps_for(blocks * splits, n_rep, d, per_block)
+        inputs = [queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values, scale_arr]
+        template = [("T", queries.dtype), ("D", d), ("NREP", n_rep), ("HKV", n_kv), ("NWARPS", warps),
+                    ("UNROLL", UNROLL), ("SPLITS", splits)]
+        grid = (blocks * splits * warps * 32, 1, 1)
+        if splits == 1:
+            (out,) = single(inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
+                            output_shapes=[queries.shape], output_dtypes=[queries.dtype])
+            return out
+        parts = blocks * splits * n_rep
+        part_acc, part_m, part_l = split(
+            inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
+            output_shapes=[(parts * d,), (parts,), (parts,)], output_dtypes=[mx.float32] * 3)
+        (out,) = combine(
+            inputs=[part_acc, part_m, part_l],
+            template=[("T", queries.dtype), ("D", d), ("NREP", n_rep), ("SPLITS", splits)],
+            grid=(blocks * n_rep * d, 1, 1), threadgroup=(d, 1, 1),
+            output_shapes=[queries.shape], output_dtypes=[queries.dtype])
         return out
