@@ -98,6 +98,7 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
 
     pending = engine.launch(decode_step(context, True))
     build = submit = wait = 0.0
+    per_step: list[tuple[float, bool]] = []  # (seconds, in place) per loop iteration
     start = time.perf_counter()
     for i in range(steps):
         t0 = time.perf_counter()
@@ -122,11 +123,16 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
             t3 = time.perf_counter()
             wait, submit = wait + t2 - t1, submit + t3 - t2
         build += t1 - t0
+        per_step.append((time.perf_counter() - t0, built.in_place))
         pending = built
     engine.finalize(pending)
     total = time.perf_counter() - start
+    times = np.array([t for t, _ in per_step]) * 1e3
+    flush = [t * 1e3 for t, in_place in per_step if in_place]
+    extra = (f"  step p50 {np.percentile(times, 50):.2f} p95 {np.percentile(times, 95):.2f} max {times.max():.2f}"
+             f"  in-place steps {len(flush)} mean {np.mean(flush) if flush else 0:.2f}")
     return {"ms": 1e3 * total / steps, "build": 1e3 * build / steps, "submit": 1e3 * submit / steps,
-            "wait": 1e3 * wait / steps}
+            "wait": 1e3 * wait / steps, "extra": extra}
 
 
 def check_kernel() -> None:
@@ -205,6 +211,18 @@ def time_kernel(batches: list[int], context: int, calls: int = 64) -> None:
             print(f"attention B={b:4d} context {context}: {name:16s} {us:7.1f} us/call", flush=True)
 
 
+def no_split(fn):
+    """Run ``fn`` with the paged kernel's position splitting turned off."""
+    from runtime.worker import paged_attention
+
+    saved = paged_attention.MAX_SPLITS
+    paged_attention.MAX_SPLITS = 1
+    try:
+        return fn()
+    finally:
+        paged_attention.MAX_SPLITS = saved
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shape", default="tiny")
@@ -231,11 +249,13 @@ def main() -> None:
                 "engine": lambda: time_engine(model, batch, args.context, args.steps, False, args.big_pool),
                 "engine-overlap": lambda: time_engine(model, batch, args.context, args.steps, True, args.big_pool),
                 "engine-stagger": lambda: time_engine(model, batch, args.context, args.steps, False, args.big_pool, True),
+                "engine-nosplit": lambda: no_split(lambda: time_engine(model, batch, args.context, args.steps, False,
+                                                                      args.big_pool)),
             }[mode]
             fn()  # warm-up: compile kernels, fill the buffer cache
             r = fn()
             print(f"B={batch:4d} {mode:15s} {r['ms']:7.2f} ms/step  {batch * 1e3 / r['ms']:8.0f} tok/s  "
-                  f"build {r['build']:.2f}  submit {r['submit']:.2f}  wait {r['wait']:.2f}", flush=True)
+                  f"build {r['build']:.2f}  submit {r['submit']:.2f}  wait {r['wait']:.2f}{r.get('extra', '')}", flush=True)
             mx.clear_cache()
 
 

@@ -87,7 +87,7 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, model_dir, monkeypa
     its flushes) with the kernel replaced by a reference computation, so it runs on the CPU."""
     from runtime.worker.decode_tail import DecodeTail
     from runtime.worker import attention_paths
-    from runtime.worker.paged_attention import PagedAttention
+    from runtime.worker.paged_attention import PagedAttention, splits_for, warps_for
 
     monkeypatch.setattr(PagedAttention, "kernel_available", staticmethod(lambda: True))
     monkeypatch.setattr(PagedAttention, "_kernel_attend", _table_reference)
@@ -96,9 +96,20 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, model_dir, monkeypa
     flushed = []
     flush = DecodeTail.flush
     monkeypatch.setattr(DecodeTail, "flush", lambda self, *a: flushed.append(len(self.steps)) or flush(self, *a))
+    warmed = []
+    monkeypatch.setattr(PagedAttention, "warm_up", lambda self, *args: warmed.append(args[-1]))
     folder = model_dir(arch)
     svc = InProcessService(folder, max_running=8, row_cache=False)
     assert svc.engine.paths.device_table is not None and svc.engine.paths.tail is not None
+    # The service's start-up warm-up (a short request through prefill, decode and a tail
+    # flush, and the kernel variants) leaves nothing behind that changes later requests.
+    shape = svc.engine.pool.shape
+    n_rep = shape.n_heads // shape.n_kv_heads
+    one_row = splits_for(shape.n_kv_heads, 128)  # the first decode of a single short request
+    first = (one_row, warps_for(shape.n_kv_heads * one_row, n_rep, shape.head_dim, -(-128 // one_row)))
+    assert svc.engine.warm_up() == len(warmed[0]) > 0 and first in warmed[0]
+    assert len(svc.engine.paths.tail.steps) == 0 and max(flushed) == tail_steps and sum(flushed) == tail_steps + 2
+    flushed.clear()
     rng = random.Random(6)
     shared = [rng.randrange(3, 250) for _ in range(24)]
     reqs = [svc.request(f"r{i}", shared[: 8 + 4 * i] + [rng.randrange(3, 250) for _ in range(2 + i)], 3 + 5 * (i % 3))

@@ -56,3 +56,16 @@ def test_decode_tokens_reach_the_pool_for_later_prefix_hits(pending_steps, model
         assert g.prefix_len > len(f.prompt_ids) + 5, (g.prefix_len, len(f.prompt_ids))
     for r in first + follow:
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+def test_start_up_warm_up_leaves_later_requests_exact(model_dir):
+    """The worker's warm-up request (row 0, low pool slots) before the service takes requests."""
+    folder = model_dir("llama")
+    svc = InProcessService(folder, max_running=4)
+    assert svc.engine.paths.dense and svc.engine.warm_up() == 0
+    assert len(svc.engine.paths.pending) == 0
+    rng = random.Random(3)
+    reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(5 + 7 * i)], 6) for i in range(3)]
+    svc.run({0: reqs})
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid

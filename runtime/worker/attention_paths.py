@@ -17,7 +17,7 @@ import numpy as np
 
 from runtime.protocol.worker import DecodeBatch, PrefillChunk
 from runtime.worker import attention_patch
-from runtime.worker.decode_plan import DecodePlan
+from runtime.worker.decode_plan import DecodePlan, row_bucket
 from runtime.worker.decode_tail import DecodeTail
 from runtime.worker.deferred_steps import DeferredSteps
 from runtime.worker.discovery import CacheLayout
@@ -49,6 +49,7 @@ class AttentionPaths:
         hybrid: bool,
     ) -> None:
         self.pool = pool
+        self.max_rows, self.max_context = max_rows, max_context
         self.slot_table = np.zeros((max_rows, max_context), dtype=np.int32)
         routed = layout.kv_shape is not None and attention_patch.install(model, layout.attn_attr)
         self.attention = PagedAttention(PagedAttention.kernel_available()) if routed else None
@@ -170,6 +171,18 @@ class AttentionPaths:
             assert self.device_table is not None
             self.tail.flush(self.pool, self.device_table)
         self.flush_pending()
+
+    def warm_up(self, length_bucket: int) -> int:
+        """Compile every variant of the decode kernel this pool's batches can use; how many."""
+        if self.device_table is None:
+            return 0
+        assert self.attention is not None
+        shape = self.pool.shape
+        n_rep = shape.n_heads // shape.n_kv_heads
+        variants = PagedAttention.variants(shape.n_kv_heads, n_rep, shape.head_dim, self.max_rows, self.max_context,
+                                           row_bucket, length_bucket)
+        self.attention.warm_up(self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, variants)
+        return len(variants)
 
     def state_arrays(self) -> list[mx.array]:
         """Arrays a step updates in place besides the pools."""

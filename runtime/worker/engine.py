@@ -255,6 +255,28 @@ class Engine:
         """Bytes of every array a step updates in place (KV pool, aux pool, table, row cache)."""
         return sum(a.nbytes for a in self._state_arrays())
 
+    def warm_up(self) -> int:
+        """Run one short request (prefill, chained decode, a decode-tail flush) and compile the
+        decode kernel's variants, so what compiles on first use (the GPU's kernels) compiles
+        before the service takes requests, not inside one. Uses row 0 and low pool slots,
+        which no request holds yet; returns how many kernel variants were compiled."""
+        variants = self.paths.warm_up(self.LENGTH_BUCKET)
+        steps = (self.paths.tail.steps.max_steps if self.paths.tail is not None else 0) + 2
+        n = min(64, self.max_context - steps, self.pool.num_slots - 1 - steps)
+        if self.aux_pool is not None or n < 1:
+            return variants  # a hybrid model's aux slots belong to the scheduler
+        slots = list(range(1, n + steps + 1))
+        prefill = PrefillChunk(row=0, start=0, token_ids=[0] * n, slot_ids=slots[:n])
+        self.finalize(self.launch(Step(step_id=0, prefills=[prefill], decode=None)))
+        for i in range(steps):
+            decode = DecodeBatch(rows=[0], token_ids=[0 if i == 0 else -1], positions=[n + i],
+                                 slot_ids=[slots[n + i]], temperatures=[0.0])
+            self.finalize(self.launch(Step(step_id=0, prefills=[], decode=decode)))
+        self.paths.flush()
+        mx.eval(self._state_arrays())
+        self.reset_chain()
+        return variants
+
     def reset_chain(self) -> None:
         self._prev_tokens = None
         self._prev_rows = []

@@ -55,6 +55,10 @@ def serve(config: Config, address: str) -> int:
         default_cache = mx.set_cache_limit(0)
         mx.set_cache_limit(buffer_cache_bytes(config.worker.buffer_cache_mb, default_cache, pool_bytes))
         engine = Engine(loaded.model, layout, pool, config.scheduler.max_running, loaded.max_context, aux_pool)
+        started = time.perf_counter()
+        variants = engine.warm_up()
+        print(f"runtime worker: warmed up in {time.perf_counter() - started:.1f} s"
+              + (f" ({variants} decode kernel variants compiled)" if variants else ""), flush=True)
     except Exception as exc:  # report the loader's error, then exit non-zero
         sock.send(worker_encoder.encode(LoadFailed(error=f"{type(exc).__name__}: {exc}")))
         time.sleep(0.2)

@@ -8,6 +8,8 @@ the gather + masked ``mx.fast.scaled_dot_product_attention`` the worker always u
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 
 from runtime.worker.kv_pool import KVPool
@@ -247,6 +249,23 @@ class PagedAttention:
         n_rep = n_q // n_kv
         blocks = b * n_kv
         splits = splits_for(blocks, max_length)
+        per_block = -(-max_length // splits) if max_length else None
+        warps = warps_for(blocks * splits, n_rep, d, per_block)
+        inputs = [queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values,
+                  self._scale(scale)]
+        return self._launch(inputs, n_kv, splits, warps)
+
+    def _scale(self, scale: float) -> mx.array:
+        scale_arr = self._scales.get(scale)
+        if scale_arr is None:
+            scale_arr = self._scales[scale] = mx.array([scale], dtype=mx.float32)
+        return scale_arr
+
+    def _launch(self, inputs: list[mx.array], n_kv: int, splits: int, warps: int) -> mx.array:
+        queries = inputs[0]
+        b, n_q, _, d = queries.shape
+        n_rep = n_q // n_kv
+        blocks = b * n_kv
         if self._kernels is None:
             self._kernels = (
                 mx.fast.cuda_kernel(name="runtime_paged_decode", input_names=_INPUTS, output_names=["out"],
@@ -257,12 +276,6 @@ class PagedAttention:
                                     output_names=["out"], source=_COMBINE),
             )
         single, split, combine = self._kernels
-        scale_arr = self._scales.get(scale)
-        if scale_arr is None:
-            scale_arr = self._scales[scale] = mx.array([scale], dtype=mx.float32)
-        per_block = -(-max_length // splits) if max_length else None
-        warps = warps_for(blocks * splits, n_rep, d, per_block)
-        inputs = [queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values, scale_arr]
         template = [("T", queries.dtype), ("D", d), ("NREP", n_rep), ("HKV", n_kv), ("NWARPS", warps),
                     ("UNROLL", UNROLL), ("SPLITS", splits)]
         grid = (blocks * splits * warps * 32, 1, 1)
@@ -280,3 +293,29 @@ class PagedAttention:
             grid=(blocks * n_rep * d, 1, 1), threadgroup=(d, 1, 1),
             output_shapes=[queries.shape], output_dtypes=[queries.dtype])
         return out
+
+    @staticmethod
+    def variants(n_kv: int, n_rep: int, head_dim: int, max_rows: int, max_context: int,
+                 row_sizes: Callable[[int], int], length_bucket: int) -> set[tuple[int, int]]:
+        """Every (splits, warps) a decode batch of up to ``max_rows`` rows can use: each is a
+        kernel compiled on first use, seconds on the GPU."""
+        found = set()
+        for rows in sorted({row_sizes(n) for n in range(1, max_rows + 1)}):
+            for length in range(length_bucket, max_context + length_bucket, length_bucket):
+                length = min(length, max_context)
+                splits = splits_for(rows * n_kv, length)
+                found.add((splits, warps_for(rows * n_kv * splits, n_rep, head_dim, -(-length // splits))))
+        return found
+
+    def warm_up(self, dtype: mx.Dtype, n_kv: int, n_rep: int, head_dim: int,
+                variants: set[tuple[int, int]]) -> None:
+        """Compile every kernel variant now (tiny inputs), not in the middle of a request."""
+        table = mx.zeros((1, 64), dtype=mx.int32)
+        pool = mx.zeros((2, n_kv, head_dim), dtype=dtype)
+        tail = mx.zeros((1, n_kv, 1, head_dim), dtype=dtype)
+        queries = mx.zeros((1, n_kv * n_rep, 1, head_dim), dtype=dtype)
+        lengths = mx.full((1,), 64, dtype=mx.int32)
+        rows = mx.zeros((1,), dtype=mx.int32)
+        for splits, warps in sorted(variants):
+            inputs = [queries, pool, pool, table, rows, lengths, tail, tail, self._scale(1.0)]
+            mx.eval(self._launch(inputs, n_kv, splits, warps))
