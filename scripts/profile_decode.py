@@ -64,7 +64,8 @@ def time_mlx(model, batch: int, context: int, steps: int) -> dict:
             "wait": 1e3 * wait / steps}
 
 
-def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slots_total: int, stagger: bool = False) -> dict:
+def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slots_total: int, stagger: bool = False,
+                warm: bool = False) -> dict:
     """The worker's Engine: prefill every row, then chained decode steps in the worker's order."""
     from runtime.protocol.worker import DecodeBatch, PrefillChunk, Step
     from runtime.worker.discovery import discover
@@ -76,6 +77,8 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
     num_slots = max(slots_total, batch * seq + 1)
     pool = KVPool(len(layout.attention_layers), num_slots, layout.kv_shape, layout.kv_dtype)
     engine = Engine(model, layout, pool, batch, seq)
+    if warm:
+        engine.warm_up()  # what the worker does before it takes requests
     rng = np.random.default_rng(0)
     step_id = 0
     # ``stagger``: odd rows are one token longer, so the batch is never in lockstep.
@@ -249,6 +252,8 @@ def main() -> None:
                 "engine": lambda: time_engine(model, batch, args.context, args.steps, False, args.big_pool),
                 "engine-overlap": lambda: time_engine(model, batch, args.context, args.steps, True, args.big_pool),
                 "engine-stagger": lambda: time_engine(model, batch, args.context, args.steps, False, args.big_pool, True),
+                "engine-warm": lambda: time_engine(model, batch, args.context, args.steps, False, args.big_pool,
+                                                   warm=True),
                 "engine-nosplit": lambda: no_split(lambda: time_engine(model, batch, args.context, args.steps, False,
                                                                       args.big_pool)),
             }[mode]
