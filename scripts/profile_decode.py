@@ -10,11 +10,15 @@ Prints ms per step and where the host time goes (graph build, async_eval, wait).
 from __future__ import annotations
 
 import argparse
+import os
 import itertools
 import time
 
 import mlx.core as mx
 import numpy as np
+
+
+MAX_ROWS = int(os.environ.get("PROFILE_MAX_ROWS", "0"))  # engine rows beyond the batch (a service's max_running)
 
 
 def make_model(shape: str):
@@ -76,7 +80,7 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
     seq = context + steps + 8
     num_slots = max(slots_total, batch * seq + 1)
     pool = KVPool(len(layout.attention_layers), num_slots, layout.kv_shape, layout.kv_dtype)
-    engine = Engine(model, layout, pool, batch, seq)
+    engine = Engine(model, layout, pool, max(batch, MAX_ROWS), seq)
     if warm:
         engine.warm_up()  # what the worker does before it takes requests
     rng = np.random.default_rng(0)
