@@ -146,7 +146,7 @@ def check_kernel() -> None:
     """The paged decode kernel against the gather + masked SDPA fallback on random data."""
     from runtime.worker.discovery import AttentionShape
     from runtime.worker.kv_pool import KVPool
-    from runtime.worker.paged_attention import PagedAttention, splits_for
+    from runtime.worker.paged_attention import PagedAttention, launch_shape, splits_for
 
     rng = np.random.default_rng(0)
     for (n_q, n_kv, d), b in itertools.product(((32, 8, 64), (32, 8, 128), (16, 2, 128), (8, 8, 64)), (5, 1)):
@@ -172,7 +172,7 @@ def check_kernel() -> None:
             out = PagedAttention(True).attend(
                 q, pool, 0, d**-0.5, gather_index=None, table=mx.array(full), table_rows=mx.array(order.astype(np.int32)),
                 lengths=mx.array((lengths + tail).astype(np.int32)), mask=None, tail_keys=tail_k, tail_values=tail_v,
-                max_length=max_length)
+                launch=launch_shape(b, n_kv, n_q // n_kv, d, max_length))
             err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
             splits = splits_for(b * n_kv, max_length)
             print(f"kernel check heads {n_q}/{n_kv} dim {d} rows {b} splits {splits}: max abs diff {err:.5f}", flush=True)
@@ -183,7 +183,7 @@ def time_kernel(batches: list[int], context: int, calls: int = 64) -> None:
     contiguous K/V, at the 8B shape (32/8 heads, dim 128), ``calls`` layers chained per eval."""
     from runtime.worker.discovery import AttentionShape
     from runtime.worker.kv_pool import KVPool
-    from runtime.worker.paged_attention import PagedAttention, splits_for
+    from runtime.worker.paged_attention import PagedAttention, launch_shape, splits_for
 
     n_q, n_kv, d = 32, 8, 128
     for b in batches:
@@ -203,7 +203,7 @@ def time_kernel(batches: list[int], context: int, calls: int = 64) -> None:
                                                     lengths=lengths, mask=None, tail_keys=tail_k, tail_values=tail_k),
             f"kernel {splits_for(b * n_kv, context)} splits": lambda x: attn.attend(
                 x, pool, 0, d**-0.5, gather_index=None, table=table, table_rows=rows, lengths=lengths, mask=None,
-                tail_keys=tail_k, tail_values=tail_k, max_length=context),
+                tail_keys=tail_k, tail_values=tail_k, launch=launch_shape(b, n_kv, n_q // n_kv, d, context)),
             "mx.fast sdpa": lambda x: mx.fast.scaled_dot_product_attention(x, k, v, scale=d**-0.5),
         }
         for name, fn in runs.items():

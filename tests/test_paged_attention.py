@@ -68,7 +68,7 @@ def test_install_refuses_modules_it_cannot_route():
 
 
 def _table_reference(self, queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values,
-                     scale, max_length):
+                     scale, launch):
     """What the CUDA kernel computes, in plain MLX ops: pool positions through the device slot
     table, then the decode tail's positions."""
     import mlx.core as mx

@@ -22,7 +22,7 @@ from runtime.worker.decode_tail import DecodeTail
 from runtime.worker.deferred_steps import DeferredSteps
 from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
-from runtime.worker.paged_attention import PagedAttention
+from runtime.worker.paged_attention import PagedAttention, launch_shape
 from runtime.worker.pool_cache import ForwardBatch
 from runtime.worker.row_cache import MAX_BYTES, RowCache, RowSpan
 
@@ -153,8 +153,12 @@ class AttentionPaths:
             self.tail.steps.add(decode, plan.pad, rows, positions, plan.slot_ids)
         batch = ForwardBatch(write_slots=write_slots, gather_index=None, offset=offsets, mask=mask,
                              lengths=mx.array(positions32 + 1), attention=self.attention, table=self.device_table,
-                             table_rows=table_rows, tail=self.tail, max_length=plan.length)
+                             table_rows=table_rows, tail=self.tail, launch=self._launch(len(rows), plan.length))
         return batch, in_place
+
+    def _launch(self, rows: int, length: int) -> tuple[int, int]:
+        shape = self.pool.shape
+        return launch_shape(rows, shape.n_kv_heads, shape.n_heads // shape.n_kv_heads, shape.head_dim, length)
 
     def flush_pending(self) -> None:
         """Copy the row cache's deferred decode K/V into the pool, now: the next writes to the

@@ -42,6 +42,15 @@ def splits_for(blocks: int, max_length: int) -> int:
     return splits
 
 
+def launch_shape(rows: int, n_kv: int, n_rep: int, head_dim: int, max_length: int) -> tuple[int, int]:
+    """(splits, warps) for a decode batch of ``rows`` whose longest row attends to at most
+    ``max_length`` positions (0: unknown, no split); one per step, shared by every layer."""
+    blocks = rows * n_kv
+    splits = splits_for(blocks, max_length)
+    per_block = -(-max_length // splits) if max_length else None
+    return splits, warps_for(blocks * splits, n_rep, head_dim, per_block)
+
+
 # One block per (row, KV head, split): its warps walk the split's positions, keeping an
 # online softmax per query head of the group in float32, and the block combines its warps.
 _BODY = """
@@ -218,10 +227,9 @@ class PagedAttention:
         mask: mx.array | None,
         tail_keys: mx.array | None = None,
         tail_values: mx.array | None = None,
-        max_length: int = 0,
+        launch: tuple[int, int] | None = None,
     ) -> mx.array:
-        """``max_length``: the longest row's positions (or a bound on it), which sets how the
-        kernel splits each row's positions over blocks."""
+        """``launch``: the step's (splits, warps) from ``launch_shape``; None: no split."""
         length, d = queries.shape[2], queries.shape[3]
         if not self.supports(d) or length != 1:
             assert gather_index is not None, "the fallback needs the gathered slot table"
@@ -229,7 +237,7 @@ class PagedAttention:
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         assert table is not None and table_rows is not None and tail_keys is not None and tail_values is not None
         return self._kernel_attend(queries, pool.keys[layer], pool.values[layer], table, table_rows, lengths,
-                                   tail_keys, tail_values, scale, max_length)
+                                   tail_keys, tail_values, scale, launch)
 
     def _kernel_attend(
         self,
@@ -242,15 +250,11 @@ class PagedAttention:
         tail_keys: mx.array,
         tail_values: mx.array,
         scale: float,
-        max_length: int = 0,
+        launch: tuple[int, int] | None = None,
     ) -> mx.array:
         b, n_q, _, d = queries.shape
         n_kv = keys_pool.shape[1]
-        n_rep = n_q // n_kv
-        blocks = b * n_kv
-        splits = splits_for(blocks, max_length)
-        per_block = -(-max_length // splits) if max_length else None
-        warps = warps_for(blocks * splits, n_rep, d, per_block)
+        splits, warps = launch or launch_shape(b, n_kv, n_q // n_kv, d, 0)
         inputs = [queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values,
                   self._scale(scale)]
         return self._launch(inputs, n_kv, splits, warps)
@@ -299,13 +303,11 @@ class PagedAttention:
                  row_sizes: Callable[[int], int], length_bucket: int) -> set[tuple[int, int]]:
         """Every (splits, warps) a decode batch of up to ``max_rows`` rows can use: each is a
         kernel compiled on first use, seconds on the GPU."""
-        found = set()
-        for rows in sorted({row_sizes(n) for n in range(1, max_rows + 1)}):
-            for length in range(length_bucket, max_context + length_bucket, length_bucket):
-                length = min(length, max_context)
-                splits = splits_for(rows * n_kv, length)
-                found.add((splits, warps_for(rows * n_kv * splits, n_rep, head_dim, -(-length // splits))))
-        return found
+        return {
+            launch_shape(rows, n_kv, n_rep, head_dim, min(length, max_context))
+            for rows in {row_sizes(n) for n in range(1, max_rows + 1)}
+            for length in range(length_bucket, max_context + length_bucket, length_bucket)
+        }
 
     def warm_up(self, dtype: mx.Dtype, n_kv: int, n_rep: int, head_dim: int,
                 variants: set[tuple[int, int]]) -> None:

@@ -29,8 +29,8 @@ class ForwardBatch:
     to ``PoolLayerCache.paged_attend``): valid positions per row, and the kernel to use;
     ``table``/``table_rows``: the device slot table and each batch row's row in it (kernel
     path; the fallback gathers through ``gather_index``); ``tail``: where a kernel-path decode
-    puts its new K/V instead of the pool; ``max_length``: the longest row's attended positions
-    (a bound), which sets how the kernel spreads a small batch over the GPU.
+    puts its new K/V instead of the pool; ``launch``: the kernel's (splits, warps) for this
+    batch, chosen once per step (``launch_shape``).
     """
 
     write_slots: mx.array | None
@@ -43,7 +43,7 @@ class ForwardBatch:
     table_rows: mx.array | None = None
     tail: DecodeTail | None = None
     rows: RowSpan | None = None
-    max_length: int = 0
+    launch: tuple[int, int] | None = None
 
 
 class PoolLayerCache:
@@ -95,7 +95,7 @@ class PoolLayerCache:
         return b.attention.attend(
             queries, self.pool, self.kv_layer, scale,
             gather_index=b.gather_index, table=b.table, table_rows=b.table_rows, lengths=b.lengths, mask=b.mask,
-            tail_keys=tail_k, tail_values=tail_v, max_length=b.max_length,
+            tail_keys=tail_k, tail_values=tail_v, launch=b.launch,
         )
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
