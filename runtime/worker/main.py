@@ -35,7 +35,7 @@ from runtime.protocol.worker import (
 PARENT_POLL_MS = 500
 
 
-def serve(config: Config, address: str) -> int:
+def serve(config: Config, address: str, trace_path: str | None = None) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
@@ -81,22 +81,39 @@ def serve(config: Config, address: str) -> int:
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     overlap = engine.overlap_submit(on_gpu, engine.state_bytes, config.worker.overlap_submit_max_mb)
     clock = IdleClock()
+    send, recv, poll = sock.send, sock.recv, sock.poll
+    trace = None
+    if trace_path:
+        from runtime.worker.step_trace import StepTrace
+
+        trace = StepTrace(f"{trace_path}.{os.getpid()}")
+        trace.wrap_engine(engine)
+        send, recv, poll = trace.timed("send", send), trace.timed("recv", recv), trace.timed("poll", poll)
+    try:
+        return _loop(engine, send, recv, poll, overlap, clock, parent)
+    finally:
+        if trace is not None:
+            trace.write()
+
+
+def _loop(engine, send, recv, poll, overlap: bool, clock: IdleClock, parent: int) -> int:
+    """Take steps and report them until Shutdown or until the scheduler is gone."""
 
     def report(launched) -> None:
-        sock.send(worker_encoder.encode(_read_back(engine, launched, clock)))
+        send(worker_encoder.encode(_read_back(engine, launched, clock)))
 
     pending = None
     while True:
-        if pending is not None and not sock.poll(0):
+        if pending is not None and not poll(0):
             report(pending)
             pending = None
             clock.idle()
             continue
-        if pending is None and not sock.poll(PARENT_POLL_MS):
+        if pending is None and not poll(PARENT_POLL_MS):
             if os.getppid() != parent:
                 return 0  # the scheduler is gone
             continue
-        cmd = worker_cmd_decoder.decode(sock.recv())
+        cmd = worker_cmd_decoder.decode(recv())
         if isinstance(cmd, Shutdown):
             if pending is not None:
                 report(pending)
@@ -110,7 +127,7 @@ def serve(config: Config, address: str) -> int:
                 pending = None
             engine.reset_chain()
             traceback.print_exc()
-            sock.send(worker_encoder.encode(StepFailed(step_id=cmd.step_id, error=f"{type(exc).__name__}: {exc}")))
+            send(worker_encoder.encode(StepFailed(step_id=cmd.step_id, error=f"{type(exc).__name__}: {exc}")))
             continue
         # Built from the previous step's lazy tokens. A step that updates the pools is submitted
         # after that step's read-back, so no in-flight graph holds the pools and the updates
@@ -126,7 +143,7 @@ def serve(config: Config, address: str) -> int:
             clock.busy()
             engine.submit(built)
             if previous is not None:
-                sock.send(worker_encoder.encode(previous))
+                send(worker_encoder.encode(previous))
         pending = built
 
 
@@ -171,10 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         import cProfile
         prof = cProfile.Profile()
         try:
-            return prof.runcall(serve, config, args.address)
+            return prof.runcall(serve, config, args.address, os.environ.get("RUNTIME_WORKER_TRACE"))
         finally:
             prof.dump_stats(f"{out}.{os.getpid()}")
-    return serve(config, args.address)
+    return serve(config, args.address, os.environ.get("RUNTIME_WORKER_TRACE"))
 
 
 if __name__ == "__main__":
