@@ -8,6 +8,7 @@ the worker is ready (start-up compiles are not counted) and writes a per-phase s
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import sys
 import time
@@ -24,6 +25,7 @@ class StepTrace:
         self.started = time.perf_counter()
         self.times: dict[str, list[float]] = defaultdict(list)
         self._gc_since = 0.0
+        self._threads = _thread_cpu()
         gc.callbacks.append(self._on_gc)
         # A service stopped by a signal to its process group still writes the summary.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -62,9 +64,33 @@ class StepTrace:
                 f"{name:10s} {len(v):7d} {v.sum() / 1e6:8.3f} {v.sum() / 1e6 / wall:6.1%}"
                 f"  {v.mean():8.1f} {np.percentile(v, 50):8.1f} {np.percentile(v, 95):8.1f} {v.max():9.1f}"
             )
+        before, now = self._threads, _thread_cpu()
+        used = sorted(((now[t] - before.get(t, 0.0), t) for t in now), reverse=True)
+        lines.append(f"threads {len(now)}; busiest (CPU s since ready): "
+                     + ", ".join(f"{name} {cpu:.3f}" for cpu, name in used[:6]))
         return "\n".join(lines) + "\n"
 
     def write(self) -> None:
         gc.callbacks.remove(self._on_gc)
         with open(self.path, "w") as f:
             f.write(self.summary())
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds per thread of this process (Linux /proc; empty elsewhere)."""
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                head, _, rest = f.read().rpartition(")")
+        except OSError:
+            continue
+        fields = rest.split()
+        name = head.partition("(")[2]
+        out[f"{tid}:{name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
