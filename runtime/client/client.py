@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from runtime.protocol import client as cp
+from runtime.protocol.loop_socket import LoopSocket
 
 
 class ServiceUnavailable(ConnectionError):
@@ -67,16 +67,17 @@ class Client:
     def __init__(self, address: str, timeout_s: float | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.Context | None = None
+        self._sock: LoopSocket | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
 
     async def __aenter__(self) -> Client:
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(self.address)
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        self._sock = LoopSocket(sock)
         self._reader = asyncio.create_task(self._read())
         return self
 
@@ -91,7 +92,7 @@ class Client:
             except (asyncio.CancelledError, Exception):
                 pass
         if self._sock is not None:
-            self._sock.close(0)
+            self._sock.close()
         if self._ctx is not None:
             self._ctx.term()
         self._sock = self._ctx = self._reader = None
@@ -100,6 +101,7 @@ class Client:
         assert self._sock is not None
         while True:
             payload = await self._sock.recv()
+            assert payload is not None  # no timeout: only a message ends the wait
             msg = cp.server_msg_decoder.decode(payload)
             for item in msg.chunks if isinstance(msg, cp.ChunkBatch) else (msg,):
                 key = "abort:" + item.rid if isinstance(item, cp.AbortReply) else item.rid
@@ -111,7 +113,12 @@ class Client:
         assert self._sock is not None, "use `async with Client(...)`"
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
-        await self._sock.send(cp.client_encoder.encode(msg))
+        try:
+            self._sock.send(cp.client_encoder.encode(msg))
+        except zmq.Again:
+            # A full send queue: the service has not read a thousand messages.
+            self._queues.pop(rid, None)
+            raise ServiceUnavailable(f"the service at {self.address} is not taking requests") from None
         return queue
 
     async def _get(self, queue: asyncio.Queue, timeout: float | None = None):

@@ -8,11 +8,11 @@ import uuid
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from runtime.config import Config
 from runtime.protocol import client as cp
 from runtime.protocol import worker as wp
+from runtime.protocol.loop_socket import LoopSocket
 from runtime.scheduler.addresses import Addresses
 from runtime.scheduler.admission import Limits, RequestRejected
 from runtime.scheduler.core import Scheduler, StepOutput
@@ -33,10 +33,11 @@ class Server:
     def __init__(self, config: Config, addresses: Addresses) -> None:
         self.config = config
         self.addresses = addresses
-        self.ctx = zmq.asyncio.Context()
-        self.clients = self.ctx.socket(zmq.ROUTER)
-        self.clients.setsockopt(zmq.LINGER, 0)
-        self.worker_sock: zmq.asyncio.Socket | None = None
+        self.ctx = zmq.Context()
+        self._client_sock = self.ctx.socket(zmq.ROUTER)
+        self._client_sock.setsockopt(zmq.LINGER, 0)
+        self.clients: LoopSocket | None = None  # wraps _client_sock once the loop runs (start)
+        self.worker_sock: LoopSocket | None = None
         self.worker = WorkerProcess(config, addresses.worker)
         self.tokenizer = Tokenizer(config.model.path)
         self.scheduler: Scheduler | None = None
@@ -51,15 +52,17 @@ class Server:
     # ---- worker lifecycle ------------------------------------------------------------
     async def start_worker(self) -> wp.Ready:
         if self.worker_sock is not None:
-            self.worker_sock.close(0)
-        self.worker_sock = self.ctx.socket(zmq.PAIR)
-        self.worker_sock.setsockopt(zmq.LINGER, 0)
-        self.worker_sock.bind(self.addresses.worker)
+            self.worker_sock.close()
+        sock = self.ctx.socket(zmq.PAIR)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self.addresses.worker)
+        self.worker_sock = LoopSocket(sock)
         self.worker.start()
         deadline = time.monotonic() + self.config.worker.startup_timeout_s
         while time.monotonic() < deadline:
-            if await self.worker_sock.poll(int(WORKER_POLL_S * 1000)):
-                reply = wp.worker_reply_decoder.decode(await self.worker_sock.recv())
+            payload = await self.worker_sock.recv(WORKER_POLL_S)
+            if payload is not None:
+                reply = wp.worker_reply_decoder.decode(payload)
                 if isinstance(reply, wp.LoadFailed):
                     self.worker.stop()
                     raise WorkerStartError(reply.error)
@@ -89,7 +92,8 @@ class Server:
     async def start(self) -> None:
         self.ready = await self.start_worker()
         self.scheduler = self._new_scheduler(self.ready)
-        self.clients.bind(self.addresses.client)
+        self._client_sock.bind(self.addresses.client)
+        self.clients = LoopSocket(self._client_sock)
 
     async def _restart_worker(self, reason: str) -> None:
         assert self.scheduler is not None
@@ -108,7 +112,8 @@ class Server:
 
     # ---- client side -----------------------------------------------------------------
     def _send(self, identity: bytes, msg: msgspec.Struct) -> None:
-        self.clients.send_multipart([identity, cp.client_encoder.encode(msg)], copy=False)
+        assert self.clients is not None
+        self.clients.send_multipart([identity, cp.client_encoder.encode(msg)])
 
     def _reply_done(self, req: Request) -> None:
         identity = self.owners.pop(req.rid, None)
@@ -133,8 +138,11 @@ class Server:
         )
 
     async def client_loop(self) -> None:
+        assert self.clients is not None
         while True:
-            identity, payload = await self.clients.recv_multipart()
+            frames = await self.clients.recv_multipart()
+            assert frames is not None  # no timeout: only a message ends the wait
+            identity, payload = frames
             try:
                 msg = cp.client_msg_decoder.decode(payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -241,7 +249,7 @@ class Server:
                 if planned is None:
                     break
                 try:
-                    self.worker_sock.send(wp.worker_encoder.encode(planned.step), flags=zmq.NOBLOCK, copy=False)
+                    self.worker_sock.send(wp.worker_encoder.encode(planned.step))
                 except zmq.Again:
                     # PAIR refuses sends only when no worker is connected.
                     code = self.worker.exit_code()
@@ -256,11 +264,12 @@ class Server:
                 if (code := self.worker.exit_code()) is not None:
                     await self._restart_worker(f"worker died (exit status {code})")
                 continue
-            if not await self.worker_sock.poll(int(WORKER_POLL_S * 1000)):
+            payload = await self.worker_sock.recv(WORKER_POLL_S)
+            if payload is None:
                 if (code := self.worker.exit_code()) is not None:
                     await self._restart_worker(f"worker died (exit status {code})")
                 continue
-            reply = wp.worker_reply_decoder.decode(await self.worker_sock.recv())
+            reply = wp.worker_reply_decoder.decode(payload)
             if isinstance(reply, wp.StepDone):
                 self.last_step = reply
                 self.steps_done += 1
@@ -292,13 +301,16 @@ class Server:
             self._send_completed()
         if self.worker_sock is not None and self.worker.proc is not None and self.worker.exit_code() is None:
             try:
-                self.worker_sock.send(wp.worker_encoder.encode(wp.Shutdown()), flags=zmq.NOBLOCK)
+                self.worker_sock.send(wp.worker_encoder.encode(wp.Shutdown()))
             except zmq.ZMQError:
                 pass  # no peer: the worker is gone already
         self.worker.stop(timeout=3.0)
-        self.clients.close(0)
+        if self.clients is not None:
+            self.clients.close()
+        else:
+            self._client_sock.close(0)
         if self.worker_sock is not None:
-            self.worker_sock.close(0)
+            self.worker_sock.close()
         self.ctx.term()
 
 
