@@ -149,7 +149,7 @@ def check_kernel() -> None:
     from runtime.worker.paged_attention import PagedAttention, launch_shape, splits_for
 
     rng = np.random.default_rng(0)
-    for (n_q, n_kv, d), b in itertools.product(((32, 8, 64), (32, 8, 128), (16, 2, 128), (8, 8, 64)), (5, 1)):
+    for (n_q, n_kv, d), b in itertools.product(((32, 8, 64), (32, 8, 128), (16, 2, 128), (8, 8, 64), (16, 4, 96)), (5, 1)):
         pool = KVPool(1, 4000, AttentionShape(n_q, n_kv, d), mx.bfloat16)
         pool.keys[0] = mx.random.normal(pool.keys[0].shape).astype(mx.bfloat16)
         pool.values[0] = mx.random.normal(pool.values[0].shape).astype(mx.bfloat16)

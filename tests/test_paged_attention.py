@@ -145,4 +145,13 @@ def test_small_batches_split_their_positions_over_blocks():
     for blocks, length in ((1, 100000), (8, 300), (64, 2048), (200, 512)):
         s = splits_for(blocks, length)
         assert s & (s - 1) == 0 and (s == 1 or length >= s * MIN_SPLIT)
-    assert warps_for(128, 4, 128, positions=32) == 8  # 8 warps x 4 positions cover a 32-position split
+    assert warps_for(128, 4, 128, positions=32) == 4  # 4 warps x (2 groups x 4) positions cover a 32-position split
+
+
+def test_kernel_lanes_per_position_keep_16_bytes_per_lane():
+    from runtime.worker.paged_attention import lanes_per_position
+
+    assert [lanes_per_position(d) for d in (32, 64, 96, 128, 160, 256)] == [4, 8, 8, 16, 16, 32]
+    for d in range(32, 257, 32):
+        lanes = lanes_per_position(d)
+        assert 32 % lanes == 0 and d % lanes == 0 and d // lanes >= 8

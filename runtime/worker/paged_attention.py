@@ -21,12 +21,22 @@ MIN_SPLIT = 32  # positions per split, at least
 MAX_SPLITS = 32
 
 
+def lanes_per_position(head_dim: int) -> int:
+    """Lanes that share one position's K/V row in the kernel: a power of two dividing 32
+    and ``head_dim``, as many as keep at least 8 elements (16 bytes of bf16) per lane."""
+    lanes = 32
+    while lanes > 1 and (head_dim % lanes or head_dim // lanes < 8):
+        lanes //= 2
+    return lanes
+
+
 def warps_for(blocks: int, n_rep: int, head_dim: int, positions: int | None = None) -> int:
     """Warps per block: more when few blocks would leave the GPU idle, no more than the
     block's ``positions`` keep busy, and few enough for the shared-memory partials."""
     warps = 16 if blocks < TARGET_BLOCKS else 8
+    per_pass = 32 // lanes_per_position(head_dim) * UNROLL  # positions one warp pass covers
     if positions is not None:
-        while warps > 1 and (warps // 2) * UNROLL >= positions:
+        while warps > 1 and (warps // 2) * per_pass >= positions:
             warps //= 2
     while warps > 1 and warps * n_rep * head_dim * 4 > SHARED_BYTES:
         warps //= 2
@@ -51,16 +61,41 @@ def launch_shape(rows: int, n_kv: int, n_rep: int, head_dim: int, max_length: in
     return splits, warps_for(blocks * splits, n_rep, head_dim, per_block)
 
 
-# One block per (row, KV head, split): its warps walk the split's positions, keeping an
-# online softmax per query head of the group in float32, and the block combines its warps.
+# One block per (row, KV head, split). A warp works on 32 / GL positions at once: each
+# group of GL lanes holds one position's K/V row (PER = D / GL elements per lane, loaded as
+# 16-byte vectors where aligned), so a dot product needs log2(GL) shuffles, not five. Every
+# group keeps an online softmax per query head of the GQA group in float32; the groups of a
+# warp are merged by shuffles, then the block's warps through shared memory.
+_HEADER = """
+template <typename T, int N>
+__device__ inline void load_row(const T* p, float* out) {
+    constexpr int V = 16 / sizeof(T);
+    if (N % V == 0 && (reinterpret_cast<size_t>(p) & 15) == 0) {
+#pragma unroll
+        for (int j = 0; j < N / V; ++j) {
+            const uint4 raw = reinterpret_cast<const uint4*>(p)[j];
+            const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+            for (int k = 0; k < V; ++k) out[j * V + k] = static_cast<float>(e[k]);
+        }
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(p[i]);
+}
+"""
+
 _BODY = """
-    constexpr int PER = D / 32;
+    constexpr int PER = D / GL;
+    constexpr int GROUPS = 32 / GL;
     const int bh = blockIdx.x / SPLITS;
     const int split = blockIdx.x % SPLITS;
     const int b = bh / HKV;
     const int h = bh % HKV;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
+    const int group = lane / GL;
+    const int gl = lane % GL;
     const int tcap = table_shape[1];
     const int R = tail_keys_shape[2];
     const int n = lengths[b] - R;  // positions in the pool; the last R are in the tail
@@ -74,7 +109,7 @@ _BODY = """
     float m[NREP];
     float l[NREP];
     for (int r = 0; r < NREP; ++r) {
-        const size_t qbase = ((size_t)bh * NREP + r) * D + lane * PER;
+        const size_t qbase = ((size_t)bh * NREP + r) * D + gl * PER;
         for (int i = 0; i < PER; ++i) {
             qr[r][i] = static_cast<float>(queries[qbase + i]) * sc;
             acc[r][i] = 0.f;
@@ -83,45 +118,65 @@ _BODY = """
         l[r] = 0.f;
     }
     const int* trow = table + (size_t)rows[b] * tcap;
-    // Each warp takes UNROLL consecutive positions per pass: their loads are issued
-    // together, so a warp waits for memory once per pass instead of once per position.
-    for (int t0 = tbegin + warp * UNROLL; t0 < tend; t0 += NWARPS * UNROLL) {
+    // A warp pass covers GROUPS * UNROLL consecutive positions; all its loads are issued
+    // before any is used, so a warp waits for memory once per pass.
+    for (int t0 = tbegin + warp * GROUPS * UNROLL; t0 < tend; t0 += NWARPS * GROUPS * UNROLL) {
         float kr[UNROLL][PER];
         float vr[UNROLL][PER];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const int t = t0 + u;
+            const int t = t0 + u * GROUPS + group;
             if (t >= tend) {
+#pragma unroll
+                for (int i = 0; i < PER; ++i) kr[u][i] = vr[u][i] = 0.f;
             } else if (t < n) {
-                const size_t base = ((size_t)trow[t] * HKV + h) * D + lane * PER;
-#pragma unroll
-                for (int i = 0; i < PER; ++i) {
-                    kr[u][i] = static_cast<float>(keys[base + i]);
-                    vr[u][i] = static_cast<float>(values[base + i]);
-                }
+                const size_t base = ((size_t)trow[t] * HKV + h) * D + gl * PER;
+                load_row<T, PER>(keys + base, kr[u]);
+                load_row<T, PER>(values + base, vr[u]);
             } else {
-                const size_t base = ((size_t)bh * R + (t - n)) * D + lane * PER;
-#pragma unroll
-                for (int i = 0; i < PER; ++i) {
-                    kr[u][i] = static_cast<float>(tail_keys[base + i]);
-                    vr[u][i] = static_cast<float>(tail_values[base + i]);
-                }
+                const size_t base = ((size_t)bh * R + (t - n)) * D + gl * PER;
+                load_row<T, PER>(tail_keys + base, kr[u]);
+                load_row<T, PER>(tail_values + base, vr[u]);
             }
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (t0 + u >= tend) break;  // uniform across the warp
+            if (t0 + u * GROUPS >= tend) break;  // uniform across the warp
+            const bool live = t0 + u * GROUPS + group < tend;
             for (int r = 0; r < NREP; ++r) {
                 float s = 0.f;
+#pragma unroll
                 for (int i = 0; i < PER; ++i) s += qr[r][i] * kr[u][i];
-                for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
-                const float mn = fmaxf(m[r], s);
-                const float corr = expf(m[r] - mn);
-                const float p = expf(s - mn);
-                l[r] = l[r] * corr + p;
-                for (int i = 0; i < PER; ++i) acc[r][i] = acc[r][i] * corr + p * vr[u][i];
-                m[r] = mn;
+#pragma unroll
+                for (int off = GL / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+                if (live) {
+                    const float mn = fmaxf(m[r], s);
+                    const float corr = expf(m[r] - mn);
+                    const float p = expf(s - mn);
+                    l[r] = l[r] * corr + p;
+#pragma unroll
+                    for (int i = 0; i < PER; ++i) acc[r][i] = acc[r][i] * corr + p * vr[u][i];
+                    m[r] = mn;
+                }
             }
+        }
+    }
+    // Merge the warp's groups: lanes with the same gl hold the same elements.
+    for (int r = 0; r < NREP; ++r) {
+#pragma unroll
+        for (int off = GL; off < 32; off <<= 1) {
+            const float mo = __shfl_xor_sync(0xffffffff, m[r], off);
+            const float lo = __shfl_xor_sync(0xffffffff, l[r], off);
+            const float mn = fmaxf(m[r], mo);
+            const float c1 = m[r] == -INFINITY ? 0.f : expf(m[r] - mn);
+            const float c2 = mo == -INFINITY ? 0.f : expf(mo - mn);
+            l[r] = l[r] * c1 + lo * c2;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                const float ao = __shfl_xor_sync(0xffffffff, acc[r][i], off);
+                acc[r][i] = acc[r][i] * c1 + ao * c2;
+            }
+            m[r] = mn;
         }
     }
     __shared__ float sm_m[NWARPS][NREP];
@@ -132,7 +187,9 @@ _BODY = """
             sm_m[warp][r] = m[r];
             sm_l[warp][r] = l[r];
         }
-        for (int i = 0; i < PER; ++i) sm_acc[warp][r][lane * PER + i] = acc[r][i];
+        if (group == 0) {
+            for (int i = 0; i < PER; ++i) sm_acc[warp][r][gl * PER + i] = acc[r][i];
+        }
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < NREP * D; idx += NWARPS * 32) {
@@ -273,15 +330,16 @@ class PagedAttention:
         if self._kernels is None:
             self._kernels = (
                 mx.fast.cuda_kernel(name="runtime_paged_decode", input_names=_INPUTS, output_names=["out"],
-                                    source=_BODY + _WRITE_OUT),
+                                    source=_BODY + _WRITE_OUT, header=_HEADER),
                 mx.fast.cuda_kernel(name="runtime_paged_decode_split", input_names=_INPUTS,
-                                    output_names=["part_acc", "part_m", "part_l"], source=_BODY + _WRITE_PARTIAL),
+                                    output_names=["part_acc", "part_m", "part_l"], source=_BODY + _WRITE_PARTIAL,
+                                    header=_HEADER),
                 mx.fast.cuda_kernel(name="runtime_paged_decode_combine", input_names=["part_acc", "part_m", "part_l"],
                                     output_names=["out"], source=_COMBINE),
             )
         single, split, combine = self._kernels
         template = [("T", queries.dtype), ("D", d), ("NREP", n_rep), ("HKV", n_kv), ("NWARPS", warps),
-                    ("UNROLL", UNROLL), ("SPLITS", splits)]
+                    ("UNROLL", UNROLL), ("SPLITS", splits), ("GL", lanes_per_position(d))]
         grid = (blocks * splits * warps * 32, 1, 1)
         if splits == 1:
             (out,) = single(inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
