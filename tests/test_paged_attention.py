@@ -128,16 +128,16 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, model_dir, monkeypa
 
 
 def test_kernel_warps_fit_shared_memory():
-    from runtime.worker.paged_attention import SHARED_BYTES, warps_for
+    from runtime.worker.paged_attention import MAX_WARPS, SHARED_BYTES, warps_for
 
-    assert warps_for(8, 4, 64) == 16 and warps_for(2048, 4, 64) == 8  # more warps when few blocks
+    assert warps_for(8, 4, 64) == MAX_WARPS and warps_for(2048, 4, 64) == MAX_WARPS
     for n_rep, dim in ((4, 128), (8, 128), (16, 128), (32, 256)):
         w = warps_for(8, n_rep, dim)
         assert w >= 1 and w * n_rep * dim * 4 <= SHARED_BYTES
 
 
 def test_small_batches_split_their_positions_over_blocks():
-    from runtime.worker.paged_attention import MIN_SPLIT, TARGET_BLOCKS, splits_for, warps_for
+    from runtime.worker.paged_attention import MAX_WARPS, MIN_SPLIT, TARGET_BLOCKS, splits_for, warps_for
 
     assert splits_for(8, 512) == 16  # one row of an 8-KV-head model: 128 blocks of 32 positions
     assert splits_for(8, 0) == 1 and splits_for(8, 40) == 1  # unknown or short lengths: no split
@@ -145,7 +145,7 @@ def test_small_batches_split_their_positions_over_blocks():
     for blocks, length in ((1, 100000), (8, 300), (64, 2048), (200, 512)):
         s = splits_for(blocks, length)
         assert s & (s - 1) == 0 and (s == 1 or length >= s * MIN_SPLIT)
-    assert warps_for(128, 4, 128, positions=32) == 4  # 4 warps x (2 groups x 4) positions cover a 32-position split
+    assert warps_for(128, 4, 128, positions=32) == MAX_WARPS  # 4 warps x 2 groups x 1 position: 8 per pass
 
 
 def test_kernel_lanes_per_position_keep_16_bytes_per_lane():

@@ -14,7 +14,8 @@ import mlx.core as mx
 
 from runtime.worker.kv_pool import KVPool
 
-UNROLL = 4
+UNROLL = 1  # positions per lane group and warp pass: more costs registers, hence occupancy (1 measured best)
+MAX_WARPS = 4  # 128 threads a block: small blocks keep more of them resident (4 measured best on an H200)
 SHARED_BYTES = 40 * 1024  # the per-warp partial results live in static shared memory (48 KiB max)
 TARGET_BLOCKS = 264  # about two blocks per SM on an H100/H200 (132 SMs)
 MIN_SPLIT = 32  # positions per split, at least
@@ -33,7 +34,7 @@ def lanes_per_position(head_dim: int) -> int:
 def warps_for(blocks: int, n_rep: int, head_dim: int, positions: int | None = None) -> int:
     """Warps per block: more when few blocks would leave the GPU idle, no more than the
     block's ``positions`` keep busy, and few enough for the shared-memory partials."""
-    warps = 16 if blocks < TARGET_BLOCKS else 8
+    warps = MAX_WARPS
     per_pass = 32 // lanes_per_position(head_dim) * UNROLL  # positions one warp pass covers
     if positions is not None:
         while warps > 1 and (warps // 2) * per_pass >= positions:
@@ -108,8 +109,10 @@ _BODY = """
     float acc[NREP][PER];
     float m[NREP];
     float l[NREP];
+#pragma unroll
     for (int r = 0; r < NREP; ++r) {
         const size_t qbase = ((size_t)bh * NREP + r) * D + gl * PER;
+#pragma unroll
         for (int i = 0; i < PER; ++i) {
             qr[r][i] = static_cast<float>(queries[qbase + i]) * sc;
             acc[r][i] = 0.f;
@@ -143,6 +146,7 @@ _BODY = """
         for (int u = 0; u < UNROLL; ++u) {
             if (t0 + u * GROUPS >= tend) break;  // uniform across the warp
             const bool live = t0 + u * GROUPS + group < tend;
+#pragma unroll
             for (int r = 0; r < NREP; ++r) {
                 float s = 0.f;
 #pragma unroll
@@ -162,6 +166,7 @@ _BODY = """
         }
     }
     // Merge the warp's groups: lanes with the same gl hold the same elements.
+#pragma unroll
     for (int r = 0; r < NREP; ++r) {
 #pragma unroll
         for (int off = GL; off < 32; off <<= 1) {
@@ -182,12 +187,14 @@ _BODY = """
     __shared__ float sm_m[NWARPS][NREP];
     __shared__ float sm_l[NWARPS][NREP];
     __shared__ float sm_acc[NWARPS][NREP][D];
+#pragma unroll
     for (int r = 0; r < NREP; ++r) {
         if (lane == 0) {
             sm_m[warp][r] = m[r];
             sm_l[warp][r] = l[r];
         }
         if (group == 0) {
+#pragma unroll
             for (int i = 0; i < PER; ++i) sm_acc[warp][r][gl * PER + i] = acc[r][i];
         }
     }
