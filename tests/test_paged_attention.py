@@ -106,7 +106,7 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, model_dir, monkeypa
     shape = svc.engine.pool.shape
     n_rep = shape.n_heads // shape.n_kv_heads
     one_row = splits_for(shape.n_kv_heads, 128)  # the first decode of a single short request
-    first = (one_row, warps_for(shape.n_kv_heads * one_row, n_rep, shape.head_dim, -(-128 // one_row)))
+    first = (one_row, warps_for(n_rep, shape.head_dim, -(-128 // one_row)))
     assert svc.engine.warm_up() == len(warmed[0]) > 0 and first in warmed[0]
     assert len(svc.engine.paths.tail.steps) == 0 and max(flushed) == tail_steps and sum(flushed) == tail_steps + 2
     flushed.clear()
@@ -130,9 +130,9 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, model_dir, monkeypa
 def test_kernel_warps_fit_shared_memory():
     from runtime.worker.paged_attention import MAX_WARPS, SHARED_BYTES, warps_for
 
-    assert warps_for(8, 4, 64) == MAX_WARPS and warps_for(2048, 4, 64) == MAX_WARPS
+    assert warps_for(4, 64) == MAX_WARPS and warps_for(4, 64, positions=4) == 1  # 4 groups of 8 lanes: one warp
     for n_rep, dim in ((4, 128), (8, 128), (16, 128), (32, 256)):
-        w = warps_for(8, n_rep, dim)
+        w = warps_for(n_rep, dim)
         assert w >= 1 and w * n_rep * dim * 4 <= SHARED_BYTES
 
 
@@ -145,7 +145,7 @@ def test_small_batches_split_their_positions_over_blocks():
     for blocks, length in ((1, 100000), (8, 300), (64, 2048), (200, 512)):
         s = splits_for(blocks, length)
         assert s & (s - 1) == 0 and (s == 1 or length >= s * MIN_SPLIT)
-    assert warps_for(128, 4, 128, positions=32) == MAX_WARPS  # 4 warps x 2 groups x 1 position: 8 per pass
+    assert warps_for(4, 128, positions=32) == MAX_WARPS  # 4 warps x 2 groups x 1 position: 8 per pass
 
 
 def test_kernel_lanes_per_position_keep_16_bytes_per_lane():

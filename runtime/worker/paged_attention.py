@@ -31,9 +31,9 @@ def lanes_per_position(head_dim: int) -> int:
     return lanes
 
 
-def warps_for(blocks: int, n_rep: int, head_dim: int, positions: int | None = None) -> int:
-    """Warps per block: more when few blocks would leave the GPU idle, no more than the
-    block's ``positions`` keep busy, and few enough for the shared-memory partials."""
+def warps_for(n_rep: int, head_dim: int, positions: int | None = None) -> int:
+    """Warps per block: ``MAX_WARPS``, no more than the block's ``positions`` keep busy, and
+    few enough for the shared-memory partials."""
     warps = MAX_WARPS
     per_pass = 32 // lanes_per_position(head_dim) * UNROLL  # positions one warp pass covers
     if positions is not None:
@@ -59,7 +59,7 @@ def launch_shape(rows: int, n_kv: int, n_rep: int, head_dim: int, max_length: in
     blocks = rows * n_kv
     splits = splits_for(blocks, max_length)
     per_block = -(-max_length // splits) if max_length else None
-    return splits, warps_for(blocks * splits, n_rep, head_dim, per_block)
+    return splits, warps_for(n_rep, head_dim, per_block)
 
 
 # One block per (row, KV head, split). A warp works on 32 / GL positions at once: each
