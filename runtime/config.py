@@ -35,12 +35,18 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """``[scheduler]``: batching limits."""
+    """``[scheduler]``: batching limits.
+
+    ``admit_window_ms``: a request that finds the service idle waits this long before its
+    step is planned, so requests sent together (a client's burst) share one prefill step
+    instead of one step each behind a full pipeline.
+    """
 
     max_running: int = 64
     max_step_tokens: int = 512
     prefill_chunk: int = 256
     max_context: int = 0
+    admit_window_ms: float = 1.0
     debug_invariants: bool = False
 
 
@@ -146,6 +152,8 @@ def _validate(config: Config) -> None:
         raise ConfigError("config key 'scheduler.max_running' must be at least 1")
     if s.max_step_tokens < 1 or s.prefill_chunk < 1:
         raise ConfigError("config keys 'scheduler.max_step_tokens' and 'scheduler.prefill_chunk' must be at least 1")
+    if not 0.0 <= s.admit_window_ms <= 1000.0:
+        raise ConfigError("config key 'scheduler.admit_window_ms' must be between 0 and 1000")
     if s.max_context < 0 or c.kv_slots < 0:
         raise ConfigError("config keys 'scheduler.max_context' and 'cache.kv_slots' must not be negative")
     if config.worker.buffer_cache_mb < 0 or config.worker.overlap_submit_max_mb < 0:

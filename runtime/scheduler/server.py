@@ -259,6 +259,9 @@ class Server:
                 self.wakeup.clear()
                 try:
                     await asyncio.wait_for(self.wakeup.wait(), WORKER_POLL_S)
+                    if self.config.scheduler.admit_window_ms:
+                        # Idle until now: let the rest of a burst arrive and join this step.
+                        await asyncio.sleep(self.config.scheduler.admit_window_ms / 1000)
                 except asyncio.TimeoutError:
                     pass
                 if (code := self.worker.exit_code()) is not None:
