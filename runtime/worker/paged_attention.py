@@ -13,6 +13,14 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from runtime.worker.kv_pool import KVPool
+from runtime.worker.paged_kernels import (
+    BODY,
+    COMBINE,
+    HEADER,
+    INPUTS,
+    WRITE_OUT,
+    WRITE_PARTIAL,
+)
 
 UNROLL = 1  # positions per lane group and warp pass: more costs registers, hence occupancy (1 measured best)
 MAX_WARPS = 4  # 128 threads a block: small blocks keep more of them resident (4 measured best on an H200)
@@ -60,198 +68,6 @@ def launch_shape(rows: int, n_kv: int, n_rep: int, head_dim: int, max_length: in
     splits = splits_for(blocks, max_length)
     per_block = -(-max_length // splits) if max_length else None
     return splits, warps_for(n_rep, head_dim, per_block)
-
-
-# One block per (row, KV head, split). A warp works on 32 / GL positions at once: each
-# group of GL lanes holds one position's K/V row (PER = D / GL elements per lane, loaded as
-# 16-byte vectors where aligned), so a dot product needs log2(GL) shuffles, not five. Every
-# group keeps an online softmax per query head of the GQA group in float32; the groups of a
-# warp are merged by shuffles, then the block's warps through shared memory.
-_HEADER = """
-template <typename T, int N>
-__device__ inline void load_row(const T* p, float* out) {
-    constexpr int V = 16 / sizeof(T);
-    if (N % V == 0 && (reinterpret_cast<size_t>(p) & 15) == 0) {
-#pragma unroll
-        for (int j = 0; j < N / V; ++j) {
-            const uint4 raw = reinterpret_cast<const uint4*>(p)[j];
-            const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-            for (int k = 0; k < V; ++k) out[j * V + k] = static_cast<float>(e[k]);
-        }
-        return;
-    }
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(p[i]);
-}
-"""
-
-_BODY = """
-    constexpr int PER = D / GL;
-    constexpr int GROUPS = 32 / GL;
-    const int bh = blockIdx.x / SPLITS;
-    const int split = blockIdx.x % SPLITS;
-    const int b = bh / HKV;
-    const int h = bh % HKV;
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    const int group = lane / GL;
-    const int gl = lane % GL;
-    const int tcap = table_shape[1];
-    const int R = tail_keys_shape[2];
-    const int n = lengths[b] - R;  // positions in the pool; the last R are in the tail
-    const int total = n + R;
-    const int chunk = (total + SPLITS - 1) / SPLITS;
-    const int tbegin = split * chunk;
-    const int tend = min(total, tbegin + chunk);
-    const float sc = scale[0];
-    float qr[NREP][PER];
-    float acc[NREP][PER];
-    float m[NREP];
-    float l[NREP];
-#pragma unroll
-    for (int r = 0; r < NREP; ++r) {
-        const size_t qbase = ((size_t)bh * NREP + r) * D + gl * PER;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            qr[r][i] = static_cast<float>(queries[qbase + i]) * sc;
-            acc[r][i] = 0.f;
-        }
-        m[r] = -INFINITY;
-        l[r] = 0.f;
-    }
-    const int* trow = table + (size_t)rows[b] * tcap;
-    // A warp pass covers GROUPS * UNROLL consecutive positions; all its loads are issued
-    // before any is used, so a warp waits for memory once per pass.
-    for (int t0 = tbegin + warp * GROUPS * UNROLL; t0 < tend; t0 += NWARPS * GROUPS * UNROLL) {
-        float kr[UNROLL][PER];
-        float vr[UNROLL][PER];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int t = t0 + u * GROUPS + group;
-            if (t >= tend) {
-#pragma unroll
-                for (int i = 0; i < PER; ++i) kr[u][i] = vr[u][i] = 0.f;
-            } else if (t < n) {
-                const size_t base = ((size_t)trow[t] * HKV + h) * D + gl * PER;
-                load_row<T, PER>(keys + base, kr[u]);
-                load_row<T, PER>(values + base, vr[u]);
-            } else {
-                const size_t base = ((size_t)bh * R + (t - n)) * D + gl * PER;
-                load_row<T, PER>(tail_keys + base, kr[u]);
-                load_row<T, PER>(tail_values + base, vr[u]);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (t0 + u * GROUPS >= tend) break;  // uniform across the warp
-            const bool live = t0 + u * GROUPS + group < tend;
-#pragma unroll
-            for (int r = 0; r < NREP; ++r) {
-                float s = 0.f;
-#pragma unroll
-                for (int i = 0; i < PER; ++i) s += qr[r][i] * kr[u][i];
-#pragma unroll
-                for (int off = GL / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
-                if (live) {
-                    const float mn = fmaxf(m[r], s);
-                    const float corr = expf(m[r] - mn);
-                    const float p = expf(s - mn);
-                    l[r] = l[r] * corr + p;
-#pragma unroll
-                    for (int i = 0; i < PER; ++i) acc[r][i] = acc[r][i] * corr + p * vr[u][i];
-                    m[r] = mn;
-                }
-            }
-        }
-    }
-    // Merge the warp's groups: lanes with the same gl hold the same elements.
-#pragma unroll
-    for (int r = 0; r < NREP; ++r) {
-#pragma unroll
-        for (int off = GL; off < 32; off <<= 1) {
-            const float mo = __shfl_xor_sync(0xffffffff, m[r], off);
-            const float lo = __shfl_xor_sync(0xffffffff, l[r], off);
-            const float mn = fmaxf(m[r], mo);
-            const float c1 = m[r] == -INFINITY ? 0.f : expf(m[r] - mn);
-            const float c2 = mo == -INFINITY ? 0.f : expf(mo - mn);
-            l[r] = l[r] * c1 + lo * c2;
-#pragma unroll
-            for (int i = 0; i < PER; ++i) {
-                const float ao = __shfl_xor_sync(0xffffffff, acc[r][i], off);
-                acc[r][i] = acc[r][i] * c1 + ao * c2;
-            }
-            m[r] = mn;
-        }
-    }
-    __shared__ float sm_m[NWARPS][NREP];
-    __shared__ float sm_l[NWARPS][NREP];
-    __shared__ float sm_acc[NWARPS][NREP][D];
-#pragma unroll
-    for (int r = 0; r < NREP; ++r) {
-        if (lane == 0) {
-            sm_m[warp][r] = m[r];
-            sm_l[warp][r] = l[r];
-        }
-        if (group == 0) {
-#pragma unroll
-            for (int i = 0; i < PER; ++i) sm_acc[warp][r][gl * PER + i] = acc[r][i];
-        }
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < NREP * D; idx += NWARPS * 32) {
-        const int r = idx / D;
-        const int d = idx % D;
-        float top = -INFINITY;
-        for (int w = 0; w < NWARPS; ++w) top = fmaxf(top, sm_m[w][r]);
-        float sum = 0.f;
-        float value = 0.f;
-        for (int w = 0; w < NWARPS; ++w) {
-            if (sm_m[w][r] == -INFINITY) continue;
-            const float f = expf(sm_m[w][r] - top);
-            sum += sm_l[w][r] * f;
-            value += sm_acc[w][r][d] * f;
-        }
-"""
-
-_WRITE_OUT = """
-        out[((size_t)bh * NREP + r) * D + d] = static_cast<T>(value / sum);
-    }
-"""
-
-# A split block leaves its unnormalized result with its running max and sum (an empty split:
-# max -inf, sum 0); the combine kernel below rescales the splits to a common max.
-_WRITE_PARTIAL = """
-        const size_t part = ((size_t)bh * SPLITS + split) * NREP + r;
-        part_acc[part * D + d] = value;
-        if (d == 0) {
-            part_m[part] = top;
-            part_l[part] = sum;
-        }
-    }
-"""
-
-_COMBINE = """
-    const int bhr = blockIdx.x;  // (row, KV head, query head of the group)
-    const int d = threadIdx.x;
-    const int bh = bhr / NREP;
-    const int r = bhr % NREP;
-    float top = -INFINITY;
-    for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, part_m[((size_t)bh * SPLITS + s) * NREP + r]);
-    float sum = 0.f;
-    float value = 0.f;
-    for (int s = 0; s < SPLITS; ++s) {
-        const size_t part = ((size_t)bh * SPLITS + s) * NREP + r;
-        const float pm = part_m[part];
-        if (pm == -INFINITY) continue;
-        const float f = expf(pm - top);
-        sum += part_l[part] * f;
-        value += part_acc[part * D + d] * f;
-    }
-    out[(size_t)bhr * D + d] = static_cast<T>(value / sum);
-"""
-
-_INPUTS = ["queries", "keys", "values", "table", "rows", "lengths", "tail_keys", "tail_values", "scale"]
 
 
 class PagedAttention:
@@ -336,13 +152,13 @@ class PagedAttention:
         blocks = b * n_kv
         if self._kernels is None:
             self._kernels = (
-                mx.fast.cuda_kernel(name="runtime_paged_decode", input_names=_INPUTS, output_names=["out"],
-                                    source=_BODY + _WRITE_OUT, header=_HEADER),
-                mx.fast.cuda_kernel(name="runtime_paged_decode_split", input_names=_INPUTS,
-                                    output_names=["part_acc", "part_m", "part_l"], source=_BODY + _WRITE_PARTIAL,
-                                    header=_HEADER),
+                mx.fast.cuda_kernel(name="runtime_paged_decode", input_names=INPUTS, output_names=["out"],
+                                    source=BODY + WRITE_OUT, header=HEADER),
+                mx.fast.cuda_kernel(name="runtime_paged_decode_split", input_names=INPUTS,
+                                    output_names=["part_acc", "part_m", "part_l"], source=BODY + WRITE_PARTIAL,
+                                    header=HEADER),
                 mx.fast.cuda_kernel(name="runtime_paged_decode_combine", input_names=["part_acc", "part_m", "part_l"],
-                                    output_names=["out"], source=_COMBINE),
+                                    output_names=["out"], source=COMBINE),
             )
         single, split, combine = self._kernels
         template = [("T", queries.dtype), ("D", d), ("NREP", n_rep), ("HKV", n_kv), ("NWARPS", warps),
