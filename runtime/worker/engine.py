@@ -26,6 +26,7 @@ class LaunchedStep:
     written: mx.array | None = None
     step: Step | None = None
     in_place: bool = True  # updates the pools in place: submit only after the previous read-back
+    first_tokens: bool = False  # has prefill chunks: some request's first token comes from it
 
 
 def sample(logits: mx.array, temperatures: list[float]) -> mx.array:
@@ -149,7 +150,7 @@ class Engine:
         A step with prefill chunks is only recorded here: ``prepare`` runs it once the
         previous step has been read back.
         """
-        launched = LaunchedStep(step.step_id, step=step)
+        launched = LaunchedStep(step.step_id, step=step, first_tokens=bool(step.prefills))
         if not step.prefills:
             self._build_decode(launched)
         return launched

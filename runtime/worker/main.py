@@ -140,6 +140,11 @@ def _loop(engine, send, recv, poll, overlap: bool, clock: IdleClock, parent: int
                 report(pending)
         else:
             previous = _read_back(engine, pending, clock) if pending is not None else None
+            if previous is not None and pending.first_tokens:
+                # First tokens go out now, not after the next submit (on a CPU that blocks
+                # for most of a step); steady decode keeps the device busy first.
+                send(worker_encoder.encode(previous))
+                previous = None
             clock.busy()
             engine.submit(built)
             if previous is not None:

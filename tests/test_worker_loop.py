@@ -1,0 +1,69 @@
+"""The worker loop's order of submits and reports, with a fake engine (no MLX arrays)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.protocol.worker import (
+    DecodeBatch,
+    PrefillChunk,
+    Shutdown,
+    Step,
+    StepDone,
+    worker_encoder,
+    worker_reply_decoder,
+)
+from runtime.worker.engine import LaunchedStep
+from runtime.worker.main import IdleClock, _loop
+
+
+@dataclass
+class FakeEngine:
+    """Records ``submit N`` / ``finalize N``; every step updates the pools in place (the CPU)."""
+
+    events: list[str] = field(default_factory=list)
+
+    def build(self, step: Step) -> LaunchedStep:
+        return LaunchedStep(step.step_id, step=step if step.prefills else None, first_tokens=bool(step.prefills))
+
+    def submit(self, built: LaunchedStep) -> None:
+        self.events.append(f"submit {built.step_id}")
+
+    def finalize(self, launched: LaunchedStep) -> list[int]:
+        self.events.append(f"finalize {launched.step_id}")
+        return [launched.step_id]
+
+    def reset_chain(self) -> None:
+        pass
+
+
+def _run(commands: list) -> list[str]:
+    engine = FakeEngine()
+    inbox = [worker_encoder.encode(c) for c in commands]
+
+    def send(data: bytes) -> None:
+        reply = worker_reply_decoder.decode(data)
+        assert isinstance(reply, StepDone)
+        engine.events.append(f"send {reply.step_id}")
+
+    def poll(timeout_ms: int) -> bool:
+        return bool(inbox)
+
+    assert _loop(engine, send, lambda: inbox.pop(0), poll, False, IdleClock(), parent=0) == 0
+    return engine.events
+
+
+def _decode(step_id: int) -> Step:
+    return Step(step_id=step_id, prefills=[], decode=DecodeBatch(rows=[0], token_ids=[-1], positions=[8 + step_id],
+                                                                  slot_ids=[9 + step_id], temperatures=[0.0]))
+
+
+def test_first_tokens_are_reported_before_the_next_submit_steady_decode_after():
+    prefill = Step(step_id=1, prefills=[PrefillChunk(row=0, start=0, token_ids=[1, 2, 3], slot_ids=[1, 2, 3])],
+                   decode=DecodeBatch(rows=[0], token_ids=[3], positions=[3], slot_ids=[4], temperatures=[0.0]))
+    events = _run([prefill, _decode(2), _decode(3), Shutdown()])
+    # The prefill step's result (a request's first token) goes out before step 2 is submitted...
+    assert events.index("send 1") < events.index("submit 2")
+    # ...while a decode step's result waits for the next submit, so the device is never idle for it.
+    assert events.index("submit 3") < events.index("send 2")
+    assert [e for e in events if e.startswith("send")] == ["send 1", "send 2", "send 3"]
