@@ -9,6 +9,7 @@ import signal
 import sys
 
 from runtime.config import ConfigError, load_config
+from runtime.heap import freeze_startup_heap
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -46,6 +47,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             return 1
         ready = server.ready
         assert ready is not None
+        freeze_startup_heap()  # the tokenizer's and transformers' objects, out of the collector's way
         print(
             f"runtime: serving {config.model.path} ({ready.model_type}, {ready.num_slots} KV slots "
             f"{ready.dtype} {(ready.pool_bytes + ready.aux_bytes) / 2**20:.1f} MiB, context {ready.max_context}) "

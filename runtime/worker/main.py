@@ -21,6 +21,7 @@ import traceback
 import zmq
 
 from runtime.config import Config, parse_config
+from runtime.heap import freeze_startup_heap
 from runtime.protocol.worker import (
     LoadFailed,
     Ready,
@@ -59,6 +60,7 @@ def serve(config: Config, address: str, trace_path: str | None = None) -> int:
         variants = engine.warm_up()
         print(f"runtime worker: warmed up in {time.perf_counter() - started:.1f} s"
               + (f" ({variants} decode kernel variants compiled)" if variants else ""), flush=True)
+        freeze_startup_heap()
     except Exception as exc:  # report the loader's error, then exit non-zero
         sock.send(worker_encoder.encode(LoadFailed(error=f"{type(exc).__name__}: {exc}")))
         time.sleep(0.2)

@@ -66,6 +66,7 @@ class StepTrace:
             )
         before, now = self._threads, _thread_cpu()
         used = sorted(((now[t] - before.get(t, 0.0), t) for t in now), reverse=True)
+        lines.append(f"gc: {gc.get_freeze_count()} objects frozen at start-up")
         lines.append(f"threads {len(now)}; busiest (CPU s since ready): "
                      + ", ".join(f"{name} {cpu:.3f}" for cpu, name in used[:6]))
         return "\n".join(lines) + "\n"
