@@ -23,7 +23,8 @@ def test_trace_counts_every_step_and_the_frozen_start_up_heap(model_dir, tmp_pat
     assert len(traces) == 1, "the worker writes one trace file when it stops"
     text = traces[0].read_text()
     counts = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(build|submit|finalize|send)\s+(\d+)", text, re.M)}
-    # Every step the scheduler saw was built, submitted, read back and reported once.
-    assert counts["build"] == counts["submit"] == counts["finalize"] == counts["send"] == status.steps > 0
+    # Every step was built, submitted, read back and reported once; steps planned ahead of the
+    # request's end may still finish after the status query, so the scheduler's count is a floor.
+    assert counts["build"] == counts["submit"] == counts["finalize"] == counts["send"] >= status.steps > 0
     frozen = int(re.search(r"gc: (\d+) objects frozen", text).group(1))
     assert frozen > 10000, "the loaded model and libraries are moved out of the collector's reach"

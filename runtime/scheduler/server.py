@@ -244,6 +244,9 @@ class Server:
         while True:
             s = self.scheduler
             assert s is not None and self.worker_sock is not None
+            if not s.inflight and s.waiting and self.config.scheduler.admit_window_ms:
+                # Idle until now: let the rest of a burst arrive and join this step.
+                await asyncio.sleep(self.config.scheduler.admit_window_ms / 1000)
             while len(s.inflight) < s.pipeline_depth:
                 planned = s.next_step()
                 if planned is None:
@@ -259,9 +262,6 @@ class Server:
                 self.wakeup.clear()
                 try:
                     await asyncio.wait_for(self.wakeup.wait(), WORKER_POLL_S)
-                    if self.config.scheduler.admit_window_ms:
-                        # Idle until now: let the rest of a burst arrive and join this step.
-                        await asyncio.sleep(self.config.scheduler.admit_window_ms / 1000)
                 except asyncio.TimeoutError:
                     pass
                 if (code := self.worker.exit_code()) is not None:
