@@ -10,13 +10,12 @@ Prints ms per step and where the host time goes (graph build, async_eval, wait).
 from __future__ import annotations
 
 import argparse
-import os
 import itertools
+import os
 import time
 
 import mlx.core as mx
 import numpy as np
-
 
 MAX_ROWS = int(os.environ.get("PROFILE_MAX_ROWS", "0"))  # engine rows beyond the batch (a service's max_running)
 

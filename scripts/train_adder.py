@@ -32,21 +32,19 @@ not a speed knob: changing it changes floating-point rounding.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import json
+import multiprocessing as mp
 import os
 import sys
 import time
 from functools import partial
 from pathlib import Path
 
-import numpy as np
-
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
-
 from mlx_lm.models.llama import Model, ModelArgs
 
 from runtime.scheduler.blas import find_openblas

@@ -155,7 +155,14 @@ _INVALID_UTF8_BYTES = frozenset([0xC0, 0xC1] + list(range(0xF5, 0x100)))
 
 @functools.lru_cache(maxsize=None)
 def _tokenizer_json(vocab_size: int) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     n_special = len(SPECIAL_TOKENS)
     b2u = _bytes_to_unicode()
@@ -602,7 +609,7 @@ def make_model(
     is "lively": 30 greedy tokens from each of a few fixed prompts contain >= 8
     distinct ids (with the init below the first draw nearly always passes).
     """
-    from mlx_lm.utils import save_config, save_model, _get_classes
+    from mlx_lm.utils import _get_classes, save_config, save_model
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,9 @@ import asyncio
 import time
 
 import pytest
-
 from conftest import running_service
 from model_factory import reference_greedy
+
 from runtime.client import Client
 from runtime.config import ConfigError, parse_config
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from harness import InProcessService
 from model_factory import reference_greedy
 

@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO, running_config, running_service
 from model_factory import reference_greedy
 

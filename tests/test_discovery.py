@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-
 from model_factory import load_cached
+
 from runtime.worker.discovery import (
     UnsupportedModel,
     attention_shape,

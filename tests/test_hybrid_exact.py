@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import running_service
 from harness import InProcessService
 from model_factory import reference_greedy
+
 from runtime.client import Client
 
 HYBRIDS = ["qwen3_next", "qwen3_5", "mamba2"]

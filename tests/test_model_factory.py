@@ -11,9 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm import load  # noqa: E402
-
 import model_factory as mf  # noqa: E402
+from mlx_lm import load  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 

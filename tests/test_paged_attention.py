@@ -7,9 +7,9 @@ import sys
 
 import mlx.nn as nn
 import pytest
-
 from harness import InProcessService
 from model_factory import reference_greedy
+
 from runtime.worker import attention_patch
 
 
@@ -85,8 +85,8 @@ def _table_reference(self, queries, keys_pool, values_pool, table, table_rows, l
 def test_device_slot_table_and_decode_tail(arch, tail_steps, model_dir, monkeypatch):
     """The kernel path's bookkeeping (device table, padding rows, lengths, the decode tail and
     its flushes) with the kernel replaced by a reference computation, so it runs on the CPU."""
-    from runtime.worker.decode_tail import DecodeTail
     from runtime.worker import attention_paths
+    from runtime.worker.decode_tail import DecodeTail
     from runtime.worker.paged_attention import PagedAttention, splits_for, warps_for
 
     monkeypatch.setattr(PagedAttention, "kernel_available", staticmethod(lambda: True))
@@ -137,7 +137,13 @@ def test_kernel_warps_fit_shared_memory():
 
 
 def test_small_batches_split_their_positions_over_blocks():
-    from runtime.worker.paged_attention import MAX_WARPS, MIN_SPLIT, TARGET_BLOCKS, splits_for, warps_for
+    from runtime.worker.paged_attention import (
+        MAX_WARPS,
+        MIN_SPLIT,
+        TARGET_BLOCKS,
+        splits_for,
+        warps_for,
+    )
 
     assert splits_for(8, 512) == 16  # one row of an 8-KV-head model: 128 blocks of 32 positions
     assert splits_for(8, 0) == 1 and splits_for(8, 40) == 1  # unknown or short lengths: no split

@@ -8,9 +8,8 @@ import shutil
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.utils import load_model, save_config, save_model
-
 from harness import InProcessService
+from mlx_lm.utils import load_model, save_config, save_model
 from model_factory import reference_greedy
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from harness import InProcessService
 from model_factory import reference_greedy
+
 from runtime.worker import row_cache as rc
 
 

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-
 from conftest import running_service
 from model_factory import reference_greedy
+
 from runtime.client import Client
 from runtime.protocol import client as cp
 

@@ -8,9 +8,9 @@ import random
 import shutil
 
 import pytest
-
 from conftest import running_service
 from model_factory import reference_greedy
+
 from runtime.client import Client
 
 ARCHS = ["llama", "qwen3"]

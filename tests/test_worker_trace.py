@@ -6,6 +6,7 @@ import re
 
 from conftest import running_service
 from model_factory import reference_greedy
+
 from runtime.client import SyncClient
 
 EXTRA = "[scheduler]\nmax_running = 4\nmax_context = 128\n[cache]\nkv_slots = 512\n"

@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     from runtime.bench import prefix_memory, workloads
     from runtime.bench.measure import Progress
     from runtime.bench.models import model_vocab, synthetic_model
-    from runtime.bench.report import loadavg, format_header, header, write_json
+    from runtime.bench.report import format_header, header, loadavg, write_json
     from runtime.bench.service import Service, gpu_memory_bytes, rss_bytes
 
     log = Progress()

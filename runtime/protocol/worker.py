@@ -6,7 +6,6 @@ from typing import Union
 
 import msgspec
 
-
 AUX_FRESH = -2
 AUX_CONTINUE = -1
 

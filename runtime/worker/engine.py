@@ -7,7 +7,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, DecodeBatch, PrefillChunk, Step
+from runtime.protocol.worker import (
+    AUX_CONTINUE,
+    AUX_FRESH,
+    DecodeBatch,
+    PrefillChunk,
+    Step,
+)
 from runtime.worker.attention_paths import AttentionPaths
 from runtime.worker.aux_pool import AuxPool
 from runtime.worker.decode_plan import plan_decode

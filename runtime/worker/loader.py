@@ -12,7 +12,12 @@ import mlx.nn as nn
 
 from runtime.config import Config
 from runtime.worker.aux_pool import AuxPool
-from runtime.worker.discovery import AttentionShape, CacheLayout, UnsupportedModel, discover
+from runtime.worker.discovery import (
+    AttentionShape,
+    CacheLayout,
+    UnsupportedModel,
+    discover,
+)
 from runtime.worker.kv_pool import KVPool
 
 DEFAULT_MAX_CONTEXT = 4096
