@@ -11,6 +11,8 @@ which matters on small machines where the scheduler, the worker and the clients 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -40,13 +42,15 @@ class LoopSocket:
     def send(self, data: bytes) -> None:
         """Send one frame now (raises ``zmq.Again`` where the socket type refuses)."""
         self.sock.send(data, zmq.NOBLOCK)
-        if self._waiter is not None and self._readable():
-            self._wake()  # the send may have consumed the edge a waiting reader needs
+        self._after_send()
 
     def send_multipart(self, frames: list[bytes]) -> None:
         self.sock.send_multipart(frames, zmq.NOBLOCK)
+        self._after_send()
+
+    def _after_send(self) -> None:
         if self._waiter is not None and self._readable():
-            self._wake()
+            self._wake()  # the send may have consumed the edge a waiting reader needs
 
     async def _wait(self, timeout: float | None) -> bool:
         """Until the socket may be readable (True) or ``timeout`` seconds pass (False)."""
@@ -65,19 +69,16 @@ class LoopSocket:
 
     async def recv(self, timeout: float | None = None) -> bytes | None:
         """The next message's single frame, or None after ``timeout`` seconds without one."""
-        while True:
-            try:
-                return self.sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-            if not await self._wait(timeout) and not self._readable():
-                return None
+        return await self._receive(self.sock.recv, timeout)
 
     async def recv_multipart(self, timeout: float | None = None) -> list[bytes] | None:
         """The next message's frames, or None after ``timeout`` seconds without one."""
+        return await self._receive(self.sock.recv_multipart, timeout)
+
+    async def _receive(self, read: Callable[[int], Any], timeout: float | None) -> Any:
         while True:
             try:
-                return self.sock.recv_multipart(zmq.NOBLOCK)
+                return read(zmq.NOBLOCK)
             except zmq.Again:
                 pass
             if not await self._wait(timeout) and not self._readable():

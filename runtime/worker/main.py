@@ -190,15 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config-json", required=True)
     args = parser.parse_args(argv)
     config = parse_config(json.loads(args.config_json))
+    trace = os.environ.get("RUNTIME_WORKER_TRACE")
     out = os.environ.get("RUNTIME_WORKER_CPROFILE")
     if out:
         import cProfile
         prof = cProfile.Profile()
         try:
-            return prof.runcall(serve, config, args.address, os.environ.get("RUNTIME_WORKER_TRACE"))
+            return prof.runcall(serve, config, args.address, trace)
         finally:
             prof.dump_stats(f"{out}.{os.getpid()}")
-    return serve(config, args.address, os.environ.get("RUNTIME_WORKER_TRACE"))
+    return serve(config, args.address, trace)
 
 
 if __name__ == "__main__":
