@@ -78,6 +78,9 @@ class WorkerConfig:
     kernel path's decode tail) are always submitted first; on the CPU every other step is
     read back first.
 
+    ``compile_decode``: on the row-cache path (the CPU's), run each decode step as one
+    ``mx.compile``d function per batch shape (``runtime/worker/compiled_decode.py``).
+
     ``buffer_cache_mb``: MLX's cache of freed buffers. MLX's CPU default (32 MiB) is smaller
     than one decode step's temporaries at moderate batch sizes, and missing it costs a
     fresh allocation and page faults for every temporary (2-3x slower steps); 0 picks four
@@ -89,6 +92,7 @@ class WorkerConfig:
     blas: str = "auto"
     overlap_submit_max_mb: int = 1024
     buffer_cache_mb: int = 0
+    compile_decode: bool = True
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ class InProcessService:
         aux_slots: int = 0,
         track_chunk: int = 64,
         row_cache: bool | None = None,
+        compile_decode: bool = True,
     ) -> None:
         from runtime.worker.engine import Engine
         from runtime.worker.loader import load
@@ -51,7 +52,8 @@ class InProcessService:
         layout = loaded.layout
         self.pool, self.aux_pool = loaded.make_pools()
         self.engine = Engine(
-            loaded.model, layout, self.pool, max_running, loaded.max_context, self.aux_pool, row_cache=row_cache
+            loaded.model, layout, self.pool, max_running, loaded.max_context, self.aux_pool, row_cache=row_cache,
+            compile_decode=compile_decode,
         )
         self.tokenizer = Tokenizer(str(folder))
         limits = Limits(

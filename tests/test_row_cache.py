@@ -8,23 +8,35 @@ import pytest
 from harness import InProcessService
 from model_factory import reference_greedy
 
+from runtime.worker import compiled_decode as cd
 from runtime.worker import row_cache as rc
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "traced-each-step"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_compact_and_scattered_rows_with_prefix_hits(arch, model_dir, monkeypatch):
+def test_compact_and_scattered_rows_with_prefix_hits(arch, compiled, model_dir, monkeypatch):
     folder = model_dir(arch)
-    svc = InProcessService(folder, max_running=4)
+    svc = InProcessService(folder, max_running=4, compile_decode=compiled)
     assert svc.engine.paths.row_cache is not None, "the CPU decode path should use the row cache"
+    assert (svc.engine.compiled is not None) == compiled
     seen = []
-    write = rc.RowSpan.write
+    if compiled:
+        forward = cd.CompiledDecode.forward
 
-    def spy(self, layer, keys, values):
-        if self.positions is not None and layer == 0:
-            seen.append((tuple(self.rows), self.compact))
-        return write(self, layer, keys, values)
+        def spy_compiled(self, tokens, rows, positions, compact, length):
+            seen.append((tuple(rows.tolist()), compact))
+            return forward(self, tokens, rows, positions, compact, length)
 
-    monkeypatch.setattr(rc.RowSpan, "write", spy)
+        monkeypatch.setattr(cd.CompiledDecode, "forward", spy_compiled)
+    else:
+        write = rc.RowSpan.write
+
+        def spy(self, layer, keys, values):
+            if self.positions is not None and layer == 0:
+                seen.append((tuple(self.rows), self.compact))
+            return write(self, layer, keys, values)
+
+        monkeypatch.setattr(rc.RowSpan, "write", spy)
     rng = random.Random(8)
     shared = [rng.randrange(3, 250) for _ in range(30)]
     reqs = [svc.request(f"r{i}", shared[: 10 + 5 * i] + [rng.randrange(3, 250) for _ in range(3 + i)], 4 + 6 * (i % 3))

@@ -119,10 +119,7 @@ class AttentionPaths:
         offsets: int | mx.array = int(positions[0]) if lockstep else mx.array(positions32)
         mask = mx.array(plan.valid())[:, None, None, :] if self.masked and not lockstep else None
         if self.row_cache is not None:
-            # Decode K/V stay in the row cache (decode reads nothing else) until the pool may be read.
-            if not self.pending.continues(decode, plan.pad):
-                self.flush_pending()
-            self.pending.add(decode, plan.pad, rows, positions, decode.slot_ids)
+            self.defer_dense(decode, plan)
             span = RowSpan(
                 self.row_cache, decode.rows, positions=None if lockstep else offsets,
                 rows_array=None if lockstep else mx.array(rows.astype(np.int32)), length=plan.length,
@@ -155,6 +152,13 @@ class AttentionPaths:
                              lengths=mx.array(positions32 + 1), attention=self.attention, table=self.device_table,
                              table_rows=table_rows, tail=self.tail, launch=self._launch(len(rows), plan.length))
         return batch, in_place
+
+    def defer_dense(self, decode: DecodeBatch, plan: DecodePlan) -> None:
+        """Record a row-cache decode step: its K/V stay in the row cache (decode reads nothing
+        else) until the pool may be read."""
+        if not self.pending.continues(decode, plan.pad):
+            self.flush_pending()
+        self.pending.add(decode, plan.pad, plan.rows, plan.positions, decode.slot_ids)
 
     def _launch(self, rows: int, length: int) -> tuple[int, int]:
         shape = self.pool.shape

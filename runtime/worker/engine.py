@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from runtime.protocol.worker import (
     AUX_CONTINUE,
@@ -16,6 +17,7 @@ from runtime.protocol.worker import (
 )
 from runtime.worker.attention_paths import AttentionPaths
 from runtime.worker.aux_pool import AuxPool
+from runtime.worker.compiled_decode import CompiledDecode
 from runtime.worker.decode_plan import plan_decode
 from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
@@ -57,6 +59,7 @@ class Engine:
     """
 
     LENGTH_BUCKET = 128
+    COMPILED_LENGTH_BUCKET = 32  # finer: a compiled step's attention costs its whole bucket, and a new trace is cheap
     PREFILL_PAD = 16  # a padded prefill batch's length is rounded up to this, so shapes recur
 
     def __init__(
@@ -68,6 +71,7 @@ class Engine:
         max_context: int,
         aux_pool: AuxPool | None = None,
         row_cache: bool | None = None,
+        compile_decode: bool = True,
     ) -> None:
         self.model = model
         self.layout = layout
@@ -75,6 +79,10 @@ class Engine:
         self.aux_pool = aux_pool
         self.max_context = max_context
         self.paths = AttentionPaths(model, layout, pool, max_rows, max_context, row_cache, aux_pool is not None)
+        self.compiled: CompiledDecode | None = None
+        if compile_decode and self.paths.row_cache is not None and aux_pool is None and CompiledDecode.supports(layout):
+            self.compiled = CompiledDecode(model, layout, self.paths.row_cache, self.COMPILED_LENGTH_BUCKET,
+                                           max_context)
         self._prev_tokens: mx.array | None = None
         self._prev_rows: list[int] = []
         # Share of padding a batched prefill may carry: on a GPU, where a step costs its launch
@@ -133,8 +141,13 @@ class Engine:
         """Sampled tokens of a decode batch (lazy), and whether the step updates pools in place."""
         plan = plan_decode(decode, dense=self.paths.dense, length_bucket=self.LENGTH_BUCKET,
                            max_context=self.max_context, padding_row=len(self.paths.slot_table))
-        batch, in_place = self.paths.decode_batch(decode, plan)
         inputs = self._decode_inputs(decode)
+        if self.compiled is not None:
+            self.paths.defer_dense(decode, plan)
+            logits = self.compiled.forward(inputs, mx.array(plan.rows.astype(np.int32)),
+                                           mx.array(plan.positions.astype(np.int32)), plan.compact, plan.length)
+            return self._sampled(decode, sample(logits, decode.temperatures)), True
+        batch, in_place = self.paths.decode_batch(decode, plan)
         if plan.pad:
             inputs = mx.concatenate([inputs, mx.zeros((plan.pad,), dtype=inputs.dtype)])
         aux = None
@@ -145,10 +158,13 @@ class Engine:
             self._store_aux(aux, plan.aux_slots)
         if plan.pad:
             logits = logits[: len(decode.rows)]
-        tokens = sample(logits, decode.temperatures)
+        return self._sampled(decode, sample(logits, decode.temperatures)), in_place
+
+    def _sampled(self, decode: DecodeBatch, tokens: mx.array) -> mx.array:
+        """Keep a decode batch's sampled tokens: the next chained batch takes them as input."""
         self._prev_tokens = tokens
         self._prev_rows = decode.rows
-        return tokens, in_place
+        return tokens
 
     def build(self, step: Step) -> LaunchedStep:
         """Build a decode-only step's lazy graph, chained on the previous step's lazy tokens.

@@ -55,7 +55,8 @@ def serve(config: Config, address: str, trace_path: str | None = None) -> int:
         pool_bytes = pool.nbytes + (aux_pool.nbytes if aux_pool is not None else 0)
         default_cache = mx.set_cache_limit(0)
         mx.set_cache_limit(buffer_cache_bytes(config.worker.buffer_cache_mb, default_cache, pool_bytes))
-        engine = Engine(loaded.model, layout, pool, config.scheduler.max_running, loaded.max_context, aux_pool)
+        engine = Engine(loaded.model, layout, pool, config.scheduler.max_running, loaded.max_context, aux_pool,
+                        compile_decode=config.worker.compile_decode)
         started = time.perf_counter()
         variants = engine.warm_up()
         print(f"runtime worker: warmed up in {time.perf_counter() - started:.1f} s"
