@@ -75,8 +75,9 @@ class WorkerConfig:
     back when the KV and aux pools together are at most this size. That hides the launch
     cost, but MLX then copies the pools on each write (a graph in flight still holds them),
     so it only pays for small pools. Decode steps that write nothing in place (the CUDA
-    kernel path's decode tail) are always submitted first; on the CPU every other step is
-    read back first.
+    kernel path's decode tail) are always submitted first. On the CPU, decode steps are
+    submitted first with ``compile_decode`` (their writes stay in place there, see
+    ``Engine.overlap_submit``) and read back first without it.
 
     ``compile_decode``: on the row-cache path (the CPU's), run each decode step as one
     ``mx.compile``d function per batch shape (``runtime/worker/compiled_decode.py``).

@@ -4,9 +4,10 @@ Loop shape: step N+1's graph is built from step N's lazy tokens while step N run
 step N is read back, step N+1 is submitted, and step N's tokens are reported. Submitting
 only after the read-back keeps the KV/aux pool updates in place (a graph still in
 flight would hold the pools and force MLX to copy them on every write). Steps that write
-nothing in place (paged-kernel decode steps, whose K/V go to the decode tail) and, on a
-GPU with small pools, where that copy is cheaper than the launch gap, every decode step
-are submitted before N is read back.
+nothing in place (paged-kernel decode steps, whose K/V go to the decode tail) and every
+decode step where ``Engine.overlap_submit`` says so (a GPU with small pools, where that
+copy is cheaper than the launch gap; the CPU with compiled decode, where the writes stay
+in place) are submitted before N is read back.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def serve(config: Config, address: str, trace_path: str | None = None) -> int:
         )
     )
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
-    overlap = engine.overlap_submit(on_gpu, engine.state_bytes, config.worker.overlap_submit_max_mb)
+    overlap = engine.overlap_submit(on_gpu, engine.state_bytes, config.worker.overlap_submit_max_mb,
+                                    engine.compiled is not None)
     clock = IdleClock()
     send, recv, poll = sock.send, sock.recv, sock.poll
     trace = None
