@@ -48,3 +48,24 @@ def test_compiled_decode_is_off_for_hybrid_models(model_dir):
     """Recurrent layers keep their per-request state outside the row cache: the traced path does not apply."""
     svc = InProcessService(model_dir("qwen3_next"), max_running=2, aux_slots=8)
     assert svc.engine.compiled is None
+
+
+def test_warm_up_traces_every_one_row_length(model_dir, monkeypatch):
+    """After start-up, a lone request's decode never waits for a trace, however long it runs."""
+    traces = []
+    forward = cd.CompiledDecode._forward
+
+    def counted(self, tokens, rows, positions, keys, values, compact, length):
+        traces.append((tokens.shape[0], length, compact))
+        return forward(self, tokens, rows, positions, keys, values, compact, length)
+
+    monkeypatch.setattr(cd.CompiledDecode, "_forward", counted)
+    folder = model_dir("llama")
+    svc = InProcessService(folder, max_running=2, max_context=160)
+    svc.engine.warm_up()
+    assert sorted(length for _, length, _ in traces if length) == [32, 64, 96, 128, 160]
+    traces.clear()
+    req = svc.request("long", [5, 9, 11, 40, 7], 120)
+    svc.run({0: [req]})
+    assert traces == []
+    assert req.output_ids == reference_greedy(folder, req.prompt_ids, req.max_new)

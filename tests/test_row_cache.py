@@ -74,7 +74,9 @@ def test_start_up_warm_up_leaves_later_requests_exact(model_dir):
     """The worker's warm-up request (row 0, low pool slots) before the service takes requests."""
     folder = model_dir("llama")
     svc = InProcessService(folder, max_running=4)
-    assert svc.engine.paths.dense and svc.engine.warm_up() == 0
+    compiled = svc.engine.compiled
+    assert svc.engine.paths.dense and compiled is not None
+    assert svc.engine.warm_up() == -(-compiled.max_context // compiled.length_bucket)  # one-row traces
     assert len(svc.engine.paths.pending) == 0
     rng = random.Random(3)
     reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(5 + 7 * i)], 6) for i in range(3)]

@@ -102,6 +102,17 @@ class CompiledDecode:
         logits = self.model(tokens[:, None], cache=[views[i] for i in self.kv_index])[:, -1, :]
         return logits, [v.keys for v in views], [v.values for v in views]
 
+    def trace(self, rows: int) -> int:
+        """Trace (without running) the compact step of ``rows`` rows at every length bucket, so
+        no request waits for those traces later; how many."""
+        tokens = mx.zeros((rows,), dtype=mx.int32)
+        index = mx.arange(rows, dtype=mx.int32)
+        c = self.row_cache
+        lengths = range(self.length_bucket, self.max_context + self.length_bucket, self.length_bucket)
+        for length in lengths:
+            self._fn(tokens, index, index, c.keys, c.values, True, min(length, self.max_context))  # outputs dropped
+        return len(lengths)
+
     def forward(self, tokens: mx.array, rows: mx.array, positions: mx.array, compact: bool, length: int) -> mx.array:
         """Logits (B, vocab) of one decode step; the row cache holds the step's K/V afterwards."""
         c = self.row_cache

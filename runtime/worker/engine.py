@@ -288,11 +288,14 @@ class Engine:
         return sum(a.nbytes for a in self._state_arrays())
 
     def warm_up(self) -> int:
-        """Run one short request (prefill, chained decode, a decode-tail flush) and compile the
-        decode kernel's variants, so what compiles on first use (the GPU's kernels) compiles
-        before the service takes requests, not inside one. Uses row 0 and low pool slots,
-        which no request holds yet; returns how many kernel variants were compiled."""
+        """Run one short request (prefill, chained decode, a decode-tail flush) and prepare the
+        decode variants: compile the GPU kernel's, or trace the compiled one-row decode step at
+        every length, so what compiles on first use compiles before the service takes
+        requests, not inside one. Uses row 0 and low pool slots, which no request holds yet;
+        returns how many variants were prepared."""
         variants = self.paths.warm_up(self.LENGTH_BUCKET)
+        if self.compiled is not None:
+            variants += self.compiled.trace(1)
         steps = (self.paths.tail.steps.max_steps if self.paths.tail is not None else 0) + 2
         n = min(64, self.max_context - steps, self.pool.num_slots - 1 - steps)
         if self.aux_pool is not None or n < 1:

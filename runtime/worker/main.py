@@ -61,7 +61,7 @@ def serve(config: Config, address: str, trace_path: str | None = None) -> int:
         started = time.perf_counter()
         variants = engine.warm_up()
         print(f"runtime worker: warmed up in {time.perf_counter() - started:.1f} s"
-              + (f" ({variants} decode kernel variants compiled)" if variants else ""), flush=True)
+              + (f" ({variants} decode variants prepared)" if variants else ""), flush=True)
         freeze_startup_heap()
     except Exception as exc:  # report the loader's error, then exit non-zero
         sock.send(worker_encoder.encode(LoadFailed(error=f"{type(exc).__name__}: {exc}")))
