@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import mlx.core as mx
+import pytest
 from harness import InProcessService
 from model_factory import reference_greedy
 
@@ -69,3 +71,51 @@ def test_warm_up_traces_every_one_row_length(model_dir, monkeypatch):
     svc.run({0: [req]})
     assert traces == []
     assert req.output_ids == reference_greedy(folder, req.prompt_ids, req.max_new)
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads, head_dim", [(4, 2, 64), (8, 2, 32), (4, 4, 16), (6, 2, 128)])
+def test_folded_attention_equals_mlx_attention_bit_for_bit(n_heads, n_kv_heads, head_dim):
+    """With MLX's bundled BLAS (this test process; the worker may preload another) folding the
+    query heads changes no bit, masked rows and sliced keys included."""
+    lengths = [32, 96, 416]
+    assert cd.folded_attention_is_exact(n_heads, n_kv_heads, head_dim, mx.float32, lengths)
+    q = mx.random.normal((3, n_heads, 1, head_dim), key=mx.random.key(4))
+    k = mx.random.normal((3, n_kv_heads, 100, head_dim), key=mx.random.key(5))
+    v = mx.random.normal((3, n_kv_heads, 100, head_dim), key=mx.random.key(6))
+    mask = (mx.arange(64)[None, :] <= mx.array([63, 10, 40])[:, None])[:, None, None, :]
+    folded = cd.folded_attention(q, k[:, :, :64], v[:, :, :64], 0.3, mask)
+    assert folded.shape == (3, n_heads, 1, head_dim)
+    assert mx.array_equal(folded, mx.fast.scaled_dot_product_attention(q, k[:, :, :64], v[:, :, :64], scale=0.3,
+                                                                     mask=mask))
+
+
+def test_folding_is_off_where_it_would_change_a_bit(monkeypatch):
+    exact = cd.folded_attention
+
+    def off_by_an_ulp(q, k, v, scale, mask):
+        out = exact(q, k, v, scale, mask)
+        return out * (1 + 2**-20)
+
+    monkeypatch.setattr(cd, "folded_attention", off_by_an_ulp)
+    assert not cd.folded_attention_is_exact(4, 2, 64, mx.float32, [32, 64])
+
+
+def test_compiled_decode_attends_through_the_folded_heads(model_dir, monkeypatch):
+    calls = []
+    folded = cd.folded_attention
+
+    def spy(q, k, v, scale, mask):
+        calls.append(q.shape)
+        return folded(q, k, v, scale, mask)
+
+    monkeypatch.setattr(cd, "folded_attention", spy)
+    folder = model_dir("qwen3")
+    svc = InProcessService(folder, max_running=2)
+    assert svc.engine.compiled is not None and svc.engine.compiled.fold_heads
+    calls.clear()  # the start-up exactness check calls it too
+    rng = random.Random(2)
+    reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(6 + 9 * i)], 12) for i in range(2)]
+    svc.run({0: reqs})
+    assert calls and all(shape[2] == 1 for shape in calls)
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid

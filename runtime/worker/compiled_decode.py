@@ -42,6 +42,15 @@ class _RowView:
             return self.keys[:b, :, : s.length, :], self.values[:b, :, : s.length, :]
         return self.keys[s.rows, :, : s.length, :], self.values[s.rows, :, : s.length, :]
 
+    @property
+    def folds_heads(self) -> bool:
+        """Whether the attention dispatcher should call ``decode_attend`` (see ``folded_attention``)."""
+        return self.step.fold
+
+    def decode_attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                      mask: mx.array) -> mx.array:
+        return folded_attention(queries, keys, values, scale, mask)
+
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         assert window_size is None, "sliding-window models are refused at discovery"
         return self.step.mask
@@ -60,13 +69,59 @@ class _RowView:
 class _StepArrays:
     """What every layer of one traced step shares: rows, positions, attended length, mask."""
 
-    def __init__(self, rows: mx.array, positions: mx.array, heads: mx.array, compact: bool, length: int) -> None:
+    def __init__(self, rows: mx.array, positions: mx.array, heads: mx.array, compact: bool, length: int,
+                 fold: bool) -> None:
         self.rows, self.positions, self.heads = rows, positions, heads
-        self.compact, self.length = compact, length
+        self.compact, self.length, self.fold = compact, length, fold
         self.row_index, self.position_index = rows[:, None], positions[:, None]  # scatter (row, head, position)
         index = mx.arange(length)[None, :]
         # (B, 1, 1, length) bool: each row sees the positions up to its own.
         self.mask = (index <= positions[:, None])[:, None, None, :]
+
+
+def folded_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
+    """One-token attention as MLX's CPU fallback computes it, with each KV head's query heads
+    folded into one matrix: (n_rep x D) @ (D x T) per KV head instead of n_rep (1 x D) @ (D x T)
+    products. Same operations in the same order otherwise (scale first, bool mask filled with
+    the dtype's min, precise softmax), and on this VM's OpenBLAS bit-identical to the fallback;
+    a third fewer matrix calls made attention 1.5x faster at 16 rows.
+
+    ``queries`` (B, H, 1, D); ``keys``/``values`` (B, KV, T, D); ``mask`` (B, 1, 1, T) bool.
+    """
+    b, n_heads, _, head_dim = queries.shape
+    n_kv = keys.shape[1]
+    q = (mx.array(scale, dtype=queries.dtype) * queries).reshape(b, n_kv, n_heads // n_kv, head_dim)
+    scores = q @ keys.swapaxes(-1, -2)
+    scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, dtype=scores.dtype))
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    return (weights @ values).reshape(b, n_heads, 1, head_dim)
+
+
+def folded_attention_is_exact(n_heads: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype,
+                              lengths: list[int]) -> bool:
+    """Whether ``folded_attention`` reproduces MLX's own attention bit for bit on this machine
+    (its BLAS, this dtype and these head counts) at every attended length in ``lengths``.
+
+    Folded products take other BLAS kernels than the reference's one-row ones. With the
+    bundled BLAS and with OpenBLAS at 2 query heads per KV head the results are identical;
+    OpenBLAS at 4 differs in the last bit. Greedy output must match mlx-lm's token for
+    token, so folding is used only where this check passes.
+    """
+    kq, kk, kv = mx.random.split(mx.random.key(0), 3)  # a fixed key: the sampling RNG is not touched
+    context = max(lengths)
+    queries = mx.random.normal((2, n_heads, 1, head_dim), key=kq).astype(dtype)
+    keys = mx.random.normal((2, n_kv_heads, context, head_dim), key=kk).astype(dtype)
+    values = mx.random.normal((2, n_kv_heads, context, head_dim), key=kv).astype(dtype)
+    scale = head_dim**-0.5
+    for length in lengths:
+        # Sliced out of a longer array, as decode slices the row cache; the second row is half masked.
+        k, v = keys[:, :, :length], values[:, :, :length]
+        mask = (mx.arange(length)[None, :] <= mx.array([length - 1, length // 2])[:, None])[:, None, None, :]
+        folded = folded_attention(queries, k, v, scale, mask)
+        reference = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+        if not mx.array_equal(folded, reference).item():
+            return False
+    return True
 
 
 class CompiledDecode:
@@ -78,13 +133,14 @@ class CompiledDecode:
     """
 
     def __init__(self, model: nn.Module, layout: CacheLayout, row_cache: RowCache, length_bucket: int,
-                 max_context: int) -> None:
+                 max_context: int, fold_heads: bool) -> None:
         assert all(i >= 0 for i in layout.kv_index), "compiled decode needs every layer to be attention"
         self.model = model
         self.kv_index = list(layout.kv_index)
         self.row_cache = row_cache
         self.length_bucket = length_bucket
         self.max_context = max_context
+        self.fold_heads = fold_heads  # attention through folded_attention (where MLX's SDPA is its fallback)
         self._fn = mx.compile(self._forward)
 
     @staticmethod
@@ -97,10 +153,15 @@ class CompiledDecode:
 
     def _forward(self, tokens: mx.array, rows: mx.array, positions: mx.array, keys: list[mx.array],
                  values: list[mx.array], compact: bool, length: int):
-        step = _StepArrays(rows, positions, self.row_cache.heads, compact, length)
+        step = _StepArrays(rows, positions, self.row_cache.heads, compact, length, self.fold_heads)
         views = [_RowView(k, v, step) for k, v in zip(keys, values)]
         logits = self.model(tokens[:, None], cache=[views[i] for i in self.kv_index])[:, -1, :]
         return logits, [v.keys for v in views], [v.values for v in views]
+
+    @staticmethod
+    def bucket_lengths(length_bucket: int, max_context: int) -> list[int]:
+        """Every attended length a step can use."""
+        return [min(n, max_context) for n in range(length_bucket, max_context + length_bucket, length_bucket)]
 
     def trace(self, rows: int) -> int:
         """Trace (without running) the compact step of ``rows`` rows at every length bucket, so
@@ -108,9 +169,9 @@ class CompiledDecode:
         tokens = mx.zeros((rows,), dtype=mx.int32)
         index = mx.arange(rows, dtype=mx.int32)
         c = self.row_cache
-        lengths = range(self.length_bucket, self.max_context + self.length_bucket, self.length_bucket)
+        lengths = self.bucket_lengths(self.length_bucket, self.max_context)
         for length in lengths:
-            self._fn(tokens, index, index, c.keys, c.values, True, min(length, self.max_context))  # outputs dropped
+            self._fn(tokens, index, index, c.keys, c.values, True, length)  # outputs dropped
         return len(lengths)
 
     def forward(self, tokens: mx.array, rows: mx.array, positions: mx.array, compact: bool, length: int) -> mx.array:

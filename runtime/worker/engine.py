@@ -17,7 +17,7 @@ from runtime.protocol.worker import (
 )
 from runtime.worker.attention_paths import AttentionPaths
 from runtime.worker.aux_pool import AuxPool
-from runtime.worker.compiled_decode import CompiledDecode
+from runtime.worker.compiled_decode import CompiledDecode, folded_attention_is_exact
 from runtime.worker.decode_plan import plan_decode
 from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
@@ -81,13 +81,25 @@ class Engine:
         self.paths = AttentionPaths(model, layout, pool, max_rows, max_context, row_cache, aux_pool is not None)
         self.compiled: CompiledDecode | None = None
         if compile_decode and self.paths.row_cache is not None and aux_pool is None and CompiledDecode.supports(layout):
-            self.compiled = CompiledDecode(model, layout, self.paths.row_cache, self.COMPILED_LENGTH_BUCKET,
-                                           max_context)
+            self.compiled = self._compiled_decode()
         self._prev_tokens: mx.array | None = None
         self._prev_rows: list[int] = []
         # Share of padding a batched prefill may carry: on a GPU, where a step costs its launch
         # overhead more than its arithmetic, batching pays for some; on the CPU it does not.
         self.max_padding = 0.25 if mx.default_device().type == mx.DeviceType.gpu else 0.0
+
+    def _compiled_decode(self) -> CompiledDecode:
+        """The compiled row-cache decode; attention heads folded where that is exact (CPU only:
+        elsewhere MLX's attention is a fused kernel already)."""
+        assert self.paths.row_cache is not None
+        lengths = CompiledDecode.bucket_lengths(self.COMPILED_LENGTH_BUCKET, self.max_context)
+        fold = False
+        if mx.default_device().type == mx.DeviceType.cpu:
+            shape = self.pool.shape
+            fold = folded_attention_is_exact(shape.n_heads, shape.n_kv_heads, shape.head_dim, self.layout.kv_dtype,
+                                             lengths)
+        return CompiledDecode(self.model, self.layout, self.paths.row_cache, self.COMPILED_LENGTH_BUCKET,
+                              self.max_context, fold_heads=fold)
 
     def _caches(self, batch: ForwardBatch, aux: list | None = None) -> list:
         """One cache object per entry: pool views for attention, ArraysCache for auxiliary state."""
