@@ -79,8 +79,9 @@ class WorkerConfig:
     submitted first with ``compile_decode`` (their writes stay in place there, see
     ``Engine.overlap_submit``) and read back first without it.
 
-    ``compile_decode``: on the row-cache path (the CPU's), run each decode step as one
-    ``mx.compile``d function per batch shape (``runtime/worker/compiled_decode.py``).
+    ``compile_decode``: on the CPU, run each decode step as one ``mx.compile``d function per
+    batch shape (``runtime/worker/compiled_decode.py``). Not used on Metal yet (not measured or
+    checked token-exact there) nor on CUDA (the paged kernel path).
 
     ``buffer_cache_mb``: MLX's cache of freed buffers. MLX's CPU default (32 MiB) is smaller
     than one decode step's temporaries at moderate batch sizes, and missing it costs a

@@ -80,7 +80,10 @@ class Engine:
         self.max_context = max_context
         self.paths = AttentionPaths(model, layout, pool, max_rows, max_context, row_cache, aux_pool is not None)
         self.compiled: CompiledDecode | None = None
-        if compile_decode and self.paths.row_cache is not None and aux_pool is None and CompiledDecode.supports(layout):
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
+        # CPU only: on Metal the row-cache path is not yet measured or checked token-exact compiled.
+        if compile_decode and on_cpu and self.paths.row_cache is not None and aux_pool is None \
+                and CompiledDecode.supports(layout):
             self.compiled = self._compiled_decode()
         self._prev_tokens: mx.array | None = None
         self._prev_rows: list[int] = []
@@ -89,15 +92,11 @@ class Engine:
         self.max_padding = 0.25 if mx.default_device().type == mx.DeviceType.gpu else 0.0
 
     def _compiled_decode(self) -> CompiledDecode:
-        """The compiled row-cache decode; attention heads folded where that is exact (CPU only:
-        elsewhere MLX's attention is a fused kernel already)."""
+        """The compiled row-cache decode, attention heads folded where that is bit-exact."""
         assert self.paths.row_cache is not None
         lengths = CompiledDecode.bucket_lengths(self.COMPILED_LENGTH_BUCKET, self.max_context)
-        fold = False
-        if mx.default_device().type == mx.DeviceType.cpu:
-            shape = self.pool.shape
-            fold = folded_attention_is_exact(shape.n_heads, shape.n_kv_heads, shape.head_dim, self.layout.kv_dtype,
-                                             lengths)
+        shape = self.pool.shape
+        fold = folded_attention_is_exact(shape.n_heads, shape.n_kv_heads, shape.head_dim, self.layout.kv_dtype, lengths)
         return CompiledDecode(self.model, self.layout, self.paths.row_cache, self.COMPILED_LENGTH_BUCKET,
                               self.max_context, fold_heads=fold)
 
