@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+
 from runtime.protocol.worker import (
     DecodeBatch,
     PrefillChunk,
@@ -37,7 +39,7 @@ class FakeEngine:
         pass
 
 
-def _run(commands: list) -> list[str]:
+def _run(commands: list, overlap: bool = False) -> list[str]:
     engine = FakeEngine()
     inbox = [worker_encoder.encode(c) for c in commands]
 
@@ -49,7 +51,7 @@ def _run(commands: list) -> list[str]:
     def poll(timeout_ms: int) -> bool:
         return bool(inbox)
 
-    assert _loop(engine, send, lambda: inbox.pop(0), poll, False, IdleClock(), parent=0) == 0
+    assert _loop(engine, send, lambda: inbox.pop(0), poll, overlap, IdleClock(), parent=0) == 0
     return engine.events
 
 
@@ -58,10 +60,11 @@ def _decode(step_id: int) -> Step:
                                                                   slot_ids=[9 + step_id], temperatures=[0.0]))
 
 
-def test_first_tokens_are_reported_before_the_next_submit_steady_decode_after():
+@pytest.mark.parametrize("overlap", [False, True], ids=["read-back-first", "submit-first"])
+def test_first_tokens_are_reported_before_the_next_submit_steady_decode_after(overlap):
     prefill = Step(step_id=1, prefills=[PrefillChunk(row=0, start=0, token_ids=[1, 2, 3], slot_ids=[1, 2, 3])],
                    decode=DecodeBatch(rows=[0], token_ids=[3], positions=[3], slot_ids=[4], temperatures=[0.0]))
-    events = _run([prefill, _decode(2), _decode(3), Shutdown()])
+    events = _run([prefill, _decode(2), _decode(3), Shutdown()], overlap)
     # The prefill step's result (a request's first token) goes out before step 2 is submitted...
     assert events.index("send 1") < events.index("submit 2")
     # ...while a decode step's result waits for the next submit, so the device is never idle for it.

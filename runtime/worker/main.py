@@ -134,10 +134,16 @@ def _loop(engine, send, recv, poll, overlap: bool, clock: IdleClock, parent: int
             traceback.print_exc()
             send(worker_encoder.encode(StepFailed(step_id=cmd.step_id, error=f"{type(exc).__name__}: {exc}")))
             continue
+        if pending is not None and pending.first_tokens:
+            # First tokens go out now, not after the next submit (on a CPU that blocks for
+            # most of a step); steady decode keeps the device busy first.
+            report(pending)
+            pending = None
         # Built from the previous step's lazy tokens. A step that updates the pools is submitted
         # after that step's read-back, so no in-flight graph holds the pools and the updates
-        # stay in place; one that writes nothing in place (a decode step feeding the tail)
-        # goes first, so the device never waits for the host.
+        # stay in place; one that writes nothing in place (a decode step feeding the tail), or
+        # any decode step where ``overlap`` says so, goes first, so the device never waits for
+        # the host.
         if built.step is None and (overlap or not built.in_place):
             clock.busy()
             engine.submit(built)
@@ -145,11 +151,6 @@ def _loop(engine, send, recv, poll, overlap: bool, clock: IdleClock, parent: int
                 report(pending)
         else:
             previous = _read_back(engine, pending, clock) if pending is not None else None
-            if previous is not None and pending.first_tokens:
-                # First tokens go out now, not after the next submit (on a CPU that blocks
-                # for most of a step); steady decode keeps the device busy first.
-                send(worker_encoder.encode(previous))
-                previous = None
             clock.busy()
             engine.submit(built)
             if previous is not None:
