@@ -79,9 +79,9 @@ class WorkerConfig:
     submitted first with ``compile_decode`` (their writes stay in place there, see
     ``Engine.overlap_submit``) and read back first without it.
 
-    ``compile_decode``: on the CPU, run each decode step as one ``mx.compile``d function per
-    batch shape (``runtime/worker/compiled_decode.py``). Not used on Metal yet (not measured or
-    checked token-exact there) nor on CUDA (the paged kernel path).
+    ``compile_decode``: run each decode step as one ``mx.compile``d function per batch shape:
+    on the CPU (``runtime/worker/compiled_decode.py``) and on the CUDA kernel path
+    (``compiled_paged.py``). Not used on Metal yet (not measured or checked token-exact there).
 
     ``buffer_cache_mb``: MLX's cache of freed buffers. MLX's CPU default (32 MiB) is smaller
     than one decode step's temporaries at moderate batch sizes, and missing it costs a

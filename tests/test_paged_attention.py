@@ -81,11 +81,14 @@ def _table_reference(self, queries, keys_pool, values_pool, table, table_rows, l
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask[:, None, None, :])
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "traced-each-step"])
 @pytest.mark.parametrize(("arch", "tail_steps"), [("llama", 16), ("qwen3", 16), ("llama", 3)])
-def test_device_slot_table_and_decode_tail(arch, tail_steps, model_dir, monkeypatch):
+def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir, monkeypatch):
     """The kernel path's bookkeeping (device table, padding rows, lengths, the decode tail and
-    its flushes) with the kernel replaced by a reference computation, so it runs on the CPU."""
+    its flushes) with the kernel replaced by a reference computation, so it runs on the CPU;
+    the decode step compiled (``CompiledPagedDecode``) or built layer by layer."""
     from runtime.worker import attention_paths
+    from runtime.worker.compiled_paged import CompiledPagedDecode
     from runtime.worker.decode_tail import DecodeTail
     from runtime.worker.paged_attention import PagedAttention, splits_for, warps_for
 
@@ -99,15 +102,22 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, model_dir, monkeypa
     warmed = []
     monkeypatch.setattr(PagedAttention, "warm_up", lambda self, *args: warmed.append(args[-1]))
     folder = model_dir(arch)
-    svc = InProcessService(folder, max_running=8, row_cache=False)
+    steps = []
+    forward = CompiledPagedDecode.forward
+    monkeypatch.setattr(CompiledPagedDecode, "forward", lambda self, *a: steps.append(1) or forward(self, *a))
+    svc = InProcessService(folder, max_running=8, row_cache=False, compile_decode=compiled)
     assert svc.engine.paths.device_table is not None and svc.engine.paths.tail is not None
+    assert (svc.engine.compiled_paged is not None) == compiled
     # The service's start-up warm-up (a short request through prefill, decode and a tail
     # flush, and the kernel variants) leaves nothing behind that changes later requests.
     shape = svc.engine.pool.shape
     n_rep = shape.n_heads // shape.n_kv_heads
     one_row = splits_for(shape.n_kv_heads, 128)  # the first decode of a single short request
     first = (one_row, warps_for(n_rep, shape.head_dim, -(-128 // one_row)))
-    assert svc.engine.warm_up() == len(warmed[0]) > 0 and first in warmed[0]
+    # With compile, warm-up also traces the one-row step at every tail length and launch shape.
+    one_row_launches = {svc.engine.paths.launch(1, min(n, svc.engine.max_context)) for n in range(128, 640, 128)}
+    traces = tail_steps * len(one_row_launches) if compiled else 0
+    assert svc.engine.warm_up() == len(warmed[0]) + traces and len(warmed[0]) > 0 and first in warmed[0]
     assert len(svc.engine.paths.tail.steps) == 0 and max(flushed) == tail_steps and sum(flushed) == tail_steps + 2
     flushed.clear()
     rng = random.Random(6)
@@ -125,6 +135,7 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, model_dir, monkeypa
     assert max(flushed) > 1 and (tail_steps > 3 or max(flushed) == tail_steps), flushed
     for r in reqs + [follow]:
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+    assert bool(steps) == compiled
 
 
 def test_kernel_warps_fit_shared_memory():

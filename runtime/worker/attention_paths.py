@@ -150,7 +150,7 @@ class AttentionPaths:
             self.tail.steps.add(decode, plan.pad, rows, positions, plan.slot_ids)
         batch = ForwardBatch(write_slots=write_slots, gather_index=None, offset=offsets, mask=mask,
                              lengths=mx.array(positions32 + 1), attention=self.attention, table=self.device_table,
-                             table_rows=table_rows, tail=self.tail, launch=self._launch(len(rows), plan.length))
+                             table_rows=table_rows, tail=self.tail, launch=self.launch(len(rows), plan.length))
         return batch, in_place
 
     def defer_dense(self, decode: DecodeBatch, plan: DecodePlan) -> None:
@@ -160,7 +160,8 @@ class AttentionPaths:
             self.flush_pending()
         self.pending.add(decode, plan.pad, plan.rows, plan.positions, decode.slot_ids)
 
-    def _launch(self, rows: int, length: int) -> tuple[int, int]:
+    def launch(self, rows: int, length: int) -> tuple[int, int]:
+        """The paged kernel's (splits, warps) for ``rows`` padded rows attending to ``length`` positions."""
         shape = self.pool.shape
         return launch_shape(rows, shape.n_kv_heads, shape.n_heads // shape.n_kv_heads, shape.head_dim, length)
 

@@ -18,6 +18,7 @@ from runtime.protocol.worker import (
 from runtime.worker.attention_paths import AttentionPaths
 from runtime.worker.aux_pool import AuxPool
 from runtime.worker.compiled_decode import CompiledDecode, folded_attention_is_exact
+from runtime.worker.compiled_paged import CompiledPagedDecode
 from runtime.worker.decode_plan import plan_decode
 from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
@@ -85,6 +86,10 @@ class Engine:
         if compile_decode and on_cpu and self.paths.row_cache is not None and aux_pool is None \
                 and CompiledDecode.supports(layout):
             self.compiled = self._compiled_decode()
+        self.compiled_paged: CompiledPagedDecode | None = None
+        if compile_decode and self.paths.tail is not None and CompiledDecode.supports(layout):
+            assert self.paths.attention is not None
+            self.compiled_paged = CompiledPagedDecode(model, layout, pool, self.paths.attention, self.paths.tail)
         self._prev_tokens: mx.array | None = None
         self._prev_rows: list[int] = []
         # Share of padding a batched prefill may carry: on a GPU, where a step costs its launch
@@ -162,9 +167,12 @@ class Engine:
         if plan.pad:
             inputs = mx.concatenate([inputs, mx.zeros((plan.pad,), dtype=inputs.dtype)])
         aux = None
-        if self.aux_pool is not None:
-            aux = self._aux_caches(mx.array(plan.aux_slots, dtype=mx.int32))
-        logits = self.model(inputs[:, None], cache=self._caches(batch, aux))[:, -1, :]
+        if self.compiled_paged is not None:
+            logits = self.compiled_paged.forward(inputs, batch)
+        else:
+            if self.aux_pool is not None:
+                aux = self._aux_caches(mx.array(plan.aux_slots, dtype=mx.int32))
+            logits = self.model(inputs[:, None], cache=self._caches(batch, aux))[:, -1, :]
         if aux is not None:
             self._store_aux(aux, plan.aux_slots)
         if plan.pad:
@@ -307,6 +315,12 @@ class Engine:
         variants = self.paths.warm_up(self.LENGTH_BUCKET)
         if self.compiled is not None:
             variants += self.compiled.trace(1)
+        if self.compiled_paged is not None:
+            assert self.paths.device_table is not None
+            launches = sorted({self.paths.launch(1, min(n, self.max_context))
+                               for n in range(self.LENGTH_BUCKET, self.max_context + self.LENGTH_BUCKET,
+                                              self.LENGTH_BUCKET)})
+            variants += self.compiled_paged.trace(1, self.paths.device_table, launches)
         steps = (self.paths.tail.steps.max_steps if self.paths.tail is not None else 0) + 2
         n = min(64, self.max_context - steps, self.pool.num_slots - 1 - steps)
         if self.aux_pool is not None or n < 1:
