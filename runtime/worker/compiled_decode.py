@@ -19,7 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from runtime.worker.discovery import CacheLayout
+from runtime.worker.discovery import AttentionShape, CacheLayout
 from runtime.worker.row_cache import RowCache
 
 
@@ -142,6 +142,14 @@ class CompiledDecode:
         self.max_context = max_context
         self.fold_heads = fold_heads  # attention through folded_attention (where MLX's SDPA is its fallback)
         self._fn = mx.compile(self._forward)
+
+    @classmethod
+    def with_exact_folding(cls, model: nn.Module, layout: CacheLayout, row_cache: RowCache, shape: AttentionShape,
+                           length_bucket: int, max_context: int) -> CompiledDecode:
+        """The compiled decode, attention heads folded where that is bit-exact on this machine."""
+        lengths = cls.bucket_lengths(length_bucket, max_context)
+        fold = folded_attention_is_exact(shape.n_heads, shape.n_kv_heads, shape.head_dim, layout.kv_dtype, lengths)
+        return cls(model, layout, row_cache, length_bucket, max_context, fold_heads=fold)
 
     @staticmethod
     def supports(layout: CacheLayout) -> bool:

@@ -17,13 +17,14 @@ from runtime.protocol.worker import (
 )
 from runtime.worker.attention_paths import AttentionPaths
 from runtime.worker.aux_pool import AuxPool
-from runtime.worker.compiled_decode import CompiledDecode, folded_attention_is_exact
+from runtime.worker.compiled_decode import CompiledDecode
 from runtime.worker.compiled_paged import CompiledPagedDecode
 from runtime.worker.decode_plan import plan_decode
 from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.prefill_groups import prefill_groups
+from runtime.worker.sampling import sample
 
 
 @dataclass
@@ -36,17 +37,6 @@ class LaunchedStep:
     step: Step | None = None
     in_place: bool = True  # updates the pools in place: submit only after the previous read-back
     first_tokens: bool = False  # has prefill chunks: some request's first token comes from it
-
-
-def sample(logits: mx.array, temperatures: list[float]) -> mx.array:
-    """Greedy tokens (argmax of the log-probabilities, as mlx-lm), sampled where temperature > 0."""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    tokens = mx.argmax(logprobs, axis=-1).astype(mx.int32)
-    if max(temperatures) > 0:
-        inv = mx.array([1.0 / t if t > 0 else 1.0 for t in temperatures], dtype=logprobs.dtype)
-        sampled = mx.random.categorical(logprobs * inv[:, None]).astype(mx.int32)
-        tokens = mx.where(mx.array([t > 0 for t in temperatures]), sampled, tokens)
-    return tokens
 
 
 class Engine:
@@ -85,7 +75,8 @@ class Engine:
         # CPU only: on Metal the row-cache path is not yet measured or checked token-exact compiled.
         if compile_decode and on_cpu and self.paths.row_cache is not None and aux_pool is None \
                 and CompiledDecode.supports(layout):
-            self.compiled = self._compiled_decode()
+            self.compiled = CompiledDecode.with_exact_folding(model, layout, self.paths.row_cache, pool.shape,
+                                                              self.COMPILED_LENGTH_BUCKET, max_context)
         self.compiled_paged: CompiledPagedDecode | None = None
         if compile_decode and self.paths.tail is not None and CompiledDecode.supports(layout):
             assert self.paths.attention is not None
@@ -95,15 +86,6 @@ class Engine:
         # Share of padding a batched prefill may carry: on a GPU, where a step costs its launch
         # overhead more than its arithmetic, batching pays for some; on the CPU it does not.
         self.max_padding = 0.25 if mx.default_device().type == mx.DeviceType.gpu else 0.0
-
-    def _compiled_decode(self) -> CompiledDecode:
-        """The compiled row-cache decode, attention heads folded where that is bit-exact."""
-        assert self.paths.row_cache is not None
-        lengths = CompiledDecode.bucket_lengths(self.COMPILED_LENGTH_BUCKET, self.max_context)
-        shape = self.pool.shape
-        fold = folded_attention_is_exact(shape.n_heads, shape.n_kv_heads, shape.head_dim, self.layout.kv_dtype, lengths)
-        return CompiledDecode(self.model, self.layout, self.paths.row_cache, self.COMPILED_LENGTH_BUCKET,
-                              self.max_context, fold_heads=fold)
 
     def _caches(self, batch: ForwardBatch, aux: list | None = None) -> list:
         """One cache object per entry: pool views for attention, ArraysCache for auxiliary state."""
@@ -317,9 +299,8 @@ class Engine:
             variants += self.compiled.trace(1)
         if self.compiled_paged is not None:
             assert self.paths.device_table is not None
-            launches = sorted({self.paths.launch(1, min(n, self.max_context))
-                               for n in range(self.LENGTH_BUCKET, self.max_context + self.LENGTH_BUCKET,
-                                              self.LENGTH_BUCKET)})
+            lengths = CompiledDecode.bucket_lengths(self.LENGTH_BUCKET, self.max_context)
+            launches = sorted({self.paths.launch(1, n) for n in lengths})
             variants += self.compiled_paged.trace(1, self.paths.device_table, launches)
         steps = (self.paths.tail.steps.max_steps if self.paths.tail is not None else 0) + 2
         n = min(64, self.max_context - steps, self.pool.num_slots - 1 - steps)
