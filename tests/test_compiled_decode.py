@@ -119,3 +119,38 @@ def test_compiled_decode_attends_through_the_folded_heads(model_dir, monkeypatch
     assert calls and all(shape[2] == 1 for shape in calls)
     for r in reqs:
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+def test_trace_cache_keeps_the_most_recent_shapes_only():
+    from runtime.worker.trace_cache import TraceCache
+
+    traced = []
+
+    def double(x):
+        traced.append(x.shape)  # runs only while tracing
+        return x * 2
+
+    cache = TraceCache(double, capacity=2)
+    a, b, c = mx.ones((1,)), mx.ones((2,)), mx.ones((3,))
+    assert cache("a", a).tolist() == [2.0]
+    cache("b", b)
+    cache("a", a)  # a is the most recent again
+    cache("c", c)  # drops b
+    assert len(cache) == 2 and len(traced) == 3
+    cache("a", a)
+    assert len(traced) == 3  # still cached
+    cache("b", b)
+    assert len(traced) == 4  # traced again
+
+
+def test_a_full_trace_cache_keeps_decode_exact(model_dir, monkeypatch):
+    """With room for two shapes, steps keep evicting and retracing; tokens must not change."""
+    monkeypatch.setattr(cd, "MAX_TRACES", 2)
+    folder = model_dir("llama")
+    svc = InProcessService(folder, max_running=3)
+    rng = random.Random(9)
+    reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(5 + 11 * i)], 30) for i in range(3)]
+    svc.run({0: reqs[:1], 2: reqs[1:]})
+    assert len(svc.engine.compiled.traces) <= 2
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid

@@ -21,6 +21,9 @@ import mlx.nn as nn
 
 from runtime.worker.discovery import AttentionShape, CacheLayout
 from runtime.worker.row_cache import RowCache
+from runtime.worker.trace_cache import TraceCache
+
+MAX_TRACES = 256  # compiled step shapes kept (see TraceCache): about 0.1 MiB per layer each
 
 
 class _RowView:
@@ -141,7 +144,7 @@ class CompiledDecode:
         self.length_bucket = length_bucket
         self.max_context = max_context
         self.fold_heads = fold_heads  # attention through folded_attention (where MLX's SDPA is its fallback)
-        self._fn = mx.compile(self._forward)
+        self.traces = TraceCache(self._forward, MAX_TRACES)
 
     @classmethod
     def with_exact_folding(cls, model: nn.Module, layout: CacheLayout, row_cache: RowCache, shape: AttentionShape,
@@ -178,13 +181,15 @@ class CompiledDecode:
         index = mx.arange(rows, dtype=mx.int32)
         c = self.row_cache
         lengths = self.bucket_lengths(self.length_bucket, self.max_context)
-        for length in lengths:
-            self._fn(tokens, index, index, c.keys, c.values, True, length)  # outputs dropped
-        return len(lengths)
+        for length in lengths[: MAX_TRACES // 2]:  # half the cache at most: other shapes need room
+            self.traces((rows, length, True), tokens, index, index, c.keys, c.values, True, length)  # outputs dropped
+        return min(len(lengths), MAX_TRACES // 2)
 
     def forward(self, tokens: mx.array, rows: mx.array, positions: mx.array, compact: bool, length: int) -> mx.array:
         """Logits (B, vocab) of one decode step; the row cache holds the step's K/V afterwards."""
         c = self.row_cache
-        logits, keys, values = self._fn(tokens, rows, positions, c.keys, c.values, compact, self.bucket(length))
+        length = self.bucket(length)
+        logits, keys, values = self.traces((tokens.shape[0], length, compact), tokens, rows, positions, c.keys,
+                                           c.values, compact, length)
         c.keys[:], c.values[:] = keys, values
         return logits

@@ -21,6 +21,9 @@ from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.paged_attention import PagedAttention
 from runtime.worker.pool_cache import ForwardBatch
+from runtime.worker.trace_cache import TraceCache
+
+MAX_TRACES = 256  # compiled step shapes kept (see TraceCache)
 
 
 class _Step:
@@ -87,7 +90,7 @@ class CompiledPagedDecode:
         assert all(i >= 0 for i in layout.kv_index), "compiled decode needs every layer to be attention"
         self.model, self.kv_index = model, list(layout.kv_index)
         self.pool, self.attention, self.tail = pool, attention, tail
-        self._fn = mx.compile(self._forward)
+        self.traces = TraceCache(self._forward, MAX_TRACES)
 
     def _forward(self, tokens: mx.array, positions: mx.array, lengths: mx.array, table: mx.array,
                  table_rows: mx.array, pool_keys: list[mx.array], pool_values: list[mx.array],
@@ -104,8 +107,9 @@ class CompiledPagedDecode:
         t = self.tail
         tail_keys = t.keys if t.keys[0] is not None else []
         tail_values = t.values if t.values[0] is not None else []
-        logits, keys, values = self._fn(tokens, batch.offset, batch.lengths, batch.table, batch.table_rows,
-                                        self.pool.keys, self.pool.values, tail_keys, tail_values, batch.launch)
+        key = (tokens.shape[0], len(self.tail.steps), batch.launch)
+        logits, keys, values = self.traces(key, tokens, batch.offset, batch.lengths, batch.table, batch.table_rows,
+                                           self.pool.keys, self.pool.values, tail_keys, tail_values, batch.launch)
         t.keys[:], t.values[:] = keys, values
         return logits
 
@@ -119,7 +123,7 @@ class CompiledPagedDecode:
             tail = [mx.zeros((rows, shape.n_kv_heads, steps, shape.head_dim), dtype=self.pool.dtype)
                     for _ in self.pool.keys] if steps else []
             for launch in launches:
-                self._fn(zeros, zeros, zeros + 1, table, zeros, self.pool.keys, self.pool.values, tail, tail,
-                         launch)  # outputs dropped
+                self.traces((rows, steps + 1, launch), zeros, zeros, zeros + 1, table, zeros, self.pool.keys,
+                            self.pool.values, tail, tail, launch)  # outputs dropped
                 count += 1
         return count
