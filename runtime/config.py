@@ -82,6 +82,8 @@ class WorkerConfig:
     ``compile_decode``: run each decode step as one ``mx.compile``d function per batch shape:
     on the CPU (``runtime/worker/compiled_decode.py``) and on the CUDA kernel path
     (``compiled_paged.py``). Not used on Metal yet (not measured or checked token-exact there).
+    At most 256 step shapes stay compiled per path (``TraceCache``, least recently used
+    dropped): a trace costs about 0.1 MiB of host memory per layer.
 
     ``buffer_cache_mb``: MLX's cache of freed buffers. MLX's CPU default (32 MiB) is smaller
     than one decode step's temporaries at moderate batch sizes, and missing it costs a
