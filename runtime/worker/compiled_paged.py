@@ -123,6 +123,8 @@ class CompiledPagedDecode:
             tail = [mx.zeros((rows, shape.n_kv_heads, steps, shape.head_dim), dtype=self.pool.dtype)
                     for _ in self.pool.keys] if steps else []
             for launch in launches:
+                if count == MAX_TRACES // 2:
+                    return count  # half the cache at most: other shapes need room
                 self.traces((rows, steps + 1, launch), zeros, zeros, zeros + 1, table, zeros, self.pool.keys,
                             self.pool.values, tail, tail, launch)  # outputs dropped
                 count += 1
