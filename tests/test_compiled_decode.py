@@ -19,18 +19,18 @@ def test_each_batch_shape_is_traced_once_and_tokens_stay_exact(model_dir, monkey
     traces = []
     forward = cd.CompiledDecode._forward
 
-    def counted(self, tokens, rows, positions, keys, values, compact, length):
+    def counted(self, tokens, rows, positions, keys, values, compact, length, *aux):
         traces.append((tokens.shape[0], length, compact))
-        return forward(self, tokens, rows, positions, keys, values, compact, length)
+        return forward(self, tokens, rows, positions, keys, values, compact, length, *aux)
 
     monkeypatch.setattr(cd.CompiledDecode, "_forward", counted)
     shapes, calls = set(), []
     call = cd.CompiledDecode.forward
 
-    def spy(self, tokens, rows, positions, compact, length):
+    def spy(self, tokens, rows, positions, compact, length, *aux):
         shapes.add((tokens.shape[0], self.bucket(length), compact))
         calls.append(length)
-        return call(self, tokens, rows, positions, compact, length)
+        return call(self, tokens, rows, positions, compact, length, *aux)
 
     monkeypatch.setattr(cd.CompiledDecode, "forward", spy)
     folder = model_dir("llama")
@@ -46,31 +46,32 @@ def test_each_batch_shape_is_traced_once_and_tokens_stay_exact(model_dir, monkey
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
 
 
-def test_compiled_decode_is_off_for_hybrid_models(model_dir):
-    """Recurrent layers keep their per-request state outside the row cache: the traced path does not apply."""
-    svc = InProcessService(model_dir("qwen3_next"), max_running=2, aux_slots=8)
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_hybrid_models_decode_compiled_with_their_recurrent_state(arch, model_dir, monkeypatch):
+    """Gated delta-net layers read their rows' state from the aux pool inside the traced step
+    and write it back; rows joining and leaving move the slots. Tokens stay exact."""
+    steps = []
+    forward = cd.CompiledDecode.forward
+
+    def spy(self, tokens, rows, positions, compact, length, aux_slots=None):
+        steps.append(aux_slots is not None)
+        return forward(self, tokens, rows, positions, compact, length, aux_slots)
+
+    monkeypatch.setattr(cd.CompiledDecode, "forward", spy)
+    folder = model_dir(arch)
+    svc = InProcessService(folder, max_running=3, aux_slots=32)
+    assert svc.engine.compiled is not None and svc.engine.compiled.aux_pool is svc.engine.aux_pool
+    rng = random.Random(4)
+    reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(4 + 9 * i)], 6 + 5 * i) for i in range(4)]
+    svc.run({0: reqs[:2], 3: reqs[2:]})
+    assert steps and all(steps)
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+def test_models_without_attention_are_not_compiled(model_dir):
+    svc = InProcessService(model_dir("mamba2"), max_running=2, aux_slots=8)
     assert svc.engine.compiled is None
-
-
-def test_warm_up_traces_every_one_row_length(model_dir, monkeypatch):
-    """After start-up, a lone request's decode never waits for a trace, however long it runs."""
-    traces = []
-    forward = cd.CompiledDecode._forward
-
-    def counted(self, tokens, rows, positions, keys, values, compact, length):
-        traces.append((tokens.shape[0], length, compact))
-        return forward(self, tokens, rows, positions, keys, values, compact, length)
-
-    monkeypatch.setattr(cd.CompiledDecode, "_forward", counted)
-    folder = model_dir("llama")
-    svc = InProcessService(folder, max_running=2, max_context=160)
-    svc.engine.warm_up()
-    assert sorted(length for _, length, _ in traces if length) == [32, 64, 96, 128, 160]
-    traces.clear()
-    req = svc.request("long", [5, 9, 11, 40, 7], 120)
-    svc.run({0: [req]})
-    assert traces == []
-    assert req.output_ids == reference_greedy(folder, req.prompt_ids, req.max_new)
 
 
 @pytest.mark.parametrize("n_heads, n_kv_heads, head_dim", [(4, 2, 64), (8, 2, 32), (4, 4, 16), (6, 2, 128)])

@@ -23,9 +23,9 @@ def test_compact_and_scattered_rows_with_prefix_hits(arch, compiled, model_dir, 
     if compiled:
         forward = cd.CompiledDecode.forward
 
-        def spy_compiled(self, tokens, rows, positions, compact, length):
+        def spy_compiled(self, tokens, rows, positions, compact, length, *aux):
             seen.append((tuple(rows.tolist()), compact))
-            return forward(self, tokens, rows, positions, compact, length)
+            return forward(self, tokens, rows, positions, compact, length, *aux)
 
         monkeypatch.setattr(cd.CompiledDecode, "forward", spy_compiled)
     else:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
 
+from runtime.worker.aux_pool import AuxPool
 from runtime.worker.discovery import AttentionShape, CacheLayout
 from runtime.worker.row_cache import RowCache
 from runtime.worker.trace_cache import TraceCache
@@ -136,11 +138,12 @@ class CompiledDecode:
     """
 
     def __init__(self, model: nn.Module, layout: CacheLayout, row_cache: RowCache, length_bucket: int,
-                 max_context: int, fold_heads: bool) -> None:
-        assert all(i >= 0 for i in layout.kv_index), "compiled decode needs every layer to be attention"
+                 max_context: int, fold_heads: bool, aux_pool: AuxPool | None = None) -> None:
+        assert (aux_pool is not None) == layout.has_aux, "a hybrid model's decode needs its aux-state pool"
         self.model = model
         self.kv_index = list(layout.kv_index)
         self.row_cache = row_cache
+        self.aux_pool = aux_pool
         self.length_bucket = length_bucket
         self.max_context = max_context
         self.fold_heads = fold_heads  # attention through folded_attention (where MLX's SDPA is its fallback)
@@ -148,26 +151,46 @@ class CompiledDecode:
 
     @classmethod
     def with_exact_folding(cls, model: nn.Module, layout: CacheLayout, row_cache: RowCache, shape: AttentionShape,
-                           length_bucket: int, max_context: int) -> CompiledDecode:
+                           length_bucket: int, max_context: int, aux_pool: AuxPool | None) -> CompiledDecode:
         """The compiled decode, attention heads folded where that is bit-exact on this machine."""
         lengths = cls.bucket_lengths(length_bucket, max_context)
         fold = folded_attention_is_exact(shape.n_heads, shape.n_kv_heads, shape.head_dim, layout.kv_dtype, lengths)
-        return cls(model, layout, row_cache, length_bucket, max_context, fold_heads=fold)
+        return cls(model, layout, row_cache, length_bucket, max_context, fold_heads=fold, aux_pool=aux_pool)
 
     @staticmethod
     def supports(layout: CacheLayout) -> bool:
-        return bool(layout.kv_index) and all(i >= 0 for i in layout.kv_index)
+        """Every cache entry is attention, or the auxiliary state of a hybrid layer."""
+        return any(i >= 0 for i in layout.kv_index) and all(
+            i >= 0 or entry in layout.aux_layers for entry, i in enumerate(layout.kv_index))
 
     def bucket(self, length: int) -> int:
         """The attended length for a batch whose longest row needs ``length`` positions."""
         return min(-(-length // self.length_bucket) * self.length_bucket, self.max_context)
 
     def _forward(self, tokens: mx.array, rows: mx.array, positions: mx.array, keys: list[mx.array],
-                 values: list[mx.array], compact: bool, length: int):
+                 values: list[mx.array], compact: bool, length: int, aux_slots: mx.array | None = None,
+                 aux_states: list[list[mx.array]] | None = None):
         step = _StepArrays(rows, positions, self.row_cache.heads, compact, length, self.fold_heads)
         views = [_RowView(k, v, step) for k, v in zip(keys, values)]
-        logits = self.model(tokens[:, None], cache=[views[i] for i in self.kv_index])[:, -1, :]
-        return logits, [v.keys for v in views], [v.values for v in views]
+        aux = []
+        if aux_states is not None:
+            # Each hybrid layer's per-row state, gathered from its slots and scattered back after
+            # the step (the engine's uncompiled path does the same with AuxPool.read/write).
+            for states in aux_states:
+                cache = ArraysCache(len(states))
+                cache.cache = [a[aux_slots] for a in states]
+                aux.append(cache)
+        aux_iter = iter(aux)
+        caches = [views[i] if i >= 0 else next(aux_iter) for i in self.kv_index]
+        logits = self.model(tokens[:, None], cache=caches)[:, -1, :]
+        new_states = None
+        if aux_states is not None:
+            new_states = []
+            for states, cache in zip(aux_states, aux):
+                for a, value in zip(states, cache.cache):
+                    a[aux_slots] = value.astype(a.dtype)
+                new_states.append(states)
+        return logits, [v.keys for v in views], [v.values for v in views], new_states
 
     @staticmethod
     def bucket_lengths(length_bucket: int, max_context: int) -> list[int]:
@@ -181,15 +204,23 @@ class CompiledDecode:
         index = mx.arange(rows, dtype=mx.int32)
         c = self.row_cache
         lengths = self.bucket_lengths(self.length_bucket, self.max_context)
+        aux = self.aux_pool.states if self.aux_pool is not None else None
         for length in lengths[: MAX_TRACES // 2]:  # half the cache at most: other shapes need room
-            self.traces((rows, length, True), tokens, index, index, c.keys, c.values, True, length)  # outputs dropped
+            self.traces((rows, length, True), tokens, index, index, c.keys, c.values, True, length,
+                        index if aux is not None else None, aux)  # outputs dropped
         return min(len(lengths), MAX_TRACES // 2)
 
-    def forward(self, tokens: mx.array, rows: mx.array, positions: mx.array, compact: bool, length: int) -> mx.array:
-        """Logits (B, vocab) of one decode step; the row cache holds the step's K/V afterwards."""
+    def forward(self, tokens: mx.array, rows: mx.array, positions: mx.array, compact: bool, length: int,
+                aux_slots: mx.array | None = None) -> mx.array:
+        """Logits (B, vocab) of one decode step; the row cache holds the step's K/V afterwards,
+        and the aux-state pool (hybrid models) each row's new state at ``aux_slots``."""
         c = self.row_cache
         length = self.bucket(length)
-        logits, keys, values = self.traces((tokens.shape[0], length, compact), tokens, rows, positions, c.keys,
-                                           c.values, compact, length)
+        aux = self.aux_pool.states if self.aux_pool is not None else None
+        assert (aux_slots is None) == (aux is None)
+        logits, keys, values, states = self.traces((tokens.shape[0], length, compact), tokens, rows, positions,
+                                                   c.keys, c.values, compact, length, aux_slots, aux)
         c.keys[:], c.values[:] = keys, values
+        if self.aux_pool is not None:
+            self.aux_pool.states = states
         return logits

@@ -73,12 +73,11 @@ class Engine:
         self.compiled: CompiledDecode | None = None
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
         # CPU only: on Metal the row-cache path is not yet measured or checked token-exact compiled.
-        if compile_decode and on_cpu and self.paths.row_cache is not None and aux_pool is None \
-                and CompiledDecode.supports(layout):
+        if compile_decode and on_cpu and self.paths.row_cache is not None and CompiledDecode.supports(layout):
             self.compiled = CompiledDecode.with_exact_folding(model, layout, self.paths.row_cache, pool.shape,
-                                                              self.COMPILED_LENGTH_BUCKET, max_context)
+                                                              self.COMPILED_LENGTH_BUCKET, max_context, aux_pool)
         self.compiled_paged: CompiledPagedDecode | None = None
-        if compile_decode and self.paths.tail is not None and CompiledDecode.supports(layout):
+        if compile_decode and self.paths.tail is not None and aux_pool is None and CompiledDecode.supports(layout):
             assert self.paths.attention is not None
             self.compiled_paged = CompiledPagedDecode(model, layout, pool, self.paths.attention, self.paths.tail)
         self._prev_tokens: mx.array | None = None
@@ -142,8 +141,10 @@ class Engine:
         inputs = self._decode_inputs(decode)
         if self.compiled is not None:
             self.paths.defer_dense(decode, plan)
+            aux_slots = mx.array(plan.aux_slots, dtype=mx.int32) if self.aux_pool is not None else None
             logits = self.compiled.forward(inputs, mx.array(plan.rows.astype(np.int32)),
-                                           mx.array(plan.positions.astype(np.int32)), plan.compact, plan.length)
+                                           mx.array(plan.positions.astype(np.int32)), plan.compact, plan.length,
+                                           aux_slots)
             return self._sampled(decode, sample(logits, decode.temperatures)), True
         batch, in_place = self.paths.decode_batch(decode, plan)
         if plan.pad:
