@@ -22,13 +22,14 @@ from mlx_lm.models.cache import ArraysCache
 
 from runtime.worker.aux_pool import AuxPool
 from runtime.worker.discovery import AttentionShape, CacheLayout
+from runtime.worker.pool_cache import CacheStandIn
 from runtime.worker.row_cache import RowCache
 from runtime.worker.trace_cache import TraceCache
 
 MAX_TRACES = 256  # compiled step shapes kept (see TraceCache): about 0.1 MiB per layer each
 
 
-class _RowView:
+class _RowView(CacheStandIn):
     """Stands in for mlx-lm's KVCache in one attention layer inside the traced forward."""
 
     def __init__(self, keys: mx.array, values: mx.array, step: _StepArrays) -> None:
@@ -59,16 +60,6 @@ class _RowView:
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         assert window_size is None, "sliding-window models are refused at discovery"
         return self.step.mask
-
-    @property
-    def state(self) -> list:
-        return []
-
-    def is_trimmable(self) -> bool:
-        return False
-
-    def empty(self) -> bool:
-        return False
 
 
 class _StepArrays:

@@ -20,7 +20,7 @@ from runtime.worker.decode_tail import DecodeTail
 from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.paged_attention import PagedAttention
-from runtime.worker.pool_cache import ForwardBatch
+from runtime.worker.pool_cache import CacheStandIn, ForwardBatch
 from runtime.worker.trace_cache import TraceCache
 
 MAX_TRACES = 256  # compiled step shapes kept (see TraceCache)
@@ -41,7 +41,7 @@ class _Step:
         self.new_values: list[mx.array | None] = [None] * n
 
 
-class _TailView:
+class _TailView(CacheStandIn):
     """Stands in for mlx-lm's KVCache in one attention layer inside the traced step."""
 
     paged = True  # the attention dispatcher sends the layer's attention call to paged_attend
@@ -68,16 +68,6 @@ class _TailView:
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> None:
         return None  # the kernel takes each row's length
-
-    @property
-    def state(self) -> list:
-        return []
-
-    def is_trimmable(self) -> bool:
-        return False
-
-    def empty(self) -> bool:
-        return False
 
 
 class CompiledPagedDecode:

@@ -46,7 +46,21 @@ class ForwardBatch:
     launch: tuple[int, int] | None = None
 
 
-class PoolLayerCache:
+class CacheStandIn:
+    """What mlx-lm asks of any layer cache beyond K/V (prompt-cache bookkeeping): nothing here."""
+
+    @property
+    def state(self):
+        return []
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return False
+
+
+class PoolLayerCache(CacheStandIn):
     """Stands in for mlx-lm's KVCache in one attention layer during one forward pass."""
 
     def __init__(self, pool: KVPool, kv_layer: int, batch: ForwardBatch) -> None:
@@ -107,13 +121,3 @@ class PoolLayerCache:
             assert isinstance(self.batch.offset, int)
             return create_causal_mask(n, self.batch.offset, window_size=window_size)
         return "causal"
-
-    @property
-    def state(self):
-        return []
-
-    def is_trimmable(self) -> bool:
-        return False
-
-    def empty(self) -> bool:
-        return False
