@@ -46,3 +46,11 @@ def test_decode_plan_paths():
     assert (plan.pad, plan.length) == (1, 128)
     assert plan.rows.tolist() == [2, 0, 1, 16] and plan.positions.tolist() == [40, 41, 9, 0]
     assert plan.slot_ids == [5, 6, 7, 0]
+
+
+def test_length_buckets():
+    from runtime.worker.decode_plan import bucket_lengths, round_length
+
+    assert [round_length(n, 32, 100) for n in (1, 32, 33, 96, 97, 100)] == [32, 32, 64, 96, 100, 100]
+    assert bucket_lengths(32, 100) == [32, 64, 96, 100]
+    assert bucket_lengths(32, 96) == [32, 64, 96]

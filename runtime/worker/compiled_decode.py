@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
 from runtime.worker.aux_pool import AuxPool
+from runtime.worker.decode_plan import bucket_lengths, round_length
 from runtime.worker.discovery import AttentionShape, CacheLayout
 from runtime.worker.pool_cache import CacheStandIn
 from runtime.worker.row_cache import RowCache
@@ -144,7 +145,7 @@ class CompiledDecode:
     def with_exact_folding(cls, model: nn.Module, layout: CacheLayout, row_cache: RowCache, shape: AttentionShape,
                            length_bucket: int, max_context: int, aux_pool: AuxPool | None) -> CompiledDecode:
         """The compiled decode, attention heads folded where that is bit-exact on this machine."""
-        lengths = cls.bucket_lengths(length_bucket, max_context)
+        lengths = bucket_lengths(length_bucket, max_context)
         fold = folded_attention_is_exact(shape.n_heads, shape.n_kv_heads, shape.head_dim, layout.kv_dtype, lengths)
         return cls(model, layout, row_cache, length_bucket, max_context, fold_heads=fold, aux_pool=aux_pool)
 
@@ -156,7 +157,7 @@ class CompiledDecode:
 
     def bucket(self, length: int) -> int:
         """The attended length for a batch whose longest row needs ``length`` positions."""
-        return min(-(-length // self.length_bucket) * self.length_bucket, self.max_context)
+        return round_length(length, self.length_bucket, self.max_context)
 
     def _forward(self, tokens: mx.array, rows: mx.array, positions: mx.array, keys: list[mx.array],
                  values: list[mx.array], compact: bool, length: int, aux_slots: mx.array | None = None,
@@ -183,18 +184,13 @@ class CompiledDecode:
                 new_states.append(states)
         return logits, [v.keys for v in views], [v.values for v in views], new_states
 
-    @staticmethod
-    def bucket_lengths(length_bucket: int, max_context: int) -> list[int]:
-        """Every attended length a step can use."""
-        return [min(n, max_context) for n in range(length_bucket, max_context + length_bucket, length_bucket)]
-
     def trace(self, rows: int) -> int:
         """Trace (without running) the compact step of ``rows`` rows at every length bucket, so
         no request waits for those traces later; how many."""
         tokens = mx.zeros((rows,), dtype=mx.int32)
         index = mx.arange(rows, dtype=mx.int32)
         c = self.row_cache
-        lengths = self.bucket_lengths(self.length_bucket, self.max_context)
+        lengths = bucket_lengths(self.length_bucket, self.max_context)
         aux = self.aux_pool.states if self.aux_pool is not None else None
         for length in lengths[: MAX_TRACES // 2]:  # half the cache at most: other shapes need room
             self.traces((rows, length, True), tokens, index, index, c.keys, c.values, True, length,

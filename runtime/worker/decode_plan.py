@@ -16,6 +16,16 @@ def row_bucket(rows: int) -> int:
     return -(-rows // 8) * 8
 
 
+def round_length(length: int, bucket: int, max_context: int) -> int:
+    """``length`` rounded up to a multiple of ``bucket``, at most ``max_context``."""
+    return min(-(-length // bucket) * bucket, max_context)
+
+
+def bucket_lengths(bucket: int, max_context: int) -> list[int]:
+    """Every value ``round_length`` can give for lengths up to ``max_context``."""
+    return [min(n, max_context) for n in range(bucket, max_context + bucket, bucket)]
+
+
 @dataclass
 class DecodePlan:
     """``rows``/``positions``/``slot_ids``/``aux_slots`` include ``pad`` padding rows at the end.
@@ -55,7 +65,7 @@ def plan_decode(decode: DecodeBatch, *, dense: bool, length_bucket: int, max_con
     if dense:
         length = int(positions.max()) + 1
     else:
-        length = min(-(-(int(positions.max()) + 1) // length_bucket) * length_bucket, max_context)
+        length = round_length(int(positions.max()) + 1, length_bucket, max_context)
     pad = 0 if dense else row_bucket(bsz) - bsz
     slot_ids = list(decode.slot_ids)
     aux_slots = list(decode.aux_slots)

@@ -19,7 +19,7 @@ from runtime.worker.attention_paths import AttentionPaths
 from runtime.worker.aux_pool import AuxPool
 from runtime.worker.compiled_decode import CompiledDecode
 from runtime.worker.compiled_paged import CompiledPagedDecode
-from runtime.worker.decode_plan import plan_decode
+from runtime.worker.decode_plan import bucket_lengths, plan_decode
 from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.pool_cache import ForwardBatch, PoolLayerCache
@@ -300,8 +300,7 @@ class Engine:
             variants += self.compiled.trace(1)
         if self.compiled_paged is not None:
             assert self.paths.device_table is not None
-            lengths = CompiledDecode.bucket_lengths(self.LENGTH_BUCKET, self.max_context)
-            launches = sorted({self.paths.launch(1, n) for n in lengths})
+            launches = sorted({self.paths.launch(1, n) for n in bucket_lengths(self.LENGTH_BUCKET, self.max_context)})
             variants += self.compiled_paged.trace(1, self.paths.device_table, launches)
         steps = (self.paths.tail.steps.max_steps if self.paths.tail is not None else 0) + 2
         n = min(64, self.max_context - steps, self.pool.num_slots - 1 - steps)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from runtime.worker.decode_plan import bucket_lengths
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.paged_kernels import (
     BODY,
@@ -185,9 +186,9 @@ class PagedAttention:
         """Every (splits, warps) a decode batch of up to ``max_rows`` rows can use: each is a
         kernel compiled on first use, seconds on the GPU."""
         return {
-            launch_shape(rows, n_kv, n_rep, head_dim, min(length, max_context))
+            launch_shape(rows, n_kv, n_rep, head_dim, length)
             for rows in {row_sizes(n) for n in range(1, max_rows + 1)}
-            for length in range(length_bucket, max_context + length_bucket, length_bucket)
+            for length in bucket_lengths(length_bucket, max_context)
         }
 
     def warm_up(self, dtype: mx.Dtype, n_kv: int, n_rep: int, head_dim: int,
