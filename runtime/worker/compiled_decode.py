@@ -25,9 +25,7 @@ from runtime.worker.decode_plan import bucket_lengths, round_length
 from runtime.worker.discovery import AttentionShape, CacheLayout
 from runtime.worker.pool_cache import CacheStandIn
 from runtime.worker.row_cache import RowCache
-from runtime.worker.trace_cache import TraceCache
-
-MAX_TRACES = 256  # compiled step shapes kept (see TraceCache): about 0.1 MiB per layer each
+from runtime.worker.trace_cache import MAX_TRACES, TraceCache
 
 
 class _RowView(CacheStandIn):

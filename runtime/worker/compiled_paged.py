@@ -21,9 +21,7 @@ from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.paged_attention import PagedAttention
 from runtime.worker.pool_cache import CacheStandIn, ForwardBatch
-from runtime.worker.trace_cache import TraceCache
-
-MAX_TRACES = 256  # compiled step shapes kept (see TraceCache)
+from runtime.worker.trace_cache import MAX_TRACES, TraceCache
 
 
 class _Step:

@@ -9,6 +9,8 @@ from typing import Any
 
 import mlx.core as mx
 
+MAX_TRACES = 256  # compiled step shapes a decode path keeps: about 0.1 MiB of host memory per layer each
+
 
 class TraceCache:
     """``cache(key, *args)`` calls ``mx.compile(fn)`` made for ``key``, least recently used dropped.
