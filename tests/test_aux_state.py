@@ -110,7 +110,7 @@ def test_abort_mid_prefill_frees_aux_slots():
 
 
 def _pool() -> AuxPool:
-    return AuxPool([[((3, 4), mx.float32), ((2,), mx.float32)]], num_slots=6)
+    return AuxPool.allocate([[((3, 4), mx.float32), ((2,), mx.float32)]], num_slots=6)
 
 
 def test_aux_pool_store_restore_fork_and_snapshots_are_copies():

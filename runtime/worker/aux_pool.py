@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
 
 from runtime.worker.discovery import CacheLayout
 
@@ -15,10 +16,17 @@ class AuxPool:
     values in, so a snapshot never changes when the live state moves on.
     """
 
-    def __init__(self, templates: list[list[tuple[tuple[int, ...], mx.Dtype]]], num_slots: int) -> None:
-        self.num_slots = num_slots
-        self.states = [[mx.zeros((num_slots, *shape), dtype=dtype) for shape, dtype in entry] for entry in templates]
-        mx.eval(self.states)
+    def __init__(self, states: list[list[mx.array]]) -> None:
+        """A pool over existing state arrays (``allocate`` makes new ones; a compiled decode
+        step wraps its traced inputs)."""
+        self.states = states
+        self.num_slots = states[0][0].shape[0]
+
+    @classmethod
+    def allocate(cls, templates: list[list[tuple[tuple[int, ...], mx.Dtype]]], num_slots: int) -> AuxPool:
+        states = [[mx.zeros((num_slots, *shape), dtype=dtype) for shape, dtype in entry] for entry in templates]
+        mx.eval(states)
+        return cls(states)
 
     @staticmethod
     def probe(model: nn.Module, layout: CacheLayout) -> list[list[tuple[tuple[int, ...], mx.Dtype]]]:
@@ -56,6 +64,22 @@ class AuxPool:
     def write(self, k: int, slots: mx.array, values: list[mx.array]) -> None:
         for j, value in enumerate(values):
             self.states[k][j][slots] = value.astype(self.states[k][j].dtype)
+
+    def caches(self, slots: mx.array | None) -> list[ArraysCache]:
+        """One mlx-lm ``ArraysCache`` per auxiliary entry, holding the states at ``slots`` (B,),
+        or empty (None: rows that start from no state)."""
+        caches = []
+        for k in range(len(self.states)):
+            cache = ArraysCache(len(self.states[k]))
+            if slots is not None:
+                cache.cache = self.read(k, slots)
+            caches.append(cache)
+        return caches
+
+    def store(self, caches: list[ArraysCache], slots: mx.array) -> None:
+        """Write each cache's states back at ``slots``."""
+        for k, cache in enumerate(caches):
+            self.write(k, slots, cache.cache)
 
     def copy(self, src: int, dst: int) -> None:
         """Snapshot/restore/fork: copy slot ``src`` into slot ``dst`` for every entry."""

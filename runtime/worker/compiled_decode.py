@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache
 
 from runtime.worker.aux_pool import AuxPool
 from runtime.worker.decode_plan import bucket_lengths, round_length
@@ -162,25 +161,15 @@ class CompiledDecode:
                  aux_states: list[list[mx.array]] | None = None):
         step = _StepArrays(rows, positions, self.row_cache.heads, compact, length, self.fold_heads)
         views = [_RowView(k, v, step) for k, v in zip(keys, values)]
-        aux = []
-        if aux_states is not None:
-            # Each hybrid layer's per-row state, gathered from its slots and scattered back after
-            # the step (the engine's uncompiled path does the same with AuxPool.read/write).
-            for states in aux_states:
-                cache = ArraysCache(len(states))
-                cache.cache = [a[aux_slots] for a in states]
-                aux.append(cache)
+        # A hybrid model's per-row states come from the traced aux-pool arrays and go back there.
+        aux_pool = AuxPool(aux_states) if aux_states is not None else None
+        aux = aux_pool.caches(aux_slots) if aux_pool is not None else []
         aux_iter = iter(aux)
         caches = [views[i] if i >= 0 else next(aux_iter) for i in self.kv_index]
         logits = self.model(tokens[:, None], cache=caches)[:, -1, :]
-        new_states = None
-        if aux_states is not None:
-            new_states = []
-            for states, cache in zip(aux_states, aux):
-                for a, value in zip(states, cache.cache):
-                    a[aux_slots] = value.astype(a.dtype)
-                new_states.append(states)
-        return logits, [v.keys for v in views], [v.values for v in views], new_states
+        if aux_pool is not None:
+            aux_pool.store(aux, aux_slots)
+        return logits, [v.keys for v in views], [v.values for v in views], aux_states
 
     def trace(self, rows: int) -> int:
         """Trace (without running) the compact step of ``rows`` rows at every length bucket, so

@@ -94,25 +94,6 @@ class Engine:
             caches.append(PoolLayerCache(self.pool, kv_i, batch) if kv_i >= 0 else next(aux_iter))
         return caches
 
-    def _aux_caches(self, source: mx.array | None) -> list:
-        """Fresh (source None) or pool-loaded ArraysCache objects for every auxiliary entry."""
-        from mlx_lm.models.cache import ArraysCache
-
-        assert self.aux_pool is not None
-        caches = []
-        for k in range(len(self.layout.aux_layers)):
-            cache = ArraysCache(len(self.aux_pool.states[k]))
-            if source is not None:
-                cache.cache = self.aux_pool.read(k, source)
-            caches.append(cache)
-        return caches
-
-    def _store_aux(self, caches: list, slots: list[int]) -> None:
-        assert self.aux_pool is not None
-        index = mx.array(slots, dtype=mx.int32)
-        for k, cache in enumerate(caches):
-            self.aux_pool.write(k, index, cache.cache)
-
     def _prefill(self, chunk: PrefillChunk) -> None:
         """A full-prefix hit: the table row (and the prefix's saved state), nothing to run."""
         self.paths.admit_chunk(chunk)
@@ -139,9 +120,9 @@ class Engine:
         plan = plan_decode(decode, dense=self.paths.dense, length_bucket=self.LENGTH_BUCKET,
                            max_context=self.max_context, padding_row=len(self.paths.slot_table))
         inputs = self._decode_inputs(decode)
+        aux_slots = mx.array(plan.aux_slots, dtype=mx.int32) if self.aux_pool is not None else None
         if self.compiled is not None:
             self.paths.defer_dense(decode, plan)
-            aux_slots = mx.array(plan.aux_slots, dtype=mx.int32) if self.aux_pool is not None else None
             logits = self.compiled.forward(inputs, mx.array(plan.rows.astype(np.int32)),
                                            mx.array(plan.positions.astype(np.int32)), plan.compact, plan.length,
                                            aux_slots)
@@ -149,15 +130,13 @@ class Engine:
         batch, in_place = self.paths.decode_batch(decode, plan)
         if plan.pad:
             inputs = mx.concatenate([inputs, mx.zeros((plan.pad,), dtype=inputs.dtype)])
-        aux = None
         if self.compiled_paged is not None:
             logits = self.compiled_paged.forward(inputs, batch)
         else:
-            if self.aux_pool is not None:
-                aux = self._aux_caches(mx.array(plan.aux_slots, dtype=mx.int32))
+            aux = self.aux_pool.caches(aux_slots) if self.aux_pool is not None else None
             logits = self.model(inputs[:, None], cache=self._caches(batch, aux))[:, -1, :]
-        if aux is not None:
-            self._store_aux(aux, plan.aux_slots)
+            if self.aux_pool is not None:
+                self.aux_pool.store(aux, aux_slots)
         if plan.pad:
             logits = logits[: len(decode.rows)]
         return self._sampled(decode, sample(logits, decode.temperatures)), in_place
@@ -214,10 +193,10 @@ class Engine:
             sources = None
             if group[0].aux_source != AUX_FRESH:
                 sources = [c.aux_slot if c.aux_source == AUX_CONTINUE else c.aux_source for c in group]
-            aux = self._aux_caches(None if sources is None else mx.array(sources, dtype=mx.int32))
+            aux = self.aux_pool.caches(None if sources is None else mx.array(sources, dtype=mx.int32))
         self.model(mx.array(tokens, dtype=mx.int32), cache=self._caches(batch, aux))
         if aux is not None:
-            self._store_aux(aux, [c.aux_slot for c in group])
+            self.aux_pool.store(aux, mx.array([c.aux_slot for c in group], dtype=mx.int32))
             snaps = [(i, c.aux_snapshot) for i, c in enumerate(group) if c.aux_snapshot >= 0]
             if snaps:
                 index = mx.array([i for i, _ in snaps], dtype=mx.int32)

@@ -38,7 +38,7 @@ class LoadedModel:
 
     def make_pools(self) -> tuple[KVPool, AuxPool | None]:
         kv = KVPool(len(self.layout.attention_layers), self.num_slots, _kv_shape(self.layout), self.layout.kv_dtype)
-        aux = AuxPool(self.aux_templates, self.aux_slots) if self.aux_templates is not None else None
+        aux = AuxPool.allocate(self.aux_templates, self.aux_slots) if self.aux_templates is not None else None
         return kv, aux
 
 
