@@ -81,6 +81,29 @@ def _table_reference(self, queries, keys_pool, values_pool, table, table_rows, l
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask[:, None, None, :])
 
 
+def _append_reference(self, queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values,
+                      new_keys, new_values, scale, launch):
+    """What the appending CUDA kernel computes: the tail extended by the step's K/V, and the
+    attention over the pool and that tail."""
+    import mlx.core as mx
+
+    keys = mx.concatenate([tail_keys, new_keys], axis=2)
+    values = mx.concatenate([tail_values, new_values], axis=2)
+    out = _table_reference(self, queries, keys_pool, values_pool, table, table_rows, lengths, keys, values, scale,
+                           launch)
+    return out, keys, values
+
+
+def _reference_kernels(monkeypatch):
+    """The CUDA kernels replaced by their reference computations, so the kernel path runs on the CPU."""
+    from runtime.worker.paged_attention import PagedAttention
+
+    monkeypatch.setattr(PagedAttention, "kernel_available", staticmethod(lambda: True))
+    monkeypatch.setattr(PagedAttention, "_kernel_attend", _table_reference)
+    monkeypatch.setattr(PagedAttention, "_append_attend", _append_reference)
+    monkeypatch.setattr(PagedAttention, "supports", lambda self, head_dim: self.use_kernel)
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "traced-each-step"])
 @pytest.mark.parametrize(("arch", "tail_steps"), [("llama", 16), ("qwen3", 16), ("llama", 3)])
 def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir, monkeypatch):
@@ -92,9 +115,7 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
     from runtime.worker.decode_tail import DecodeTail
     from runtime.worker.paged_attention import PagedAttention, splits_for, warps_for
 
-    monkeypatch.setattr(PagedAttention, "kernel_available", staticmethod(lambda: True))
-    monkeypatch.setattr(PagedAttention, "_kernel_attend", _table_reference)
-    monkeypatch.setattr(PagedAttention, "supports", lambda self, head_dim: self.use_kernel)
+    _reference_kernels(monkeypatch)
     monkeypatch.setattr(attention_paths, "TAIL_STEPS", tail_steps)
     flushed = []
     flush = DecodeTail.flush
@@ -172,3 +193,25 @@ def test_kernel_lanes_per_position_keep_16_bytes_per_lane():
     for d in range(32, 257, 32):
         lanes = lanes_per_position(d)
         assert 32 % lanes == 0 and d % lanes == 0 and d // lanes >= 8
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_hybrid_models_take_the_kernel_path_without_a_tail(arch, model_dir, monkeypatch):
+    """Hybrid models keep writing each decode step's K/V to the pool (no decode tail); the
+    kernel reads the step's own K/V as a one-position tail. Runs with the reference kernels."""
+    from runtime.worker.paged_attention import PagedAttention
+
+    _reference_kernels(monkeypatch)
+    lengths = []
+    kernel = PagedAttention._kernel_attend
+    monkeypatch.setattr(PagedAttention, "_kernel_attend",
+                        lambda self, *a: lengths.append(a[6].shape[2]) or kernel(self, *a))
+    folder = model_dir(arch)
+    svc = InProcessService(folder, cache=False, aux_slots=64, row_cache=False)
+    assert svc.engine.paths.device_table is not None and svc.engine.paths.tail is None
+    rng = random.Random(3)
+    reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(9 + 7 * i)], 8) for i in range(3)]
+    svc.run({0: reqs[:2], 3: reqs[2:]})
+    assert lengths and set(lengths) == {1}
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, 8), r.rid

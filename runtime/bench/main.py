@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-concurrency", type=int, default=16)
     p.add_argument("--max-step-tokens", type=int, default=2048, help="runtime [scheduler] max_step_tokens")
     p.add_argument("--prefill-chunk", type=int, default=512, help="runtime [scheduler] prefill_chunk")
+    p.add_argument("--kv-slots", type=int, default=0,
+                   help="runtime [cache] kv_slots; 0: just enough for the workloads (a service's default pool is "
+                        "a share of device memory, far larger)")
     p.add_argument("--mlx-prefill-batch", type=int, default=8, help="mlx-lm BatchGenerator prefill_batch_size")
     p.add_argument("--blas", choices=("auto", "bundled"), default="auto",
                    help="runtime [worker] blas; the bench process (mlx-lm) is re-run with the same BLAS")
@@ -94,7 +97,7 @@ def _service_spec(args: argparse.Namespace, model: Path, workloads: list[str], c
         model=model,
         max_running=running,
         max_context=context + 16,
-        kv_slots=slots + 2 * context + 64,
+        kv_slots=args.kv_slots or slots + 2 * context + 64,
         cache_enabled=cache,
         max_step_tokens=args.max_step_tokens,
         prefill_chunk=args.prefill_chunk,

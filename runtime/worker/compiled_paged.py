@@ -5,10 +5,10 @@ Python took 0.9-1.3 ms of a 2.5-4 ms step on the lent H200 hosts (worker trace),
 MLX's submit most of the rest. Compiled, each step replays a trace made once per (rows,
 decode-tail length, kernel launch shape): no Python per layer, and elementwise chains fused.
 
-Nothing is written in place, as in the uncompiled path: the step's new K/V extend the decode
-tail (``DecodeTail``), a new array per step, and the kernel reads the pool through the device
-slot table plus the tail. So the step can still be submitted before the previous one is read
-back.
+Nothing is written in place, as in the uncompiled path: the kernel reads the pool through the
+device slot table plus the decode tail (``DecodeTail``) and writes the tail extended by the
+step's new K/V, a new array per step. So the step can still be submitted before the previous
+one is read back.
 """
 
 from __future__ import annotations
@@ -46,23 +46,24 @@ class _TailView(CacheStandIn):
 
     def __init__(self, kv_layer: int, step: _Step) -> None:
         self.kv_layer, self.step = kv_layer, step
+        self.new: tuple[mx.array, mx.array] | None = None  # this step's K/V
 
     @property
     def offset(self) -> mx.array:
         return self.step.positions
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        s, i = self.step, self.kv_layer
-        if s.tail_keys:
-            keys = mx.concatenate([s.tail_keys[i], keys], axis=2)
-            values = mx.concatenate([s.tail_values[i], values], axis=2)
-        s.new_keys[i], s.new_values[i] = keys, values
-        return keys, values
+        self.new = (keys, values)
+        return keys, values  # paged_attend reads the pool and the tail, and appends to the tail
 
     def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
         s, i = self.step, self.kv_layer
-        return s.attention._kernel_attend(queries, s.pool_keys[i], s.pool_values[i], s.table, s.table_rows,
-                                          s.lengths, s.new_keys[i], s.new_values[i], scale, s.launch)
+        assert self.new is not None
+        old_k, old_v = (s.tail_keys[i], s.tail_values[i]) if s.tail_keys else (None, None)
+        out, s.new_keys[i], s.new_values[i] = s.attention.attend_appending(
+            queries, s.pool_keys[i], s.pool_values[i], s.table, s.table_rows, s.lengths, old_k, old_v, *self.new,
+            scale, s.launch)
+        return out
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> None:
         return None  # the kernel takes each row's length

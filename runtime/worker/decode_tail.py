@@ -4,8 +4,9 @@ MLX updates an array in place only when nothing else holds it; a step still on t
 holds the pools it reads. If every decode step wrote its new K/V into the pool, step N+1
 could only be submitted after step N was read back (else MLX copies the whole pool on each
 write), and the device would wait for the host to encode every step. With the tail, a decode
-step writes nothing in place: its new K/V are appended to these small per-batch arrays,
-which the paged kernel reads after the pool positions. The tail is flushed into the pool
+step writes nothing in place: its new K/V are appended to these small per-batch arrays
+(a new array per step, written by the paged kernel itself), which it reads after the pool
+positions. The tail is flushed into the pool
 (and the device slot table) by the first step that changes the batch — new rows, a prefill,
 a row that left — or after ``max_steps`` steps; only such a step waits for the read-back.
 
@@ -29,15 +30,11 @@ class DecodeTail:
         self.values: list[mx.array | None] = [None] * num_layers
         self.steps = DeferredSteps(max_steps)
 
-    def append(self, layer: int, keys: mx.array, values: mx.array) -> None:
-        """Add the current step's (B, n_kv_heads, 1, head_dim) K/V to the layer's tail."""
-        old_k, old_v = self.keys[layer], self.values[layer]
-        if old_k is None:  # the first step since a flush
-            self.keys[layer], self.values[layer] = keys, values
-        else:
-            assert old_k.shape[2] == len(self.steps) - 1, "one append per layer and step"
-            self.keys[layer] = mx.concatenate([old_k, keys], axis=2)
-            self.values[layer] = mx.concatenate([old_v, values], axis=2)
+    def set(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        """Make (B, n_kv_heads, steps, head_dim) K/V, ending with the current step's, the
+        layer's tail (the paged kernel writes them while it attends)."""
+        assert keys.shape[2] == len(self.steps), "one step's K/V per layer and step"
+        self.keys[layer], self.values[layer] = keys, values
 
     def flush(self, pool: KVPool, device_table: mx.array) -> bool:
         """Write the tail into the pool and the slot table; False when it was empty."""

@@ -46,9 +46,11 @@ def serve(config: Config, address: str, trace_path: str | None = None) -> int:
     try:
         import mlx.core as mx
 
+        from runtime.worker.cuda_graphs import lift_graph_size_limit
         from runtime.worker.engine import Engine
         from runtime.worker.loader import buffer_cache_bytes, load
 
+        lift_graph_size_limit(os.environ, mx.cuda.is_available())  # before the first device operation
         mx.random.seed(config.model.seed)
         loaded = load(config)
         layout = loaded.layout

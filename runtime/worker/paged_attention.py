@@ -15,12 +15,14 @@ import mlx.core as mx
 from runtime.worker.decode_plan import bucket_lengths
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.paged_kernels import (
-    BODY,
+    APPEND_INPUTS,
+    APPEND_OUTPUTS,
     COMBINE,
     HEADER,
     INPUTS,
     WRITE_OUT,
     WRITE_PARTIAL,
+    body,
 )
 
 UNROLL = 1  # positions per lane group and warp pass: more costs registers, hence occupancy (1 measured best)
@@ -83,7 +85,7 @@ class PagedAttention:
 
     def __init__(self, use_kernel: bool) -> None:
         self.use_kernel = use_kernel
-        self._kernels: tuple | None = None
+        self._kernels: dict[tuple[str, bool], object] = {}
         self._scales: dict[float, mx.array] = {}
 
     @staticmethod
@@ -133,12 +135,57 @@ class PagedAttention:
         scale: float,
         launch: tuple[int, int] | None = None,
     ) -> mx.array:
-        b, n_q, _, d = queries.shape
-        n_kv = keys_pool.shape[1]
-        splits, warps = launch or launch_shape(b, n_kv, n_q // n_kv, d, 0)
         inputs = [queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values,
                   self._scale(scale)]
-        return self._launch(inputs, n_kv, splits, warps)
+        (out,) = self._launch(inputs, keys_pool.shape[1], launch)
+        return out
+
+    def attend_appending(
+        self,
+        queries: mx.array,
+        keys_pool: mx.array,
+        values_pool: mx.array,
+        table: mx.array,
+        table_rows: mx.array,
+        lengths: mx.array,
+        tail_keys: mx.array | None,
+        tail_values: mx.array | None,
+        new_keys: mx.array,
+        new_values: mx.array,
+        scale: float,
+        launch: tuple[int, int] | None,
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Decode attention whose last position is this step's ``new_keys``/``new_values``
+        ((B, Hkv, 1, D)), after the pool and the R - 1 positions of ``tail_keys``/``tail_values``
+        (None: none); returns the output and the tail with the new K/V appended, which one
+        kernel writes while it attends (no separate concatenation per layer and step)."""
+        if tail_keys is None or tail_values is None:
+            out = self._kernel_attend(queries, keys_pool, values_pool, table, table_rows, lengths, new_keys,
+                                      new_values, scale, launch)
+            return out, new_keys, new_values
+        return self._append_attend(queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys,
+                                   tail_values, new_keys, new_values, scale, launch)
+
+    def _append_attend(
+        self,
+        queries: mx.array,
+        keys_pool: mx.array,
+        values_pool: mx.array,
+        table: mx.array,
+        table_rows: mx.array,
+        lengths: mx.array,
+        tail_keys: mx.array,
+        tail_values: mx.array,
+        new_keys: mx.array,
+        new_values: mx.array,
+        scale: float,
+        launch: tuple[int, int] | None,
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        inputs = [queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values, new_keys,
+                  new_values, self._scale(scale)]
+        b, h, r, d = tail_keys.shape
+        out, keys, values = self._launch(inputs, keys_pool.shape[1], launch, tail_shape=(b, h, r + 1, d))
+        return out, keys, values
 
     def _scale(self, scale: float) -> mx.array:
         scale_arr = self._scales.get(scale)
@@ -146,39 +193,52 @@ class PagedAttention:
             scale_arr = self._scales[scale] = mx.array([scale], dtype=mx.float32)
         return scale_arr
 
-    def _launch(self, inputs: list[mx.array], n_kv: int, splits: int, warps: int) -> mx.array:
+    def _kernel(self, kind: str, appending: bool):
+        """The compiled-on-demand kernel object: ``single``, ``split`` or ``combine``."""
+        key = (kind, appending)
+        if key not in self._kernels:
+            extra = APPEND_OUTPUTS if appending else []
+            if kind == "combine":
+                kernel = mx.fast.cuda_kernel(name="runtime_paged_decode_combine",
+                                             input_names=["part_acc", "part_m", "part_l"], output_names=["out"],
+                                             source=COMBINE)
+            else:
+                outputs = ["out"] if kind == "single" else ["part_acc", "part_m", "part_l"]
+                kernel = mx.fast.cuda_kernel(
+                    name=f"runtime_paged_decode_{kind}{'_append' if appending else ''}",
+                    input_names=APPEND_INPUTS if appending else INPUTS, output_names=outputs + extra,
+                    source=body(appending) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL), header=HEADER)
+            self._kernels[key] = kernel
+        return self._kernels[key]
+
+    def _launch(self, inputs: list[mx.array], n_kv: int, launch: tuple[int, int] | None,
+                tail_shape: tuple[int, int, int, int] | None = None) -> list[mx.array]:
+        """The output (and, given the appended ``tail_shape``, the new tail K and V)."""
         queries = inputs[0]
         b, n_q, _, d = queries.shape
         n_rep = n_q // n_kv
+        splits, warps = launch or launch_shape(b, n_kv, n_rep, d, 0)
         blocks = b * n_kv
-        if self._kernels is None:
-            self._kernels = (
-                mx.fast.cuda_kernel(name="runtime_paged_decode", input_names=INPUTS, output_names=["out"],
-                                    source=BODY + WRITE_OUT, header=HEADER),
-                mx.fast.cuda_kernel(name="runtime_paged_decode_split", input_names=INPUTS,
-                                    output_names=["part_acc", "part_m", "part_l"], source=BODY + WRITE_PARTIAL,
-                                    header=HEADER),
-                mx.fast.cuda_kernel(name="runtime_paged_decode_combine", input_names=["part_acc", "part_m", "part_l"],
-                                    output_names=["out"], source=COMBINE),
-            )
-        single, split, combine = self._kernels
+        appending = tail_shape is not None
+        tails = [tail_shape, tail_shape] if tail_shape is not None else []
         template = [("T", queries.dtype), ("D", d), ("NREP", n_rep), ("HKV", n_kv), ("NWARPS", warps),
                     ("UNROLL", UNROLL), ("SPLITS", splits), ("GL", lanes_per_position(d))]
         grid = (blocks * splits * warps * 32, 1, 1)
         if splits == 1:
-            (out,) = single(inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
-                            output_shapes=[queries.shape], output_dtypes=[queries.dtype])
-            return out
+            return self._kernel("single", appending)(
+                inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
+                output_shapes=[queries.shape] + tails, output_dtypes=[queries.dtype] * (1 + len(tails)))
         parts = blocks * splits * n_rep
-        part_acc, part_m, part_l = split(
+        part_acc, part_m, part_l, *tail = self._kernel("split", appending)(
             inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
-            output_shapes=[(parts * d,), (parts,), (parts,)], output_dtypes=[mx.float32] * 3)
-        (out,) = combine(
+            output_shapes=[(parts * d,), (parts,), (parts,)] + tails,
+            output_dtypes=[mx.float32] * 3 + [queries.dtype] * len(tails))
+        (out,) = self._kernel("combine", False)(
             inputs=[part_acc, part_m, part_l],
             template=[("T", queries.dtype), ("D", d), ("NREP", n_rep), ("SPLITS", splits)],
             grid=(blocks * n_rep * d, 1, 1), threadgroup=(d, 1, 1),
             output_shapes=[queries.shape], output_dtypes=[queries.dtype])
-        return out
+        return [out, *tail]
 
     @staticmethod
     def variants(n_kv: int, n_rep: int, head_dim: int, max_rows: int, max_context: int,
@@ -193,13 +253,14 @@ class PagedAttention:
 
     def warm_up(self, dtype: mx.Dtype, n_kv: int, n_rep: int, head_dim: int,
                 variants: set[tuple[int, int]]) -> None:
-        """Compile every kernel variant now (tiny inputs), not in the middle of a request."""
+        """Compile every kernel variant now (tiny inputs), not in the middle of a request:
+        each launch shape reading a tail, and appending to one."""
         table = mx.zeros((1, 64), dtype=mx.int32)
         pool = mx.zeros((2, n_kv, head_dim), dtype=dtype)
         tail = mx.zeros((1, n_kv, 1, head_dim), dtype=dtype)
         queries = mx.zeros((1, n_kv * n_rep, 1, head_dim), dtype=dtype)
         lengths = mx.full((1,), 64, dtype=mx.int32)
         rows = mx.zeros((1,), dtype=mx.int32)
-        for splits, warps in sorted(variants):
-            inputs = [queries, pool, pool, table, rows, lengths, tail, tail, self._scale(1.0)]
-            mx.eval(self._launch(inputs, n_kv, splits, warps))
+        for launch in sorted(variants):
+            args = (queries, pool, pool, table, rows, lengths, tail, tail)
+            mx.eval(self._kernel_attend(*args, 1.0, launch), *self._append_attend(*args, tail, tail, 1.0, launch))

@@ -31,7 +31,7 @@ __device__ inline void load_row(const T* p, float* out) {
 }
 """
 
-BODY = """
+_BODY = """
     constexpr int PER = D / GL;
     constexpr int GROUPS = 32 / GL;
     const int bh = blockIdx.x / SPLITS;
@@ -43,8 +43,7 @@ BODY = """
     const int group = lane / GL;
     const int gl = lane % GL;
     const int tcap = table_shape[1];
-    const int R = tail_keys_shape[2];
-    const int n = lengths[b] - R;  // positions in the pool; the last R are in the tail
+{TAIL_LENGTH}    const int n = lengths[b] - R;  // positions in the pool; the last R are in the tail
     const int total = n + R;
     const int chunk = (total + SPLITS - 1) / SPLITS;
     const int tbegin = split * chunk;
@@ -66,7 +65,7 @@ BODY = """
         l[r] = 0.f;
     }
     const int* trow = table + (size_t)rows[b] * tcap;
-    // A warp pass covers GROUPS * UNROLL consecutive positions; all its loads are issued
+{TAIL_COPY}    // A warp pass covers GROUPS * UNROLL consecutive positions; all its loads are issued
     // before any is used, so a warp waits for memory once per pass.
     for (int t0 = tbegin + warp * GROUPS * UNROLL; t0 < tend; t0 += NWARPS * GROUPS * UNROLL) {
         float kr[UNROLL][PER];
@@ -82,10 +81,7 @@ BODY = """
                 load_row<T, PER>(keys + base, kr[u]);
                 load_row<T, PER>(values + base, vr[u]);
             } else {
-                const size_t base = ((size_t)bh * R + (t - n)) * D + gl * PER;
-                load_row<T, PER>(tail_keys + base, kr[u]);
-                load_row<T, PER>(tail_values + base, vr[u]);
-            }
+{TAIL_LOAD}            }
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -197,3 +193,46 @@ COMBINE = """
 """
 
 INPUTS = ["queries", "keys", "values", "table", "rows", "lengths", "tail_keys", "tail_values", "scale"]
+APPEND_INPUTS = INPUTS[:-1] + ["new_keys", "new_values", "scale"]
+APPEND_OUTPUTS = ["keys_out", "values_out"]
+
+# The tail (B, HKV, R, D) holds a row's last R positions.
+_TAIL_LENGTH = "    const int R = tail_keys_shape[2];\n"
+_TAIL_LOAD = """
+                const size_t base = ((size_t)bh * R + (t - n)) * D + gl * PER;
+                load_row<T, PER>(tail_keys + base, kr[u]);
+                load_row<T, PER>(tail_values + base, vr[u]);
+"""
+
+# Appending: the last position is this step's new_keys/new_values (B, HKV, 1, D), the R - 1
+# before it the old tail; the block of split 0 also writes old tail + new row to keys_out /
+# values_out (B, HKV, R, D), the step's tail, so no separate concatenation is launched.
+_APPEND_LENGTH = "    const int R = tail_keys_shape[2] + 1;\n"
+_APPEND_LOAD = """
+                const bool old = t - n < R - 1;
+                const size_t base = (old ? ((size_t)bh * (R - 1) + (t - n)) * D : (size_t)bh * D) + gl * PER;
+                load_row<T, PER>((old ? tail_keys : new_keys) + base, kr[u]);
+                load_row<T, PER>((old ? tail_values : new_values) + base, vr[u]);
+"""
+_APPEND_COPY = """
+    if (split == 0) {
+        for (int i = threadIdx.x; i < R * D; i += NWARPS * 32) {
+            const int s = i / D;
+            const size_t src = s < R - 1 ? ((size_t)bh * (R - 1) + s) * D + i % D : (size_t)bh * D + i % D;
+            keys_out[(size_t)bh * R * D + i] = s < R - 1 ? tail_keys[src] : new_keys[src];
+            values_out[(size_t)bh * R * D + i] = s < R - 1 ? tail_values[src] : new_values[src];
+        }
+    }
+"""
+
+
+def body(appending: bool) -> str:
+    """The kernel body up to its write-out: reading a separate tail, or appending to it."""
+    if appending:
+        parts = {"{TAIL_LENGTH}": _APPEND_LENGTH, "{TAIL_LOAD}": _APPEND_LOAD, "{TAIL_COPY}": _APPEND_COPY}
+    else:
+        parts = {"{TAIL_LENGTH}": _TAIL_LENGTH, "{TAIL_LOAD}": _TAIL_LOAD, "{TAIL_COPY}": ""}
+    source = _BODY
+    for marker, text in parts.items():
+        source = source.replace(marker, text)
+    return source

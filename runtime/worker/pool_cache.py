@@ -67,6 +67,7 @@ class PoolLayerCache(CacheStandIn):
         self.pool = pool
         self.kv_layer = kv_layer
         self.batch = batch
+        self.new: tuple[mx.array, mx.array] | None = None  # this step's K/V
 
     @property
     def offset(self) -> int | mx.array:
@@ -74,9 +75,9 @@ class PoolLayerCache(CacheStandIn):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b, h, length, d = keys.shape
+        self.new = (keys, values)  # paged_attend's kernel reads this step's K/V from here
         if self.batch.tail is not None:
-            self.batch.tail.append(self.kv_layer, keys, values)
-            return keys, values  # paged_attend reads the pool and the tail
+            return keys, values  # paged_attend reads the pool and the tail, and appends to the tail
         if self.batch.write_slots is not None:
             if length == 1:  # decode: a plain slice, no transpose to copy
                 flat_k, flat_v = keys[:, :, 0, :], values[:, :, 0, :]
@@ -102,15 +103,22 @@ class PoolLayerCache(CacheStandIn):
 
     def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
         """Decode attention over this row's pool slots (the K/V just written included)."""
-        b = self.batch
+        b, layer = self.batch, self.kv_layer
         assert b.attention is not None and b.lengths is not None
-        tail_k = b.tail.keys[self.kv_layer] if b.tail is not None else None
-        tail_v = b.tail.values[self.kv_layer] if b.tail is not None else None
-        return b.attention.attend(
-            queries, self.pool, self.kv_layer, scale,
-            gather_index=b.gather_index, table=b.table, table_rows=b.table_rows, lengths=b.lengths, mask=b.mask,
-            tail_keys=tail_k, tail_values=tail_v, launch=b.launch,
-        )
+        if b.table is None:
+            return b.attention.attend(queries, self.pool, layer, scale, gather_index=b.gather_index, table=None,
+                                      table_rows=None, lengths=b.lengths, mask=b.mask)
+        assert b.table_rows is not None and self.new is not None
+        tail = b.tail
+        # Without a tail (hybrid models) the pool holds this step's K/V too; the kernel reads
+        # them as a one-position tail all the same.
+        old_k, old_v = (tail.keys[layer], tail.values[layer]) if tail is not None else (None, None)
+        out, keys, values = b.attention.attend_appending(
+            queries, self.pool.keys[layer], self.pool.values[layer], b.table, b.table_rows, b.lengths, old_k, old_v,
+            *self.new, scale, b.launch)
+        if tail is not None:
+            tail.set(layer, keys, values)
+        return out
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
         if self.batch.mask is not None:

@@ -1,0 +1,13 @@
+from runtime.worker.cuda_graphs import (
+    LIFTED_SIZE_LIMIT,
+    SIZE_LIMIT_VAR,
+    lift_graph_size_limit,
+)
+
+
+def test_the_graph_size_limit_is_lifted_on_cuda_only_and_never_over_the_users_choice():
+    env: dict[str, str] = {}
+    assert not lift_graph_size_limit(env, cuda=False) and env == {}
+    assert lift_graph_size_limit(env, cuda=True) and env == {SIZE_LIMIT_VAR: str(LIFTED_SIZE_LIMIT)}
+    chosen = {SIZE_LIMIT_VAR: "200"}
+    assert not lift_graph_size_limit(chosen, cuda=True) and chosen == {SIZE_LIMIT_VAR: "200"}

@@ -1,0 +1,70 @@
+"""The CUDA paged decode kernels themselves (the CPU tests replace them with references).
+
+These run only where MLX has a CUDA GPU (the lent H200: ``python3 -m pytest -q
+tests/test_paged_kernel_cuda.py``); elsewhere they are reported as skipped, not passed.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from runtime.worker.paged_attention import PagedAttention, launch_shape
+
+pytestmark = pytest.mark.skipif(not PagedAttention.kernel_available(), reason="needs MLX on a CUDA GPU")
+
+
+def _case(rows: int, n_q: int, n_kv: int, d: int, context: int, tail: int, seed: int):
+    rng = np.random.default_rng(seed)
+    slots = rows * context + 8
+    keys_pool = mx.random.normal((slots, n_kv, d), key=mx.random.key(seed)).astype(mx.bfloat16)
+    values_pool = mx.random.normal((slots, n_kv, d), key=mx.random.key(seed + 1)).astype(mx.bfloat16)
+    lengths = rng.integers(1, context + 1, rows)
+    table = np.zeros((rows + 2, context), dtype=np.int32)
+    order = rng.permutation(rows + 2)[:rows].astype(np.int32)
+    for i, row in enumerate(order):
+        table[row, : lengths[i]] = rng.choice(np.arange(1, slots), lengths[i], replace=False)
+    def normal(shape, k):
+        return mx.random.normal(shape, key=mx.random.key(seed + k)).astype(mx.bfloat16)
+    queries = normal((rows, n_q, 1, d), 2)
+    tail_k, tail_v = normal((rows, n_kv, tail, d), 3), normal((rows, n_kv, tail, d), 4)
+    new_k, new_v = normal((rows, n_kv, 1, d), 5), normal((rows, n_kv, 1, d), 6)
+    total = mx.array((lengths + tail + 1).astype(np.int32))
+    pool_args = (queries, keys_pool, values_pool, mx.array(table), mx.array(order), total)
+    return pool_args, (tail_k, tail_v, new_k, new_v), lengths
+
+
+@pytest.mark.parametrize(("n_q", "n_kv", "d"), [(32, 8, 64), (32, 8, 128), (16, 2, 128), (8, 8, 64)])
+def test_the_appending_kernel_equals_reading_a_concatenated_tail(n_q, n_kv, d):
+    attention = PagedAttention(True)
+    for rows, (context, tail) in itertools.product((1, 5), ((40, 2), (700, 9))):
+        pool_args, (tail_k, tail_v, new_k, new_v), lengths = _case(rows, n_q, n_kv, d, context, tail, rows + context)
+        keys, values = mx.concatenate([tail_k, new_k], axis=2), mx.concatenate([tail_v, new_v], axis=2)
+        for max_length in (0, context + tail + 1):
+            launch = launch_shape(rows, n_kv, n_q // n_kv, d, max_length)
+            out, out_k, out_v = attention.attend_appending(*pool_args, tail_k, tail_v, new_k, new_v, d**-0.5, launch)
+            expected = attention._kernel_attend(*pool_args, keys, values, d**-0.5, launch)
+            assert mx.array_equal(out_k, keys) and mx.array_equal(out_v, values), launch
+            assert mx.array_equal(out, expected), launch  # the same arithmetic in the same order
+            # Against MLX's own attention over the gathered positions (rounding differs).
+            q, kp, vp, table, order, _ = pool_args
+            gathered_k = mx.concatenate([kp[table[order]].transpose(0, 2, 1, 3), keys], axis=2)
+            gathered_v = mx.concatenate([vp[table[order]].transpose(0, 2, 1, 3), values], axis=2)
+            valid = np.concatenate([np.arange(context)[None, :] < lengths[:, None],
+                                    np.ones((rows, tail + 1), dtype=bool)], axis=1)
+            ref = mx.fast.scaled_dot_product_attention(q, gathered_k, gathered_v, scale=d**-0.5,
+                                                       mask=mx.array(valid)[:, None, None, :])
+            err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+            assert err < 2e-2, (launch, err)
+
+
+def test_the_first_step_after_a_flush_reads_its_own_keys_as_the_tail():
+    attention = PagedAttention(True)
+    pool_args, (_, _, new_k, new_v), _ = _case(3, 32, 8, 64, 100, 0, 7)
+    launch = launch_shape(3, 8, 4, 64, 101)
+    out, out_k, out_v = attention.attend_appending(*pool_args, None, None, new_k, new_v, 0.125, launch)
+    assert out_k is new_k and out_v is new_v
+    assert mx.array_equal(out, attention._kernel_attend(*pool_args, new_k, new_v, 0.125, launch))
