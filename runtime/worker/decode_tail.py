@@ -6,9 +6,9 @@ could only be submitted after step N was read back (else MLX copies the whole po
 write), and the device would wait for the host to encode every step. With the tail, a decode
 step writes nothing in place: its new K/V are appended to these small per-batch arrays
 (a new array per step, written by the paged kernel itself), which it reads after the pool
-positions. The tail is flushed into the pool
-(and the device slot table) by the first step that changes the batch — new rows, a prefill,
-a row that left — or after ``max_steps`` steps; only such a step waits for the read-back.
+positions. The tail is flushed into the pool (and the device slot table) by the first step
+that changes the batch — new rows, a prefill, a row that left — or after ``max_steps``
+steps; only such a step waits for the read-back.
 
 Invariant: for every row of the batch, its last ``len(steps)`` positions are in the tail (in
 step order) and not yet in the pool or the slot table; all earlier positions are.

@@ -80,7 +80,8 @@ class PagedAttention:
     int32 valid positions per row. The kernel reads row ``table_rows[b]`` of the device slot
     table ``table`` (rows, max_context) for all but the last R positions, which come from
     ``tail_keys``/``tail_values`` ((B, Hkv, R, D), see ``DecodeTail``); the fallback attends to
-    the (B, T) slots ``gather_index`` with ``mask`` ((B, 1, 1, T) bool).
+    the (B, T) slots ``gather_index`` with ``mask`` ((B, 1, 1, T) bool). Decode steps use
+    ``attend_appending``, whose kernel also writes the tail extended by the step's K/V.
     """
 
     def __init__(self, use_kernel: bool) -> None:
