@@ -85,6 +85,10 @@ class WorkerConfig:
     At most 256 step shapes stay compiled per path (``TraceCache``, least recently used
     dropped): a trace costs about 0.1 MiB of host memory per layer.
 
+    ``attention_threads``: with compiled decode on the CPU, a batch of 8 rows or more computes
+    its attention in groups of rows on this many MLX CPU streams (threads), bit-identical to
+    one stream; 0 = one per CPU, at most 4; 1 = one stream.
+
     ``buffer_cache_mb``: MLX's cache of freed buffers. MLX's CPU default (32 MiB) is smaller
     than one decode step's temporaries at moderate batch sizes, and missing it costs a
     fresh allocation and page faults for every temporary (2-3x slower steps); 0 picks four
@@ -97,6 +101,7 @@ class WorkerConfig:
     overlap_submit_max_mb: int = 1024
     buffer_cache_mb: int = 0
     compile_decode: bool = True
+    attention_threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,8 @@ def _validate(config: Config) -> None:
         raise ConfigError("config key 'scheduler.admit_window_ms' must be between 0 and 1000")
     if s.max_context < 0 or c.kv_slots < 0:
         raise ConfigError("config keys 'scheduler.max_context' and 'cache.kv_slots' must not be negative")
+    if config.worker.attention_threads < 0:
+        raise ConfigError("config key 'worker.attention_threads' must not be negative")
     if config.worker.buffer_cache_mb < 0 or config.worker.overlap_submit_max_mb < 0:
         raise ConfigError("config keys 'worker.buffer_cache_mb' and 'worker.overlap_submit_max_mb' must not be negative")
     if c.aux_slots < 0 or c.track_chunk < 1:

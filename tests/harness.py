@@ -32,6 +32,7 @@ class InProcessService:
         track_chunk: int = 64,
         row_cache: bool | None = None,
         compile_decode: bool = True,
+        attention_streams: int = 1,
     ) -> None:
         from runtime.worker.engine import Engine
         from runtime.worker.loader import load
@@ -53,7 +54,7 @@ class InProcessService:
         self.pool, self.aux_pool = loaded.make_pools()
         self.engine = Engine(
             loaded.model, layout, self.pool, max_running, loaded.max_context, self.aux_pool, row_cache=row_cache,
-            compile_decode=compile_decode,
+            compile_decode=compile_decode, attention_streams=attention_streams,
         )
         self.tokenizer = Tokenizer(str(folder))
         limits = Limits(

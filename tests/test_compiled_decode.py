@@ -155,3 +155,50 @@ def test_a_full_trace_cache_keeps_decode_exact(model_dir, monkeypatch):
     assert len(svc.engine.compiled.traces) <= 2
     for r in reqs:
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+def test_row_split_attention_is_bit_identical_to_one_stream():
+    from runtime.worker.parallel_attention import RowSplit
+
+    split = RowSplit(3)
+    assert [split.parts(rows) for rows in (1, 4, 7, 8, 11, 12, 16, 64)] == [1, 1, 1, 2, 2, 3, 3, 3]
+    kq, kk, kv = mx.random.split(mx.random.key(1), 3)
+    rows, length = 13, 150
+    queries = mx.random.normal((rows, 4, 1, 32), key=kq)
+    keys = mx.random.normal((rows, 2, 200, 32), key=kk)[:, :, :length]  # a slice, as of the row cache
+    values = mx.random.normal((rows, 2, 200, 32), key=kv)[:, :, :length]
+    mask = (mx.arange(length)[None, :] <= mx.arange(100, 100 + rows)[:, None])[:, None, None, :]
+    for attend in (cd.mlx_attention, cd.folded_attention):
+        whole = attend(queries, keys, values, 0.25, mask)
+        assert mx.array_equal(split.attend(attend, queries, keys, values, 0.25, mask, 3), whole).item()
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "mlx-attention"])
+def test_compiled_decode_splits_big_batches_over_cpu_streams(fold, model_dir, monkeypatch):
+    from runtime.worker.parallel_attention import RowSplit
+
+    parts = []
+    attend = RowSplit.attend
+    monkeypatch.setattr(RowSplit, "attend", lambda self, *a: parts.append(a[-1]) or attend(self, *a))
+    if not fold:
+        monkeypatch.setattr(cd, "folded_attention_is_exact", lambda *a: False)
+    folder = model_dir("llama")
+    svc = InProcessService(folder, max_running=16, attention_streams=2)
+    assert svc.engine.compiled is not None and svc.engine.compiled.fold_heads == fold
+    rng = random.Random(4)
+    # 11 rows at first (a batch of 16 rows: two groups), fewer as short requests finish.
+    reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(5 + 3 * i)], 4 + 3 * (i % 4)) for i in range(11)]
+    svc.run({0: reqs})
+    assert parts and set(parts) == {2}
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+def test_attention_threads_default_to_one_per_cpu_and_are_validated():
+    from runtime.config import ConfigError, parse_config
+    from runtime.worker.parallel_attention import MAX_STREAMS, default_streams
+
+    assert [default_streams(n) for n in (None, 1, 2, 3, 64)] == [1, 1, 2, 3, MAX_STREAMS]
+    with pytest.raises(ConfigError, match="attention_threads"):
+        parse_config({"model": {"path": "/m"}, "worker": {"attention_threads": -1}})
+    assert parse_config({"model": {"path": "/m"}, "worker": {"attention_threads": 1}}).worker.attention_threads == 1

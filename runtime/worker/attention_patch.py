@@ -26,7 +26,7 @@ def _dispatcher(original: Callable) -> Callable:
             if sinks is not None:
                 raise ValueError("paged decode attention does not support attention sinks")
             return attend(queries, scale)
-        if getattr(cache, "folds_heads", False) and sinks is None and queries.shape[2] == 1:
+        if getattr(cache, "attends_decode", False) and sinks is None and queries.shape[2] == 1:
             return cache.decode_attend(queries, keys, values, scale, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

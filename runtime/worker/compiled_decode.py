@@ -22,6 +22,7 @@ import mlx.nn as nn
 from runtime.worker.aux_pool import AuxPool
 from runtime.worker.decode_plan import bucket_lengths, round_length
 from runtime.worker.discovery import AttentionShape, CacheLayout
+from runtime.worker.parallel_attention import RowSplit
 from runtime.worker.pool_cache import CacheStandIn
 from runtime.worker.row_cache import RowCache
 from runtime.worker.trace_cache import MAX_TRACES, TraceCache
@@ -47,13 +48,19 @@ class _RowView(CacheStandIn):
         return self.keys[s.rows, :, : s.length, :], self.values[s.rows, :, : s.length, :]
 
     @property
-    def folds_heads(self) -> bool:
-        """Whether the attention dispatcher should call ``decode_attend`` (see ``folded_attention``)."""
-        return self.step.fold
+    def attends_decode(self) -> bool:
+        """Whether the attention dispatcher should call ``decode_attend``: heads folded (see
+        ``folded_attention``) or rows split over CPU streams (``RowSplit``)."""
+        return self.step.fold or self.step.parts > 1
 
     def decode_attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                       mask: mx.array) -> mx.array:
-        return folded_attention(queries, keys, values, scale, mask)
+        s = self.step
+        attend = folded_attention if s.fold else mlx_attention
+        if s.parts > 1:
+            assert s.split is not None
+            return s.split.attend(attend, queries, keys, values, scale, mask, s.parts)
+        return attend(queries, keys, values, scale, mask)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         assert window_size is None, "sliding-window models are refused at discovery"
@@ -64,13 +71,20 @@ class _StepArrays:
     """What every layer of one traced step shares: rows, positions, attended length, mask."""
 
     def __init__(self, rows: mx.array, positions: mx.array, heads: mx.array, compact: bool, length: int,
-                 fold: bool) -> None:
+                 fold: bool, split: RowSplit | None) -> None:
         self.rows, self.positions, self.heads = rows, positions, heads
         self.compact, self.length, self.fold = compact, length, fold
+        self.split = split
+        self.parts = split.parts(rows.shape[0]) if split is not None else 1
         self.row_index, self.position_index = rows[:, None], positions[:, None]  # scatter (row, head, position)
         index = mx.arange(length)[None, :]
         # (B, 1, 1, length) bool: each row sees the positions up to its own.
         self.mask = (index <= positions[:, None])[:, None, None, :]
+
+
+def mlx_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
+    """MLX's own attention, as mlx-lm calls it for these caches."""
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
 def folded_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
@@ -127,7 +141,8 @@ class CompiledDecode:
     """
 
     def __init__(self, model: nn.Module, layout: CacheLayout, row_cache: RowCache, length_bucket: int,
-                 max_context: int, fold_heads: bool, aux_pool: AuxPool | None = None) -> None:
+                 max_context: int, fold_heads: bool, aux_pool: AuxPool | None = None,
+                 attention_streams: int = 1) -> None:
         assert (aux_pool is not None) == layout.has_aux, "a hybrid model's decode needs its aux-state pool"
         self.model = model
         self.kv_index = list(layout.kv_index)
@@ -136,15 +151,18 @@ class CompiledDecode:
         self.length_bucket = length_bucket
         self.max_context = max_context
         self.fold_heads = fold_heads  # attention through folded_attention (where MLX's SDPA is its fallback)
+        self.split = RowSplit(attention_streams) if attention_streams > 1 else None
         self.traces = TraceCache(self._forward, MAX_TRACES)
 
     @classmethod
     def with_exact_folding(cls, model: nn.Module, layout: CacheLayout, row_cache: RowCache, shape: AttentionShape,
-                           length_bucket: int, max_context: int, aux_pool: AuxPool | None) -> CompiledDecode:
+                           length_bucket: int, max_context: int, aux_pool: AuxPool | None,
+                           attention_streams: int = 1) -> CompiledDecode:
         """The compiled decode, attention heads folded where that is bit-exact on this machine."""
         lengths = bucket_lengths(length_bucket, max_context)
         fold = folded_attention_is_exact(shape.n_heads, shape.n_kv_heads, shape.head_dim, layout.kv_dtype, lengths)
-        return cls(model, layout, row_cache, length_bucket, max_context, fold_heads=fold, aux_pool=aux_pool)
+        return cls(model, layout, row_cache, length_bucket, max_context, fold_heads=fold, aux_pool=aux_pool,
+                   attention_streams=attention_streams)
 
     @staticmethod
     def supports(layout: CacheLayout) -> bool:
@@ -159,7 +177,7 @@ class CompiledDecode:
     def _forward(self, tokens: mx.array, rows: mx.array, positions: mx.array, keys: list[mx.array],
                  values: list[mx.array], compact: bool, length: int, aux_slots: mx.array | None = None,
                  aux_states: list[list[mx.array]] | None = None):
-        step = _StepArrays(rows, positions, self.row_cache.heads, compact, length, self.fold_heads)
+        step = _StepArrays(rows, positions, self.row_cache.heads, compact, length, self.fold_heads, self.split)
         views = [_RowView(k, v, step) for k, v in zip(keys, values)]
         # A hybrid model's per-row states come from the traced aux-pool arrays and go back there.
         aux_pool = AuxPool(aux_states) if aux_states is not None else None

@@ -63,6 +63,7 @@ class Engine:
         aux_pool: AuxPool | None = None,
         row_cache: bool | None = None,
         compile_decode: bool = True,
+        attention_streams: int = 1,
     ) -> None:
         self.model = model
         self.layout = layout
@@ -75,7 +76,8 @@ class Engine:
         # CPU only: on Metal the row-cache path is not yet measured or checked token-exact compiled.
         if compile_decode and on_cpu and self.paths.row_cache is not None and CompiledDecode.supports(layout):
             self.compiled = CompiledDecode.with_exact_folding(model, layout, self.paths.row_cache, pool.shape,
-                                                              self.COMPILED_LENGTH_BUCKET, max_context, aux_pool)
+                                                              self.COMPILED_LENGTH_BUCKET, max_context, aux_pool,
+                                                              attention_streams)
         self.compiled_paged: CompiledPagedDecode | None = None
         if compile_decode and self.paths.tail is not None and aux_pool is None and CompiledDecode.supports(layout):
             assert self.paths.attention is not None

@@ -49,6 +49,7 @@ def serve(config: Config, address: str, trace_path: str | None = None) -> int:
         from runtime.worker.cuda_graphs import lift_graph_size_limit
         from runtime.worker.engine import Engine
         from runtime.worker.loader import buffer_cache_bytes, load
+        from runtime.worker.parallel_attention import default_streams
 
         lift_graph_size_limit(os.environ, mx.cuda.is_available())  # before the first device operation
         mx.random.seed(config.model.seed)
@@ -59,7 +60,8 @@ def serve(config: Config, address: str, trace_path: str | None = None) -> int:
         default_cache = mx.set_cache_limit(0)
         mx.set_cache_limit(buffer_cache_bytes(config.worker.buffer_cache_mb, default_cache, pool_bytes))
         engine = Engine(loaded.model, layout, pool, config.scheduler.max_running, loaded.max_context, aux_pool,
-                        compile_decode=config.worker.compile_decode)
+                        compile_decode=config.worker.compile_decode,
+                        attention_streams=config.worker.attention_threads or default_streams(os.cpu_count()))
         started = time.perf_counter()
         variants = engine.warm_up()
         print(f"runtime worker: warmed up in {time.perf_counter() - started:.1f} s"
