@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from runtime.bench.service import ServiceSpec
 
-WORKLOADS = ("single", "sweep", "prefix", "memory")
+WORKLOADS = ("single", "sweep", "prefix", "memory", "paired")
 DEFAULT_WORKLOADS = "single,sweep,prefix"
 MEMORY_PROMPT = (8, 200)
 MEMORY_GEN = (1, 64)
@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--prefix-unique", type=_ints, default=[16, 64], help="min,max unique tokens per request")
     p.add_argument("--prefix-gen", type=int, default=32)
+    p.add_argument("--pairs", type=int, default=8,
+                   help="paired: alternating single-stream runs per side (service and mlx-lm loaded together)")
     p.add_argument("--memory-requests", type=int, default=2000)
     p.add_argument("--memory-concurrency", type=int, default=16)
     p.add_argument("--max-step-tokens", type=int, default=2048, help="runtime [scheduler] max_step_tokens")
@@ -81,7 +83,7 @@ def _service_spec(args: argparse.Namespace, model: Path, workloads: list[str], c
     from runtime.bench.service import ServiceSpec
 
     running, context, slots = 1, 64, 0
-    if "single" in workloads or "sweep" in workloads:
+    if "single" in workloads or "sweep" in workloads or "paired" in workloads:
         n = max(args.concurrency) if "sweep" in workloads else 1
         seq = args.prompt_len + args.gen_len
         running, context, slots = max(running, n), max(context, seq), max(slots, n * seq)
@@ -139,6 +141,27 @@ def _mlx_phase(model: Path, plans: list[Any], rep: int, log: Any) -> None:
         plan.run_mlx(mlx, rep)
         _log_gpu(log, {"bench": os.getpid()})
     mlx.release()
+
+
+def _paired_phase(args: argparse.Namespace, model: Path, bench: Any, services: dict[str, Any], log: Any) -> Any:
+    """The ``paired`` workload: a service and mlx-lm loaded together, single streams alternated."""
+    from runtime.bench.mlx_side import MlxLm
+    from runtime.bench.paired import PairedSingle
+    from runtime.bench.service import Service
+
+    spec = _service_spec(args, model, ["paired"], cache=True)
+    paired = PairedSingle(bench, args.prompt_len, args.gen_len, args.pairs)
+    log(f"starting the runtime for the paired workload: {spec}")
+    with Service(spec, args.work_dir / "configs" / "paired.toml") as svc:
+        log(svc.banner)
+        services["paired"] = vars(spec) | {"model": str(model)}
+        log("loading the model in-process for mlx-lm (the service stays up, idle while mlx-lm runs)")
+        mlx = MlxLm(model)
+        try:
+            paired.run(svc.address, mlx)
+        finally:
+            mlx.release()
+    return paired.outcome()
 
 
 def _log_gpu(log: Any, pids: dict[str, int | None]) -> None:
@@ -234,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
             _mlx_phase(model, plans, rep, log)
         for plan in plans:
             report(plan.name, plan.outcome())
+    if "paired" in chosen:
+        report("paired", _paired_phase(args, model, bench, services, log))
     if "memory" in chosen:
         spec = _service_spec(args, model, ["memory"], cache=True)
         log("starting a fresh runtime for the memory workload")

@@ -1,0 +1,82 @@
+"""Single stream in alternating pairs: the runtime and ``generate_step`` back to back, N times.
+
+On shared or lent machines the host's speed moves by 20-50% within minutes (mlx-lm's own
+single stream read 135-208 tok/s on one H200 host in ten minutes), so two medians taken
+minutes apart (``single``, whose phases are separated by service restarts) can differ by more
+than the effect being measured. Here the service stays up, mlx-lm is loaded in this process
+at the same time, and each pair runs one request on each side on the same prompt, in
+alternating order; the table gives each side's median and the median of the per-pair ratios,
+with their range. The two sides still never compute at once: the idle service waits on its
+sockets while mlx-lm runs, and the reverse.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from runtime.bench import runtime_side
+from runtime.bench.mlx_side import MlxLm
+from runtime.bench.report import table
+from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome, _single_view
+
+
+class PairedSingle:
+    """``pairs`` alternating single-stream runs on each side (see the module docstring)."""
+
+    name = "paired"
+
+    def __init__(self, bench: Bench, prompt_len: int, gen_len: int, pairs: int) -> None:
+        self.bench, self.prompt_len, self.gen_len = bench, prompt_len, gen_len
+        self.warm = bench.prompt(prompt_len)
+        self.prompts = [bench.prompt(prompt_len) for _ in range(pairs)]
+        self.rt: list[dict[str, float]] = []
+        self.ml: list[dict[str, float]] = []
+        self.same: list[bool] = []
+
+    def run(self, address: str, mlx: MlxLm) -> None:
+        self.bench.log(f"paired: warm-up, then {len(self.prompts)} pairs of prompt {self.prompt_len}, "
+                       f"{self.gen_len} new tokens")
+        runtime_side.run_together(address, [self.warm], [min(self.gen_len, WARMUP_GEN)])
+        mlx.single(self.warm, min(self.gen_len, WARMUP_GEN))
+        for i, prompt in enumerate(self.prompts):
+            sides = ("runtime", "mlx") if i % 2 == 0 else ("mlx", "runtime")
+            timings = {}
+            for side in sides:
+                if side == "runtime":
+                    timings[side] = runtime_side.run_together(address, [prompt], [self.gen_len])[0]
+                else:
+                    timings[side] = mlx.single(prompt, self.gen_len)
+            self.rt.append(_single_view(timings["runtime"]))
+            self.ml.append(_single_view(timings["mlx"]))
+            self.same.append(timings["runtime"].token_ids == timings["mlx"].token_ids)
+
+    def outcome(self) -> Outcome:
+        rows = []
+        data: dict[str, Any] = {"prompt_len": self.prompt_len, "gen_len": self.gen_len, "pairs": len(self.rt),
+                                "runtime": self.rt, "mlx_lm": self.ml, "tokens_match": self.same}
+        for name, key in (("decode tok/s", "decode_tok_s"), ("end-to-end tok/s", "e2e_tok_s"),
+                          ("TTFT ms", "ttft_ms"), ("ITL p50 ms", "itl_p50_ms")):
+            pair_ratios = paired_ratios([r[key] for r in self.rt], [m[key] for m in self.ml])
+            rt = statistics.median(r[key] for r in self.rt)
+            ml = statistics.median(m[key] for m in self.ml)
+            spread = f"{min(pair_ratios):.2f}-{max(pair_ratios):.2f}" if pair_ratios else "-"
+            median_ratio = round(statistics.median(pair_ratios), 2) if pair_ratios else float("nan")
+            rows.append([name, round(rt, 2), round(ml, 2), median_ratio, spread])
+            data[f"{key}_pair_ratios"] = pair_ratios
+        same = sum(self.same)
+        title = (f"single stream in {len(self.rt)} alternating pairs: prompt {self.prompt_len}, {self.gen_len} new "
+                 f"tokens (tokens match mlx-lm in {same} of {len(self.same)} pairs)")
+        tab = table(title, ["metric", "runtime (median)", "mlx-lm (median)", "median of pair ratios",
+                            "pair ratios, range"], rows)
+        warnings = []
+        if same < len(self.same):
+            warnings.append(f"WARNING: paired: runtime tokens differ from mlx-lm greedy tokens in "
+                            f"{len(self.same) - same} of {len(self.same)} pairs")
+        return Outcome(data, [tab], warnings)
+
+
+def paired_ratios(runtime: list[float], mlx: list[float]) -> list[float]:
+    """runtime / mlx-lm for each pair (pairs with a zero or missing mlx-lm value left out)."""
+    return [round(r / m, 4) for r, m in zip(runtime, mlx) if m and not math.isnan(m) and not math.isnan(r)]
