@@ -168,10 +168,10 @@ def check_kernel() -> None:
         valid = np.concatenate([np.arange(t)[None, :] < lengths[:, None], np.ones((b, tail), dtype=bool)], axis=1)
         ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d**-0.5, mask=mx.array(valid)[:, None, None, :])
         for max_length in (0, t + tail):
-            out = PagedAttention(True).attend(
-                q, pool, 0, d**-0.5, gather_index=None, table=mx.array(full), table_rows=mx.array(order.astype(np.int32)),
-                lengths=mx.array((lengths + tail).astype(np.int32)), mask=None, tail_keys=tail_k, tail_values=tail_v,
-                launch=launch_shape(b, n_kv, n_q // n_kv, d, max_length))
+            out = PagedAttention(True)._kernel_attend(
+                q, pool.keys[0], pool.values[0], mx.array(full), mx.array(order.astype(np.int32)),
+                mx.array((lengths + tail).astype(np.int32)), tail_k, tail_v, d**-0.5,
+                launch_shape(b, n_kv, n_q // n_kv, d, max_length))
             err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
             splits = splits_for(b * n_kv, max_length)
             print(f"kernel check heads {n_q}/{n_kv} dim {d} rows {b} splits {splits}: max abs diff {err:.5f}", flush=True)
@@ -198,11 +198,11 @@ def time_kernel(batches: list[int], context: int, calls: int = 64) -> None:
         v = mx.random.normal((b, n_kv, context, d)).astype(mx.bfloat16)
         attn = PagedAttention(True)
         runs = {
-            "kernel 1 split": lambda x: attn.attend(x, pool, 0, d**-0.5, gather_index=None, table=table, table_rows=rows,
-                                                    lengths=lengths, mask=None, tail_keys=tail_k, tail_values=tail_k),
-            f"kernel {splits_for(b * n_kv, context)} splits": lambda x: attn.attend(
-                x, pool, 0, d**-0.5, gather_index=None, table=table, table_rows=rows, lengths=lengths, mask=None,
-                tail_keys=tail_k, tail_values=tail_k, launch=launch_shape(b, n_kv, n_q // n_kv, d, context)),
+            "kernel 1 split": lambda x: attn._kernel_attend(x, pool.keys[0], pool.values[0], table, rows, lengths,
+                                                            tail_k, tail_k, d**-0.5),
+            f"kernel {splits_for(b * n_kv, context)} splits": lambda x: attn._kernel_attend(
+                x, pool.keys[0], pool.values[0], table, rows, lengths, tail_k, tail_k, d**-0.5,
+                launch_shape(b, n_kv, n_q // n_kv, d, context)),
             "mx.fast sdpa": lambda x: mx.fast.scaled_dot_product_attention(x, k, v, scale=d**-0.5),
         }
         for name, fn in runs.items():

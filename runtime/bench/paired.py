@@ -19,7 +19,7 @@ from typing import Any
 from runtime.bench import runtime_side
 from runtime.bench.mlx_side import MlxLm
 from runtime.bench.report import table
-from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome, _single_view
+from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome, single_view
 
 
 class PairedSingle:
@@ -48,8 +48,8 @@ class PairedSingle:
                     timings[side] = runtime_side.run_together(address, [prompt], [self.gen_len])[0]
                 else:
                     timings[side] = mlx.single(prompt, self.gen_len)
-            self.rt.append(_single_view(timings["runtime"]))
-            self.ml.append(_single_view(timings["mlx"]))
+            self.rt.append(single_view(timings["runtime"]))
+            self.ml.append(single_view(timings["mlx"]))
             self.same.append(timings["runtime"].token_ids == timings["mlx"].token_ids)
 
     def outcome(self) -> Outcome:

@@ -95,8 +95,8 @@ class Single:
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
     def outcome(self) -> Outcome:
-        rt = median_summary([_single_view(t) for t in self.rt])
-        ml = median_summary([_single_view(t) for t in self.ml])
+        rt = median_summary([single_view(t) for t in self.rt])
+        ml = median_summary([single_view(t) for t in self.ml])
         firsts = [self._first_difference(i) for i in range(len(self.rt))]
         first = next((f for f in firsts if f is not None), None)
         warnings = []
@@ -134,7 +134,7 @@ class Single:
             "gen_len": self.gen_len,
             "runtime": rt,
             "mlx_lm": ml,
-            "repeats": {"runtime": [_single_view(t) for t in self.rt], "mlx_lm": [_single_view(t) for t in self.ml]},
+            "repeats": {"runtime": [single_view(t) for t in self.rt], "mlx_lm": [single_view(t) for t in self.ml]},
             "tokens_match": first is None,
             "first_difference": first,
             "first_difference_logprob_gap": self.tie_gap,
@@ -146,7 +146,7 @@ def _of(repeats: int) -> str:
     return f", median of {repeats} runs" if repeats > 1 else ""
 
 
-def _single_view(t: StreamTiming) -> dict[str, float]:
+def single_view(t: StreamTiming) -> dict[str, float]:
     s = summarize([t])
     e2e = t.n_tokens / (t.end - t.start) if t.end > t.start else float("nan")
     return {

@@ -74,14 +74,13 @@ def launch_shape(rows: int, n_kv: int, n_rep: int, head_dim: int, max_length: in
 
 
 class PagedAttention:
-    """``attend(queries, pool, layer, scale, ...)`` for one decode token per row.
+    """Decode attention for one token per row: ``attend_appending`` (the CUDA kernel), or
+    ``attend`` (gathered K/V and MLX's attention) where the kernel does not apply.
 
     ``queries``: (B, Hq, 1, D); the pool layer's K/V: (slots, Hkv, D); ``lengths``: (B,)
     int32 valid positions per row. The kernel reads row ``table_rows[b]`` of the device slot
-    table ``table`` (rows, max_context) for all but the last R positions, which come from
-    ``tail_keys``/``tail_values`` ((B, Hkv, R, D), see ``DecodeTail``); the fallback attends to
-    the (B, T) slots ``gather_index`` with ``mask`` ((B, 1, 1, T) bool). Decode steps use
-    ``attend_appending``, whose kernel also writes the tail extended by the step's K/V.
+    table ``table`` (rows, max_context) for all but the last R positions, which come from the
+    tail ((B, Hkv, R, D), see ``DecodeTail``), and writes the tail extended by the step's K/V.
     """
 
     def __init__(self, use_kernel: bool) -> None:
@@ -97,31 +96,12 @@ class PagedAttention:
     def supports(self, head_dim: int) -> bool:
         return self.use_kernel and head_dim % 32 == 0 and head_dim <= 256
 
-    def attend(
-        self,
-        queries: mx.array,
-        pool: KVPool,
-        layer: int,
-        scale: float,
-        *,
-        gather_index: mx.array | None,
-        table: mx.array | None,
-        table_rows: mx.array | None,
-        lengths: mx.array,
-        mask: mx.array | None,
-        tail_keys: mx.array | None = None,
-        tail_values: mx.array | None = None,
-        launch: tuple[int, int] | None = None,
-    ) -> mx.array:
-        """``launch``: the step's (splits, warps) from ``launch_shape``; None: no split."""
-        length, d = queries.shape[2], queries.shape[3]
-        if not self.supports(d) or length != 1:
-            assert gather_index is not None, "the fallback needs the gathered slot table"
-            keys, values = pool.gather(layer, gather_index)
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-        assert table is not None and table_rows is not None and tail_keys is not None and tail_values is not None
-        return self._kernel_attend(queries, pool.keys[layer], pool.values[layer], table, table_rows, lengths,
-                                   tail_keys, tail_values, scale, launch)
+    def attend(self, queries: mx.array, pool: KVPool, layer: int, scale: float, gather_index: mx.array,
+               mask: mx.array | None) -> mx.array:
+        """Decode attention without the kernel: the (B, T) slots ``gather_index`` of the pool,
+        gathered, with ``mask`` ((B, 1, 1, T) bool)."""
+        keys, values = pool.gather(layer, gather_index)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
     def _kernel_attend(
         self,
@@ -198,7 +178,6 @@ class PagedAttention:
         """The compiled-on-demand kernel object: ``single``, ``split`` or ``combine``."""
         key = (kind, appending)
         if key not in self._kernels:
-            extra = APPEND_OUTPUTS if appending else []
             if kind == "combine":
                 kernel = mx.fast.cuda_kernel(name="runtime_paged_decode_combine",
                                              input_names=["part_acc", "part_m", "part_l"], output_names=["out"],
@@ -207,7 +186,8 @@ class PagedAttention:
                 outputs = ["out"] if kind == "single" else ["part_acc", "part_m", "part_l"]
                 kernel = mx.fast.cuda_kernel(
                     name=f"runtime_paged_decode_{kind}{'_append' if appending else ''}",
-                    input_names=APPEND_INPUTS if appending else INPUTS, output_names=outputs + extra,
+                    input_names=APPEND_INPUTS if appending else INPUTS,
+                    output_names=outputs + (APPEND_OUTPUTS if appending else []),
                     source=body(appending) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL), header=HEADER)
             self._kernels[key] = kernel
         return self._kernels[key]

@@ -106,8 +106,8 @@ class PoolLayerCache(CacheStandIn):
         b, layer = self.batch, self.kv_layer
         assert b.attention is not None and b.lengths is not None
         if b.table is None:
-            return b.attention.attend(queries, self.pool, layer, scale, gather_index=b.gather_index, table=None,
-                                      table_rows=None, lengths=b.lengths, mask=b.mask)
+            assert b.gather_index is not None, "without the kernel, decode attends to gathered slots"
+            return b.attention.attend(queries, self.pool, layer, scale, b.gather_index, b.mask)
         assert b.table_rows is not None and self.new is not None
         tail = b.tail
         # Without a tail (hybrid models) the pool holds this step's K/V too; the kernel reads
