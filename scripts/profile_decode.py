@@ -10,10 +10,12 @@ Prints ms per step and where the host time goes (graph build, async_eval, wait).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import time
 
+import kernel_trace
 import mlx.core as mx
 import numpy as np
 
@@ -34,7 +36,7 @@ def make_model(shape: str):
     return model, cfg
 
 
-def time_mlx(model, batch: int, context: int, steps: int) -> dict:
+def time_mlx(model, batch: int, context: int, steps: int, around=contextlib.nullcontext) -> dict:
     """mlx-lm's path: one KVCache per layer over the batch, generate_step-style pipelining."""
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -48,9 +50,14 @@ def time_mlx(model, batch: int, context: int, steps: int) -> dict:
         return mx.argmax(logprobs, axis=-1)
 
     y = mx.zeros((batch,), dtype=mx.int32)
-    build = submit = wait = 0.0
     y = step(y)
     mx.async_eval(y)
+    with around():
+        return _mlx_loop(step, y, steps)
+
+
+def _mlx_loop(step, y, steps: int) -> dict:
+    build = submit = wait = 0.0
     start = time.perf_counter()
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -68,7 +75,7 @@ def time_mlx(model, batch: int, context: int, steps: int) -> dict:
 
 
 def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slots_total: int, stagger: bool = False,
-                warm: bool = False) -> dict:
+                warm: bool = False, around=contextlib.nullcontext) -> dict:
     """The worker's Engine: prefill every row, then chained decode steps in the worker's order."""
     from runtime.protocol.worker import DecodeBatch, PrefillChunk, Step
     from runtime.worker.discovery import discover
@@ -102,37 +109,38 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
             slot_ids=[1 + r * seq + pos + extra[r] for r in range(batch)],
             temperatures=[0.0] * batch))
 
-    pending = engine.launch(decode_step(context, True))
-    build = submit = wait = 0.0
-    per_step: list[tuple[float, bool]] = []  # (seconds, in place) per loop iteration
-    start = time.perf_counter()
-    for i in range(steps):
-        t0 = time.perf_counter()
-        built = engine.build(decode_step(context + 1 + i, False))
-        t1 = time.perf_counter()
-        if overlap:
-            engine.submit(built)
-            t2 = time.perf_counter()
-            engine.finalize(pending)
-            t3 = time.perf_counter()
-            submit, wait = submit + t2 - t1, wait + t3 - t2
-        elif not built.in_place:  # what the worker does with a step that feeds the decode tail
-            engine.submit(built)
-            t2 = time.perf_counter()
-            engine.finalize(pending)
-            t3 = time.perf_counter()
-            submit, wait = submit + t2 - t1, wait + t3 - t2
-        else:
-            engine.finalize(pending)
-            t2 = time.perf_counter()
-            engine.submit(built)
-            t3 = time.perf_counter()
-            wait, submit = wait + t2 - t1, submit + t3 - t2
-        build += t1 - t0
-        per_step.append((time.perf_counter() - t0, built.in_place))
-        pending = built
-    engine.finalize(pending)
-    total = time.perf_counter() - start
+    with around():
+        pending = engine.launch(decode_step(context, True))
+        build = submit = wait = 0.0
+        per_step: list[tuple[float, bool]] = []  # (seconds, in place) per loop iteration
+        start = time.perf_counter()
+        for i in range(steps):
+            t0 = time.perf_counter()
+            built = engine.build(decode_step(context + 1 + i, False))
+            t1 = time.perf_counter()
+            if overlap:
+                engine.submit(built)
+                t2 = time.perf_counter()
+                engine.finalize(pending)
+                t3 = time.perf_counter()
+                submit, wait = submit + t2 - t1, wait + t3 - t2
+            elif not built.in_place:  # what the worker does with a step that feeds the decode tail
+                engine.submit(built)
+                t2 = time.perf_counter()
+                engine.finalize(pending)
+                t3 = time.perf_counter()
+                submit, wait = submit + t2 - t1, wait + t3 - t2
+            else:
+                engine.finalize(pending)
+                t2 = time.perf_counter()
+                engine.submit(built)
+                t3 = time.perf_counter()
+                wait, submit = wait + t2 - t1, submit + t3 - t2
+            build += t1 - t0
+            per_step.append((time.perf_counter() - t0, built.in_place))
+            pending = built
+        engine.finalize(pending)
+        total = time.perf_counter() - start
     times = np.array([t for t, _ in per_step]) * 1e3
     flush = [t * 1e3 for t, in_place in per_step if in_place]
     extra = (f"  step p50 {np.percentile(times, 50):.2f} p95 {np.percentile(times, 95):.2f} max {times.max():.2f}"
@@ -238,6 +246,7 @@ def main() -> None:
     p.add_argument("--modes", default="mlx,engine,engine-overlap")
     p.add_argument("--big-pool", type=int, default=0, help="engine pool slots at least this many")
     p.add_argument("--check", action="store_true", help="check the paged kernel first (CUDA)")
+    p.add_argument("--kernels", action="store_true", help="trace each mode's kernels with torch.profiler (CUDA)")
     p.add_argument("--kernel", default="", help="time the attention kernel alone at these batch sizes (CUDA)")
     args = p.parse_args()
     if args.check:
@@ -247,23 +256,31 @@ def main() -> None:
     if not args.modes:
         return
     model, _ = make_model(args.shape)
+    nullctx = contextlib.nullcontext
     print(f"device {mx.default_device()}, shape {args.shape}, context {args.context}, steps {args.steps}")
     for batch in [int(b) for b in args.batch.split(",")]:
         for mode in args.modes.split(","):
             fn = {
-                "mlx": lambda: time_mlx(model, batch, args.context, args.steps),
-                "engine": lambda: time_engine(model, batch, args.context, args.steps, False, args.big_pool),
-                "engine-overlap": lambda: time_engine(model, batch, args.context, args.steps, True, args.big_pool),
-                "engine-stagger": lambda: time_engine(model, batch, args.context, args.steps, False, args.big_pool, True),
-                "engine-warm": lambda: time_engine(model, batch, args.context, args.steps, False, args.big_pool,
-                                                   warm=True),
-                "engine-nosplit": lambda: no_split(lambda: time_engine(model, batch, args.context, args.steps, False,
-                                                                      args.big_pool)),
+                "mlx": lambda a=nullctx: time_mlx(model, batch, args.context, args.steps, a),
+                "engine": lambda a=nullctx: time_engine(model, batch, args.context, args.steps, False, args.big_pool,
+                                                        around=a),
+                "engine-overlap": lambda a=nullctx: time_engine(model, batch, args.context, args.steps, True,
+                                                                args.big_pool, around=a),
+                "engine-stagger": lambda a=nullctx: time_engine(model, batch, args.context, args.steps, False,
+                                                                args.big_pool, True, around=a),
+                "engine-warm": lambda a=nullctx: time_engine(model, batch, args.context, args.steps, False,
+                                                             args.big_pool, warm=True, around=a),
+                "engine-nosplit": lambda a=nullctx: no_split(lambda: time_engine(
+                    model, batch, args.context, args.steps, False, args.big_pool, around=a)),
             }[mode]
             fn()  # warm-up: compile kernels, fill the buffer cache
             r = fn()
             print(f"B={batch:4d} {mode:15s} {r['ms']:7.2f} ms/step  {batch * 1e3 / r['ms']:8.0f} tok/s  "
                   f"build {r['build']:.2f}  submit {r['submit']:.2f}  wait {r['wait']:.2f}{r.get('extra', '')}", flush=True)
+            if args.kernels:
+                report: dict = {}
+                fn(lambda: kernel_trace.traced(report))
+                print(kernel_trace.summary(report, args.steps), flush=True)
             mx.clear_cache()
 
 

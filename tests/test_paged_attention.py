@@ -159,27 +159,35 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
     assert bool(steps) == compiled
 
 
-def test_kernel_warps_fit_shared_memory():
-    from runtime.worker.paged_attention import MAX_WARPS, SHARED_BYTES, warps_for
+def test_kernel_warps_fit_shared_memory_and_registers():
+    from runtime.worker.paged_attention import MAX_WARPS, REGISTERS, SHARED_BYTES, lanes_per_position, warps_for
 
     assert warps_for(4, 64) == MAX_WARPS and warps_for(4, 64, positions=4) == 1  # 4 groups of 8 lanes: one warp
+    assert warps_for(4, 128, blocks=32) == 16 and warps_for(4, 128, blocks=128) == 8
+    assert warps_for(4, 128, blocks=512) == 4  # many blocks: small ones, more of them resident
+    assert warps_for(8, 128) == 8  # twice the per-lane state: 16 warps would not fit the register file
     for n_rep, dim in ((4, 128), (8, 128), (16, 128), (32, 256)):
         w = warps_for(n_rep, dim)
+        per_lane = dim // lanes_per_position(dim)
         assert w >= 1 and w * n_rep * dim * 4 <= SHARED_BYTES
+        assert w <= 4 or w * 32 * (2 * n_rep * per_lane + 2 * per_lane + 48) <= REGISTERS
 
 
 def test_small_batches_split_their_positions_over_blocks():
     from runtime.worker.paged_attention import (
+        MANY_BLOCKS,
         MAX_WARPS,
         MIN_SPLIT,
-        TARGET_BLOCKS,
+        launch_shape,
         splits_for,
         warps_for,
     )
 
-    assert splits_for(8, 512) == 16  # one row of an 8-KV-head model: 128 blocks of 32 positions
+    assert splits_for(8, 512) == 4  # one row of an 8-KV-head model: 32 blocks of 128 positions
+    assert splits_for(8, 4096) == 8 and splits_for(128, 1024) == 2  # long rows: at most 512 positions a block
     assert splits_for(8, 0) == 1 and splits_for(8, 40) == 1  # unknown or short lengths: no split
-    assert splits_for(TARGET_BLOCKS, 4096) == 1  # a big batch fills the GPU by itself
+    assert splits_for(MANY_BLOCKS, 4096) == 1  # a big batch fills the GPU by itself
+    assert launch_shape(1, 8, 4, 128, 512) == (4, 16) and launch_shape(64, 8, 4, 128, 512) == (1, 4)
     for blocks, length in ((1, 100000), (8, 300), (64, 2048), (200, 512)):
         s = splits_for(blocks, length)
         assert s & (s - 1) == 0 and (s == 1 or length >= s * MIN_SPLIT)

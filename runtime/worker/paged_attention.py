@@ -26,9 +26,12 @@ from runtime.worker.paged_kernels import (
 )
 
 UNROLL = 1  # positions per lane group and warp pass: more costs registers, hence occupancy (1 measured best)
-MAX_WARPS = 4  # 128 threads a block: small blocks keep more of them resident (4 measured best on an H200)
+MAX_WARPS = 16  # a block of few (row, KV head) pairs: its warps are the kernel's only parallelism
 SHARED_BYTES = 40 * 1024  # the per-warp partial results live in static shared memory (48 KiB max)
-TARGET_BLOCKS = 264  # about two blocks per SM on an H100/H200 (132 SMs)
+REGISTERS = 65536  # 32-bit registers per SM (and per block) on every CUDA GPU MLX supports
+FEW_BLOCKS = 32  # split a step's positions until it has this many blocks (H200 sweep: 1-4 rows)
+MANY_BLOCKS = 256  # never split beyond this many blocks
+SPLIT_LENGTH = 512  # below MANY_BLOCKS, also split while a block would hold more positions than this
 MIN_SPLIT = 32  # positions per split, at least
 MAX_SPLITS = 32
 
@@ -42,24 +45,33 @@ def lanes_per_position(head_dim: int) -> int:
     return lanes
 
 
-def warps_for(n_rep: int, head_dim: int, positions: int | None = None) -> int:
-    """Warps per block: ``MAX_WARPS``, no more than the block's ``positions`` keep busy, and
-    few enough for the shared-memory partials."""
-    warps = MAX_WARPS
+def warps_for(n_rep: int, head_dim: int, positions: int | None = None, blocks: int = 0) -> int:
+    """Warps per block for a launch of ``blocks`` blocks (0: few): many where there are few
+    blocks, since each warp works through its positions one dependent pass at a time; no
+    more than the block's ``positions`` keep busy; few enough for the shared-memory partials
+    and, above 4, for the register file (a lane holds 2 x n_rep x head_dim / lanes floats)."""
+    warps = MAX_WARPS if blocks <= 64 else 8 if blocks <= 256 else 4
     per_pass = 32 // lanes_per_position(head_dim) * UNROLL  # positions one warp pass covers
     if positions is not None:
         while warps > 1 and (warps // 2) * per_pass >= positions:
             warps //= 2
     while warps > 1 and warps * n_rep * head_dim * 4 > SHARED_BYTES:
         warps //= 2
+    per_lane = head_dim // lanes_per_position(head_dim)
+    registers = 2 * n_rep * per_lane + 2 * per_lane * UNROLL + 48  # measured 114 at 4 x 8 per lane
+    while warps > 4 and warps * 32 * registers > REGISTERS:
+        warps //= 2
     return warps
 
 
 def splits_for(blocks: int, max_length: int) -> int:
     """Splits of each row's positions over separate blocks (flash-decoding): a batch of few
-    rows and KV heads is too few blocks to keep the GPU's memory system busy on its own."""
+    rows and KV heads is too few blocks to keep the GPU busy on its own, and a long row is
+    many dependent passes for one block. Measured on an H200: past about 32 blocks, more
+    splits of a short row cost more than they save."""
     splits = 1
-    while splits < MAX_SPLITS and blocks * splits < TARGET_BLOCKS and max_length >= 2 * splits * MIN_SPLIT:
+    while (splits < MAX_SPLITS and max_length >= 2 * splits * MIN_SPLIT and blocks * splits < MANY_BLOCKS
+           and (blocks * splits < FEW_BLOCKS or max_length > splits * SPLIT_LENGTH)):
         splits *= 2
     return splits
 
@@ -70,7 +82,7 @@ def launch_shape(rows: int, n_kv: int, n_rep: int, head_dim: int, max_length: in
     blocks = rows * n_kv
     splits = splits_for(blocks, max_length)
     per_block = -(-max_length // splits) if max_length else None
-    return splits, warps_for(n_rep, head_dim, per_block)
+    return splits, warps_for(n_rep, head_dim, per_block, blocks * splits)
 
 
 class PagedAttention:

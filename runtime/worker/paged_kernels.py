@@ -66,8 +66,18 @@ _BODY = """
     }
     const int* trow = table + (size_t)rows[b] * tcap;
 {TAIL_COPY}    // A warp pass covers GROUPS * UNROLL consecutive positions; all its loads are issued
-    // before any is used, so a warp waits for memory once per pass.
-    for (int t0 = tbegin + warp * GROUPS * UNROLL; t0 < tend; t0 += NWARPS * GROUPS * UNROLL) {
+    // before any is used, so a warp waits for memory once per pass. The slots of the next
+    // pass are read from the table while this pass's K/V are loading.
+    constexpr int STRIDE = NWARPS * GROUPS * UNROLL;
+    const int tfirst = tbegin + warp * GROUPS * UNROLL;
+    const int pool_end = min(tend, n);
+    int slot[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int t = tfirst + u * GROUPS + group;
+        slot[u] = t < pool_end ? trow[t] : 0;
+    }
+    for (int t0 = tfirst; t0 < tend; t0 += STRIDE) {
         float kr[UNROLL][PER];
         float vr[UNROLL][PER];
 #pragma unroll
@@ -77,11 +87,16 @@ _BODY = """
 #pragma unroll
                 for (int i = 0; i < PER; ++i) kr[u][i] = vr[u][i] = 0.f;
             } else if (t < n) {
-                const size_t base = ((size_t)trow[t] * HKV + h) * D + gl * PER;
+                const size_t base = ((size_t)slot[u] * HKV + h) * D + gl * PER;
                 load_row<T, PER>(keys + base, kr[u]);
                 load_row<T, PER>(values + base, vr[u]);
             } else {
 {TAIL_LOAD}            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int t = t0 + STRIDE + u * GROUPS + group;
+            slot[u] = t < pool_end ? trow[t] : 0;
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -205,8 +220,8 @@ _TAIL_LOAD = """
 """
 
 # Appending: the last position is this step's new_keys/new_values (B, HKV, 1, D), the R - 1
-# before it the old tail; the block of split 0 also writes old tail + new row to keys_out /
-# values_out (B, HKV, R, D), the step's tail, so no separate concatenation is launched.
+# before it the old tail; the blocks also write old tail + new row to keys_out / values_out
+# (B, HKV, R, D), the step's tail, so no separate concatenation is launched.
 _APPEND_LENGTH = "    const int R = tail_keys_shape[2] + 1;\n"
 _APPEND_LOAD = """
                 const bool old = t - n < R - 1;
@@ -215,16 +230,36 @@ _APPEND_LOAD = """
                 load_row<T, PER>((old ? tail_values : new_values) + base, vr[u]);
 """
 _APPEND_COPY = """
-    if (split == 0) {
-        for (int i = threadIdx.x; i < R * D; i += NWARPS * 32) {
-            const int s = i / D;
-            const size_t src = s < R - 1 ? ((size_t)bh * (R - 1) + s) * D + i % D : (size_t)bh * D + i % D;
-            keys_out[(size_t)bh * R * D + i] = s < R - 1 ? tail_keys[src] : new_keys[src];
-            values_out[(size_t)bh * R * D + i] = s < R - 1 ? tail_values[src] : new_values[src];
+    {
+        // Every block of the (row, KV head) copies a share, 16 bytes per thread and load where
+        // aligned; a thread issues both loads before its stores (one memory wait, not R * 2).
+        const size_t old_base = (size_t)bh * (R - 1) * D;
+        const size_t new_base = (size_t)bh * D;
+        const size_t out_base = (size_t)bh * R * D;
+        constexpr int V = 16 / sizeof(T);
+        const bool vec = D % V == 0 && ((reinterpret_cast<size_t>(tail_keys + old_base) |
+            reinterpret_cast<size_t>(tail_values + old_base) | reinterpret_cast<size_t>(new_keys + new_base) |
+            reinterpret_cast<size_t>(new_values + new_base) | reinterpret_cast<size_t>(keys_out + out_base) |
+            reinterpret_cast<size_t>(values_out + out_base)) & 15) == 0;
+        const int step = vec ? V : 1;
+        const int old_n = (R - 1) * D;
+        for (int e = (split * NWARPS * 32 + threadIdx.x) * step; e < R * D; e += SPLITS * NWARPS * 32 * step) {
+            const T* ks = e < old_n ? tail_keys + old_base + e : new_keys + new_base + (e - old_n);
+            const T* vs = e < old_n ? tail_values + old_base + e : new_values + new_base + (e - old_n);
+            if (vec) {
+                const uint4 kv = *reinterpret_cast<const uint4*>(ks);
+                const uint4 vv = *reinterpret_cast<const uint4*>(vs);
+                *reinterpret_cast<uint4*>(keys_out + out_base + e) = kv;
+                *reinterpret_cast<uint4*>(values_out + out_base + e) = vv;
+            } else {
+                const T kv = *ks;
+                const T vv = *vs;
+                keys_out[out_base + e] = kv;
+                values_out[out_base + e] = vv;
+            }
         }
     }
 """
-
 
 def body(appending: bool) -> str:
     """The kernel body up to its write-out: reading a separate tail, or appending to it."""
