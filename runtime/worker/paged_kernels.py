@@ -261,6 +261,7 @@ _APPEND_COPY = """
     }
 """
 
+
 def body(appending: bool) -> str:
     """The kernel body up to its write-out: reading a separate tail, or appending to it."""
     if appending:
