@@ -160,7 +160,13 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
 
 
 def test_kernel_warps_fit_shared_memory_and_registers():
-    from runtime.worker.paged_attention import MAX_WARPS, REGISTERS, SHARED_BYTES, lanes_per_position, warps_for
+    from runtime.worker.paged_attention import (
+        MAX_WARPS,
+        REGISTERS,
+        SHARED_BYTES,
+        lanes_per_position,
+        warps_for,
+    )
 
     assert warps_for(4, 64) == MAX_WARPS and warps_for(4, 64, positions=4) == 1  # 4 groups of 8 lanes: one warp
     assert warps_for(4, 128, blocks=32) == 16 and warps_for(4, 128, blocks=128) == 8
