@@ -81,12 +81,12 @@ def _table_reference(self, queries, keys_pool, values_pool, table, table_rows, l
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask[:, None, None, :])
 
 
-def _append_reference(self, queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values,
-                      new_keys, new_values, scale, launch):
+def _append_reference(self, inputs, scale, launch):
     """What the appending CUDA kernel computes: the tail extended by the step's K/V, and the
     attention over the pool and that tail."""
     import mlx.core as mx
 
+    queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values, new_keys, new_values = inputs
     keys = mx.concatenate([tail_keys, new_keys], axis=2)
     values = mx.concatenate([tail_values, new_values], axis=2)
     out = _table_reference(self, queries, keys_pool, values_pool, table, table_rows, lengths, keys, values, scale,

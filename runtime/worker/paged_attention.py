@@ -156,28 +156,15 @@ class PagedAttention:
             out = self._kernel_attend(queries, keys_pool, values_pool, table, table_rows, lengths, new_keys,
                                       new_values, scale, launch)
             return out, new_keys, new_values
-        return self._append_attend(queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys,
-                                   tail_values, new_keys, new_values, scale, launch)
+        return self._append_attend([queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys,
+                                    tail_values, new_keys, new_values], scale, launch)
 
-    def _append_attend(
-        self,
-        queries: mx.array,
-        keys_pool: mx.array,
-        values_pool: mx.array,
-        table: mx.array,
-        table_rows: mx.array,
-        lengths: mx.array,
-        tail_keys: mx.array,
-        tail_values: mx.array,
-        new_keys: mx.array,
-        new_values: mx.array,
-        scale: float,
-        launch: tuple[int, int] | None,
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        inputs = [queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values, new_keys,
-                  new_values, self._scale(scale)]
-        b, h, r, d = tail_keys.shape
-        out, keys, values = self._launch(inputs, keys_pool.shape[1], launch, tail_shape=(b, h, r + 1, d))
+    def _append_attend(self, inputs: list[mx.array], scale: float,
+                       launch: tuple[int, int] | None) -> tuple[mx.array, mx.array, mx.array]:
+        """The appending kernel on ``attend_appending``'s arrays, in its order (a tail present)."""
+        b, h, r, d = inputs[6].shape  # the old tail
+        out, keys, values = self._launch(inputs + [self._scale(scale)], inputs[1].shape[1], launch,
+                                         tail_shape=(b, h, r + 1, d))
         return out, keys, values
 
     def _scale(self, scale: float) -> mx.array:
@@ -256,4 +243,4 @@ class PagedAttention:
         rows = mx.zeros((1,), dtype=mx.int32)
         for launch in sorted(variants):
             args = (queries, pool, pool, table, rows, lengths, tail, tail)
-            mx.eval(self._kernel_attend(*args, 1.0, launch), *self._append_attend(*args, tail, tail, 1.0, launch))
+            mx.eval(self._kernel_attend(*args, 1.0, launch), *self._append_attend([*args, tail, tail], 1.0, launch))
