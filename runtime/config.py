@@ -93,6 +93,11 @@ class WorkerConfig:
     than one decode step's temporaries at moderate batch sizes, and missing it costs a
     fresh allocation and page faults for every temporary (2-3x slower steps); 0 picks four
     times the pools' size (at most an eighth of memory, never less than MLX's default).
+
+    ``fuse_projections``: run attention's q/k/v and the MLP's gate/up projections of a
+    one-token input as one matrix-vector product each (``runtime/worker/fused_projections.py``;
+    bit-identical, fewer kernels per one-row decode step). ``auto``: on a GPU, where such a
+    step is host-bound; ``on``; ``off``.
     """
 
     startup_timeout_s: float = 600.0
@@ -102,6 +107,7 @@ class WorkerConfig:
     buffer_cache_mb: int = 0
     compile_decode: bool = True
     attention_threads: int = 0
+    fuse_projections: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -182,6 +188,8 @@ def _validate(config: Config) -> None:
         raise ConfigError(f"config key 'server.address' must start with ipc:// or tcp://, got {addr!r}")
     if config.worker.blas not in ("auto", "bundled"):
         raise ConfigError("config key 'worker.blas' must be 'auto' or 'bundled'")
+    if config.worker.fuse_projections not in ("auto", "on", "off"):
+        raise ConfigError("config key 'worker.fuse_projections' must be 'auto', 'on' or 'off'")
 
 
 def load_config(path: str | Path) -> Config:

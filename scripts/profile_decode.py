@@ -243,7 +243,8 @@ def main() -> None:
     p.add_argument("--batch", default="1,16")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--modes", default="mlx,engine,engine-overlap")
+    p.add_argument("--modes", default="mlx,engine,engine-overlap",
+                   help="comma-separated; a mode ending in -fused runs with fused projections (and so do all after it)")
     p.add_argument("--big-pool", type=int, default=0, help="engine pool slots at least this many")
     p.add_argument("--check", action="store_true", help="check the paged kernel first (CUDA)")
     p.add_argument("--kernels", action="store_true", help="trace each mode's kernels with torch.profiler (CUDA)")
@@ -259,7 +260,13 @@ def main() -> None:
     nullctx = contextlib.nullcontext
     print(f"device {mx.default_device()}, shape {args.shape}, context {args.context}, steps {args.steps}")
     for batch in [int(b) for b in args.batch.split(",")]:
-        for mode in args.modes.split(","):
+        for label in args.modes.split(","):
+            mode = label
+            if mode.endswith("-fused"):  # fuses the model in place from here on: list these modes last
+                from runtime.worker.fused_projections import fuse_projections
+
+                fuse_projections(model)
+                mode = mode.removesuffix("-fused")
             fn = {
                 "mlx": lambda a=nullctx: time_mlx(model, batch, args.context, args.steps, a),
                 "engine": lambda a=nullctx: time_engine(model, batch, args.context, args.steps, False, args.big_pool,
@@ -275,7 +282,7 @@ def main() -> None:
             }[mode]
             fn()  # warm-up: compile kernels, fill the buffer cache
             r = fn()
-            print(f"B={batch:4d} {mode:15s} {r['ms']:7.2f} ms/step  {batch * 1e3 / r['ms']:8.0f} tok/s  "
+            print(f"B={batch:4d} {label:21s} {r['ms']:7.2f} ms/step  {batch * 1e3 / r['ms']:8.0f} tok/s  "
                   f"build {r['build']:.2f}  submit {r['submit']:.2f}  wait {r['wait']:.2f}{r.get('extra', '')}", flush=True)
             if args.kernels:
                 report: dict = {}

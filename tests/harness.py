@@ -33,8 +33,10 @@ class InProcessService:
         row_cache: bool | None = None,
         compile_decode: bool = True,
         attention_streams: int = 1,
+        fuse: bool = False,
     ) -> None:
         from runtime.worker.engine import Engine
+        from runtime.worker.fused_projections import fuse_projections
         from runtime.worker.loader import load
 
         config = parse_config(
@@ -51,6 +53,8 @@ class InProcessService:
         )
         loaded = load(config)
         layout = loaded.layout
+        if fuse:
+            fuse_projections(loaded.model)
         self.pool, self.aux_pool = loaded.make_pools()
         self.engine = Engine(
             loaded.model, layout, self.pool, max_running, loaded.max_context, self.aux_pool, row_cache=row_cache,

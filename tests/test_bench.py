@@ -44,6 +44,9 @@ def test_service_toml_is_a_valid_config(tmp_path):
     assert config.scheduler.max_running == 8 and config.scheduler.max_context == 600
     assert config.cache.kv_slots == 5000 and config.cache.enabled is False
     assert config.scheduler.max_step_tokens == 2048 and config.scheduler.prefill_chunk == 512
+    assert config.worker.fuse_projections == "auto"
+    off = ServiceSpec(model=tmp_path, max_running=1, max_context=64, kv_slots=100, fuse_projections="off")
+    assert parse_config(tomllib.loads(off.toml())).worker.fuse_projections == "off"
 
 
 def test_synthetic_tiny_loads_with_mlx_lm_and_transformers(tmp_path):

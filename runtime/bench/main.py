@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlx-prefill-batch", type=int, default=8, help="mlx-lm BatchGenerator prefill_batch_size")
     p.add_argument("--blas", choices=("auto", "bundled"), default="auto",
                    help="runtime [worker] blas; the bench process (mlx-lm) is re-run with the same BLAS")
+    p.add_argument("--fuse-projections", choices=("auto", "on", "off"), default="auto",
+                   help="runtime [worker] fuse_projections (auto: on a GPU)")
     p.add_argument("--seed", type=int, default=0, help="prompt and synthetic-weight seed")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the runtime and mlx-lm phases this many times, alternating; tables show medians")
@@ -104,6 +106,7 @@ def _service_spec(args: argparse.Namespace, model: Path, workloads: list[str], c
         max_step_tokens=args.max_step_tokens,
         prefill_chunk=args.prefill_chunk,
         blas=args.blas,
+        fuse_projections=args.fuse_projections,
     )
 
 

@@ -30,6 +30,7 @@ class ServiceSpec:
     max_step_tokens: int = 2048
     prefill_chunk: int = 512
     blas: str = "auto"
+    fuse_projections: str = "auto"
 
     def toml(self) -> str:
         """The config file text (keys as in runtime/config.py)."""
@@ -44,7 +45,7 @@ class ServiceSpec:
             "[cache]\n"
             f"enabled = {'true' if self.cache_enabled else 'false'}\n"
             f"kv_slots = {self.kv_slots}\n\n"
-            f"[worker]\nblas = {self.blas!r}\n"
+            f"[worker]\nblas = {self.blas!r}\nfuse_projections = {self.fuse_projections!r}\n"
         )
 
 
