@@ -58,6 +58,7 @@ def time_mlx(model, batch: int, context: int, steps: int, around=contextlib.null
 
 def _mlx_loop(step, y, steps: int) -> dict:
     build = submit = wait = 0.0
+    per_step = []
     start = time.perf_counter()
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -68,10 +69,13 @@ def _mlx_loop(step, y, steps: int) -> dict:
         y.tolist()
         t3 = time.perf_counter()
         build, submit, wait = build + t1 - t0, submit + t2 - t1, wait + t3 - t2
+        per_step.append(t3 - t0)
         y = nxt
     total = time.perf_counter() - start
+    times = np.array(per_step) * 1e3
     return {"ms": 1e3 * total / steps, "build": 1e3 * build / steps, "submit": 1e3 * submit / steps,
-            "wait": 1e3 * wait / steps}
+            "wait": 1e3 * wait / steps,
+            "extra": f"  step p50 {np.percentile(times, 50):.2f} p95 {np.percentile(times, 95):.2f} max {times.max():.2f}"}
 
 
 def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slots_total: int, stagger: bool = False,
@@ -279,6 +283,8 @@ def main() -> None:
                                                              args.big_pool, warm=True, around=a),
                 "engine-nosplit": lambda a=nullctx: no_split(lambda: time_engine(
                     model, batch, args.context, args.steps, False, args.big_pool, around=a)),
+                "engine-warm-nosplit": lambda a=nullctx: no_split(lambda: time_engine(
+                    model, batch, args.context, args.steps, False, args.big_pool, warm=True, around=a)),
             }[mode]
             fn()  # warm-up: compile kernels, fill the buffer cache
             r = fn()
