@@ -189,11 +189,12 @@ def test_small_batches_split_their_positions_over_blocks():
         warps_for,
     )
 
-    assert splits_for(8, 512) == 4  # one row of an 8-KV-head model: 32 blocks of 128 positions
+    assert splits_for(8, 512) == 1  # one row of an 8-KV-head model: no combine kernel for a short row
+    assert splits_for(2, 512) == 4  # one row of a 2-KV-head model: 8 blocks of 128 positions
     assert splits_for(8, 4096) == 8 and splits_for(128, 1024) == 2  # long rows: at most 512 positions a block
     assert splits_for(8, 0) == 1 and splits_for(8, 40) == 1  # unknown or short lengths: no split
     assert splits_for(MANY_BLOCKS, 4096) == 1  # a big batch fills the GPU by itself
-    assert launch_shape(1, 8, 4, 128, 512) == (4, 16) and launch_shape(64, 8, 4, 128, 512) == (1, 4)
+    assert launch_shape(1, 8, 4, 128, 512) == (1, 16) and launch_shape(64, 8, 4, 128, 512) == (1, 4)
     for blocks, length in ((1, 100000), (8, 300), (64, 2048), (200, 512)):
         s = splits_for(blocks, length)
         assert s & (s - 1) == 0 and (s == 1 or length >= s * MIN_SPLIT)

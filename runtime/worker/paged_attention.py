@@ -29,7 +29,10 @@ UNROLL = 1  # positions per lane group and warp pass: more costs registers, henc
 MAX_WARPS = 16  # a block of few (row, KV head) pairs: its warps are the kernel's only parallelism
 SHARED_BYTES = 40 * 1024  # the per-warp partial results live in static shared memory (48 KiB max)
 REGISTERS = 65536  # 32-bit registers per SM (and per block) on every CUDA GPU MLX supports
-FEW_BLOCKS = 32  # split a step's positions until it has this many blocks (H200 sweep: 1-4 rows)
+# Split a step's positions until it has this many blocks. The kernel alone is fastest at about
+# 32 blocks (H200 sweep), but each split step launches a second (combine) kernel per layer, and
+# a one-row step is host-bound: an 8B one-row step took 6.74 ms split 4 ways, 6.15 ms unsplit.
+FEW_BLOCKS = 8
 MANY_BLOCKS = 256  # never split beyond this many blocks
 SPLIT_LENGTH = 512  # below MANY_BLOCKS, also split while a block would hold more positions than this
 MIN_SPLIT = 32  # positions per split, at least
@@ -68,7 +71,8 @@ def splits_for(blocks: int, max_length: int) -> int:
     """Splits of each row's positions over separate blocks (flash-decoding): a batch of few
     rows and KV heads is too few blocks to keep the GPU busy on its own, and a long row is
     many dependent passes for one block. Measured on an H200: past about 32 blocks, more
-    splits of a short row cost more than they save."""
+    splits of a short row cost more than they save, and below that the combine kernel's
+    launch costs a host-bound step more than the split saves (``FEW_BLOCKS``)."""
     splits = 1
     while (splits < MAX_SPLITS and max_length >= 2 * splits * MIN_SPLIT and blocks * splits < MANY_BLOCKS
            and (blocks * splits < FEW_BLOCKS or max_length > splits * SPLIT_LENGTH)):
