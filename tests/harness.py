@@ -36,12 +36,12 @@ class InProcessService:
         fuse: bool = False,
     ) -> None:
         from runtime.worker.engine import Engine
-        from runtime.worker.fused_projections import fuse_projections
         from runtime.worker.loader import load
 
         config = parse_config(
             {
                 "model": {"path": str(folder)},
+                "worker": {"fuse_projections": "on" if fuse else "off"},
                 "cache": {"enabled": cache, "kv_slots": kv_slots, "aux_slots": aux_slots, "track_chunk": track_chunk},
                 "scheduler": {
                     "max_running": max_running,
@@ -53,8 +53,6 @@ class InProcessService:
         )
         loaded = load(config)
         layout = loaded.layout
-        if fuse:
-            fuse_projections(loaded.model)
         self.pool, self.aux_pool = loaded.make_pools()
         self.engine = Engine(
             loaded.model, layout, self.pool, max_running, loaded.max_context, self.aux_pool, row_cache=row_cache,

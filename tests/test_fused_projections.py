@@ -129,3 +129,18 @@ def test_fuse_projections_setting():
         parse_config({"model": {"path": "/m"}, "worker": {"fuse_projections": "yes"}})
     assert fusion_wanted("auto", on_gpu=True) and not fusion_wanted("auto", on_gpu=False)
     assert fusion_wanted("on", on_gpu=False) and not fusion_wanted("off", on_gpu=True)
+
+
+def test_the_loader_fuses_when_configured(model_dir):
+    from runtime.worker.loader import load
+
+    folder = model_dir("llama")
+    loaded = {}
+    for setting in ("off", "on"):
+        config = parse_config({"model": {"path": str(folder)}, "worker": {"fuse_projections": setting}})
+        loaded[setting] = load(config)
+    layers = len(model_layers(loaded["on"].model))
+    assert loaded["off"].fused_groups == 0 and loaded["on"].fused_groups == 2 * layers  # q/k/v and gate/up
+    assert isinstance(model_layers(loaded["on"].model)[0].mlp.gate_proj, FusedPart)
+    prompt = [9, 8, 7, 6, 5]
+    assert bool(mx.array_equal(_decode_logits(loaded["off"].model, prompt), _decode_logits(loaded["on"].model, prompt)))

@@ -101,17 +101,17 @@ class FusedPart(nn.Module):
         return self._stacked.project(x, self._part)
 
 
-def _fusable(linears: list[object]) -> bool:
-    kinds = {type(lin) for lin in linears}
-    if len(kinds) != 1 or kinds.pop() not in (nn.Linear, nn.QuantizedLinear):
-        return False
-    if any("bias" in lin for lin in linears):  # type: ignore[operator]
+def _fusable(linears: list[nn.Module | None]) -> bool:
+    """Plain linears of one kind and input width, without a bias (quantized: one scheme)."""
+    if any(lin is None for lin in linears) or len({type(lin) for lin in linears}) != 1:
         return False
     first = linears[0]
-    if len({lin["weight"].shape[1] for lin in linears}) != 1 or len({lin["weight"].dtype for lin in linears}) != 1:  # type: ignore[index]
+    if type(first) not in (nn.Linear, nn.QuantizedLinear) or any("bias" in lin for lin in linears):
+        return False
+    if len({(lin["weight"].shape[1], lin["weight"].dtype) for lin in linears}) != 1:
         return False
     if isinstance(first, nn.QuantizedLinear):
-        return len({(lin.group_size, lin.bits, lin.mode) for lin in linears}) == 1  # type: ignore[attr-defined]
+        return len({(lin.group_size, lin.bits, lin.mode) for lin in linears}) == 1
     return True
 
 
@@ -122,11 +122,11 @@ def fuse_projections(model: nn.Module) -> int:
     for _, module in model.named_modules():
         for names in GROUPS:
             linears = [getattr(module, n, None) for n in names]
-            if any(lin is None for lin in linears) or not _fusable(linears):
+            if not _fusable(linears):
                 continue
-            stacked = _Stacked(linears)  # type: ignore[arg-type]
+            stacked = _Stacked(linears)
             for part, (name, linear) in enumerate(zip(names, linears)):
-                setattr(module, name, FusedPart(linear, stacked, part))  # type: ignore[arg-type]
+                setattr(module, name, FusedPart(linear, stacked, part))
             count += 1
     mx.clear_cache()
     return count

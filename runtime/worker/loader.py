@@ -18,6 +18,7 @@ from runtime.worker.discovery import (
     UnsupportedModel,
     discover,
 )
+from runtime.worker.fused_projections import fuse_projections, fusion_wanted
 from runtime.worker.kv_pool import KVPool
 
 DEFAULT_MAX_CONTEXT = 4096
@@ -35,6 +36,7 @@ class LoadedModel:
     num_slots: int
     aux_templates: list | None = None
     aux_slots: int = 0
+    fused_groups: int = 0
 
     def make_pools(self) -> tuple[KVPool, AuxPool | None]:
         kv = KVPool(len(self.layout.attention_layers), self.num_slots, _kv_shape(self.layout), self.layout.kv_dtype)
@@ -77,10 +79,17 @@ def load(config: Config) -> LoadedModel:
     path = Path(config.model.path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no config.json in model folder {path}")
-    model, model_config = load_model(path)
+    model, model_config = load_model(path, lazy=True)
     layout = discover(model)
     if layout.kv_shape is None and not layout.has_aux:
         raise UnsupportedModel("model has neither attention layers nor recurrent-state layers")
+    fused_groups = 0
+    if fusion_wanted(config.worker.fuse_projections, mx.default_device().type == mx.DeviceType.gpu):
+        # From the lazily loaded weights: each group's parts are read, stacked and freed before
+        # the next group's are read, so the freed buffers are reused instead of staying
+        # reserved on the device (a CUDA memory pool keeps what it was given back).
+        fused_groups = fuse_projections(model)
+    mx.eval(model.parameters())
     aux_templates = AuxPool.probe(model, layout) if layout.has_aux else None
     aux_slots = (config.cache.aux_slots or 8 * config.scheduler.max_running) + 1 if layout.has_aux else 0
     text_config = model_config.get("text_config", model_config)
@@ -103,6 +112,7 @@ def load(config: Config) -> LoadedModel:
         num_slots=num_slots,
         aux_templates=aux_templates,
         aux_slots=aux_slots,
+        fused_groups=fused_groups,
     )
 
 

@@ -48,7 +48,6 @@ def serve(config: Config, address: str, trace_path: str | None = None) -> int:
 
         from runtime.worker.cuda_graphs import lift_graph_size_limit
         from runtime.worker.engine import Engine
-        from runtime.worker.fused_projections import fuse_projections, fusion_wanted
         from runtime.worker.loader import buffer_cache_bytes, load
         from runtime.worker.parallel_attention import default_streams
 
@@ -56,8 +55,8 @@ def serve(config: Config, address: str, trace_path: str | None = None) -> int:
         mx.random.seed(config.model.seed)
         loaded = load(config)
         layout = loaded.layout
-        if fusion_wanted(config.worker.fuse_projections, mx.default_device().type == mx.DeviceType.gpu):
-            fuse_projections(loaded.model)
+        if loaded.fused_groups:
+            print(f"runtime worker: fused {loaded.fused_groups} projection groups", flush=True)
         pool, aux_pool = loaded.make_pools()
         pool_bytes = pool.nbytes + (aux_pool.nbytes if aux_pool is not None else 0)
         default_cache = mx.set_cache_limit(0)
