@@ -2,7 +2,8 @@
 
 No service, no sockets: an in-process random-weight model of a synthetic bench shape,
 ``batch`` rows prefilled to ``--context`` tokens, then ``--steps`` chained decode steps.
-Prints ms per step and where the host time goes (graph build, async_eval, wait).
+Prints ms per step and where the host time goes (graph build, async_eval, wait). Every
+engine mode runs the worker's warm-up first (``--cold-engine``: not, as before session 8).
 
     python scripts/profile_decode.py --shape llama-1b --batch 1,64,256
 """
@@ -250,6 +251,9 @@ def main() -> None:
     p.add_argument("--modes", default="mlx,engine,engine-overlap",
                    help="comma-separated; a mode ending in -fused runs with fused projections (and so do all after it)")
     p.add_argument("--big-pool", type=int, default=0, help="engine pool slots at least this many")
+    p.add_argument("--cold-engine", action="store_true",
+                   help="engine modes skip the worker's warm-up, so the compiled step's traces compile inside the "
+                        "timed run (what runs before session 8 measured)")
     p.add_argument("--check", action="store_true", help="check the paged kernel first (CUDA)")
     p.add_argument("--kernels", action="store_true", help="trace each mode's kernels with torch.profiler (CUDA)")
     p.add_argument("--kernel", default="", help="time the attention kernel alone at these batch sizes (CUDA)")
@@ -271,20 +275,20 @@ def main() -> None:
 
                 fuse_projections(model)
                 mode = mode.removesuffix("-fused")
+            warm_up = not args.cold_engine  # every engine mode warms up first (as the worker does) unless asked
+
+            def engine(overlap=False, stagger=False, warm=warm_up, a=nullctx):
+                return time_engine(model, batch, args.context, args.steps, overlap, args.big_pool, stagger, warm=warm,
+                                   around=a)
+
             fn = {
                 "mlx": lambda a=nullctx: time_mlx(model, batch, args.context, args.steps, a),
-                "engine": lambda a=nullctx: time_engine(model, batch, args.context, args.steps, False, args.big_pool,
-                                                        around=a),
-                "engine-overlap": lambda a=nullctx: time_engine(model, batch, args.context, args.steps, True,
-                                                                args.big_pool, around=a),
-                "engine-stagger": lambda a=nullctx: time_engine(model, batch, args.context, args.steps, False,
-                                                                args.big_pool, True, around=a),
-                "engine-warm": lambda a=nullctx: time_engine(model, batch, args.context, args.steps, False,
-                                                             args.big_pool, warm=True, around=a),
-                "engine-nosplit": lambda a=nullctx: no_split(lambda: time_engine(
-                    model, batch, args.context, args.steps, False, args.big_pool, around=a)),
-                "engine-warm-nosplit": lambda a=nullctx: no_split(lambda: time_engine(
-                    model, batch, args.context, args.steps, False, args.big_pool, warm=True, around=a)),
+                "engine": lambda a=nullctx: engine(a=a),
+                "engine-overlap": lambda a=nullctx: engine(overlap=True, a=a),
+                "engine-stagger": lambda a=nullctx: engine(stagger=True, a=a),
+                "engine-warm": lambda a=nullctx: engine(warm=True, a=a),
+                "engine-nosplit": lambda a=nullctx: no_split(lambda: engine(a=a)),
+                "engine-warm-nosplit": lambda a=nullctx: no_split(lambda: engine(warm=True, a=a)),
             }[mode]
             fn()  # warm-up: compile kernels, fill the buffer cache
             r = fn()
