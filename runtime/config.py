@@ -97,7 +97,8 @@ class WorkerConfig:
     ``fuse_projections``: run attention's q/k/v and the MLP's gate/up projections of a
     one-token input as one matrix-vector product each (``runtime/worker/fused_projections.py``;
     bit-identical, fewer kernels per one-row decode step). ``auto``: on a GPU, where such a
-    step is host-bound; ``on``; ``off``.
+    step is host-bound, for models whose decode step is compiled (attention layers only,
+    ``compile_decode`` on); ``on``; ``off``.
     """
 
     startup_timeout_s: float = 600.0

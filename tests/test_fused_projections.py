@@ -127,8 +127,11 @@ def test_fuse_projections_setting():
     assert parse_config({"model": {"path": "/m"}}).worker.fuse_projections == "auto"
     with pytest.raises(ConfigError, match="fuse_projections"):
         parse_config({"model": {"path": "/m"}, "worker": {"fuse_projections": "yes"}})
-    assert fusion_wanted("auto", on_gpu=True) and not fusion_wanted("auto", on_gpu=False)
-    assert fusion_wanted("on", on_gpu=False) and not fusion_wanted("off", on_gpu=True)
+    assert fusion_wanted("auto", on_gpu=True, compiled_step=True)
+    assert not fusion_wanted("auto", on_gpu=False, compiled_step=True)
+    assert not fusion_wanted("auto", on_gpu=True, compiled_step=False)  # hybrids, compile_decode off
+    assert fusion_wanted("on", on_gpu=False, compiled_step=False)
+    assert not fusion_wanted("off", on_gpu=True, compiled_step=True)
 
 
 def test_the_loader_fuses_when_configured(model_dir):

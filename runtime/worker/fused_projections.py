@@ -132,7 +132,9 @@ def fuse_projections(model: nn.Module) -> int:
     return count
 
 
-def fusion_wanted(setting: str, on_gpu: bool) -> bool:
-    """``worker.fuse_projections`` resolved: ``auto`` fuses on a GPU only (measured there;
-    the CPU's decode steps are not bound by their kernel count)."""
-    return setting == "on" or (setting == "auto" and on_gpu)
+def fusion_wanted(setting: str, on_gpu: bool, compiled_step: bool) -> bool:
+    """``worker.fuse_projections`` resolved. ``auto`` fuses where it was measured to pay: on a
+    GPU, for a decode step that is one compiled function (models with attention layers only,
+    ``compile_decode`` on). On the CPU it measured slower; in an uncompiled step the parts'
+    Python costs about what the saved kernels do (mlx-lm's own loop on a fused 8B model)."""
+    return setting == "on" or (setting == "auto" and on_gpu and compiled_step)

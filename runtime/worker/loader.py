@@ -84,7 +84,8 @@ def load(config: Config) -> LoadedModel:
     if layout.kv_shape is None and not layout.has_aux:
         raise UnsupportedModel("model has neither attention layers nor recurrent-state layers")
     fused_groups = 0
-    if fusion_wanted(config.worker.fuse_projections, mx.default_device().type == mx.DeviceType.gpu):
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    if fusion_wanted(config.worker.fuse_projections, on_gpu, config.worker.compile_decode and not layout.has_aux):
         # From the lazily loaded weights: each group's parts are read, stacked and freed before
         # the next group's are read, so the freed buffers are reused instead of staying
         # reserved on the device (a CUDA memory pool keeps what it was given back).
