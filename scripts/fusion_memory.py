@@ -22,12 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def device_mib() -> int:
     """This process's GPU memory per nvidia-smi, or -1 without one."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True).stdout
-    except FileNotFoundError:
-        return -1
-    return sum(int(line.split(",")[1]) for line in out.splitlines() if line.split(",")[0].strip() == str(os.getpid()))
+    from runtime.bench.service import gpu_memory_bytes
+
+    per_pid = gpu_memory_bytes()
+    return -1 if per_pid is None else per_pid.get(os.getpid(), 0) // 2**20
 
 
 def measure(folder: str, way: str) -> None:
