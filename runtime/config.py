@@ -27,10 +27,23 @@ class ServerConfig:
 
     ``ipc://`` (the default, a socket file in a private temp directory) or
     ``tcp://HOST:PORT``; ``tcp://:PORT`` binds ``host`` (127.0.0.1 by default).
+
+    ``max_message_mb``: the largest client message the socket accepts (a bigger one closes
+    that client's connection). ``slow_client_timeout_s``: a client that reads none of its
+    replies for this long has its requests aborted and its unsent replies dropped.
+    ``curve_secret_key`` (Z85): turns on ZeroMQ CURVE encryption and authentication;
+    ``curve_client_keys`` (Z85 public keys) are the clients allowed in (empty: any client
+    that knows the server's public key). A TCP address other than loopback is refused
+    without CURVE unless ``allow_insecure`` is set.
     """
 
     address: str = "ipc://"
     host: str = "127.0.0.1"
+    max_message_mb: float = 4.0
+    slow_client_timeout_s: float = 30.0
+    curve_secret_key: str = ""
+    curve_client_keys: tuple[str, ...] = ()
+    allow_insecure: bool = False
 
 
 @dataclass(frozen=True)
@@ -40,6 +53,9 @@ class SchedulerConfig:
     ``admit_window_ms``: a request that finds the service idle waits this long before its
     step is planned, so requests sent together (a client's burst) share one prefill step
     instead of one step each behind a full pipeline.
+
+    ``max_waiting``: requests queued beyond the running batch; past it a request is refused
+    at once with an "overloaded, retry later" error.
     """
 
     max_running: int = 64
@@ -47,6 +63,7 @@ class SchedulerConfig:
     prefill_chunk: int = 256
     max_context: int = 0
     admit_window_ms: float = 1.0
+    max_waiting: int = 4096
     debug_invariants: bool = False
 
 
@@ -70,6 +87,11 @@ class CacheConfig:
 @dataclass(frozen=True)
 class WorkerConfig:
     """``[worker]``: the MLX process.
+
+    ``step_timeout_s``: a worker that returns no step for this long while steps are in
+    flight is declared hung, killed and restarted (its requests fail with "worker stopped
+    responding"). The default leaves room for first-call kernel builds on a GPU and long
+    prefill chunks of large models on a CPU.
 
     ``overlap_submit_max_mb``: on a GPU, submit every decode step N+1 before reading step N
     back when the KV and aux pools together are at most this size. That hides the launch
@@ -102,6 +124,7 @@ class WorkerConfig:
     """
 
     startup_timeout_s: float = 600.0
+    step_timeout_s: float = 120.0
     restart: bool = True
     blas: str = "auto"
     overlap_submit_max_mb: int = 1024
@@ -123,6 +146,10 @@ class Config:
 
 
 def _check_type(key: str, value: object, hint: object) -> object:
+    if typing.get_origin(hint) is tuple:  # tuple[str, ...]: a TOML list of strings, kept immutable
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"config key '{key}' must be a list of strings, got {value!r}")
+        return tuple(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     expected = hint if isinstance(hint, type) else None
@@ -176,6 +203,12 @@ def _validate(config: Config) -> None:
         raise ConfigError("config key 'scheduler.admit_window_ms' must be between 0 and 1000")
     if s.max_context < 0 or c.kv_slots < 0:
         raise ConfigError("config keys 'scheduler.max_context' and 'cache.kv_slots' must not be negative")
+    if s.max_waiting < 0:
+        raise ConfigError("config key 'scheduler.max_waiting' must not be negative")
+    if config.worker.step_timeout_s <= 0 or config.server.slow_client_timeout_s <= 0:
+        raise ConfigError("config keys 'worker.step_timeout_s' and 'server.slow_client_timeout_s' must be positive")
+    if not 0 < config.server.max_message_mb <= 1024:
+        raise ConfigError("config key 'server.max_message_mb' must be in (0, 1024]")
     if config.worker.attention_threads < 0:
         raise ConfigError("config key 'worker.attention_threads' must not be negative")
     if config.worker.buffer_cache_mb < 0 or config.worker.overlap_submit_max_mb < 0:
