@@ -1,10 +1,11 @@
-"""``runtime`` command line: up, status, generate, bench."""
+"""``runtime`` command line: up, status, generate, keygen, bench."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 
@@ -18,7 +19,19 @@ def _cmd_up(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"runtime: {exc}", file=sys.stderr)
         return 2
-    from runtime.scheduler.addresses import resolve
+    if not os.path.isdir(config.model.path):
+        print(f"runtime: no such folder: {config.model.path} (model.path in {args.config})", file=sys.stderr)
+        return 1
+    from runtime.protocol.security import SecurityError, check_bind_allowed
+    from runtime.scheduler.addresses import AddressError, resolve
+
+    addresses = resolve(config.server.address, config.server.host)
+    try:
+        check_bind_allowed(addresses.client, config.server)  # before the heavy imports
+    except SecurityError as exc:
+        addresses.cleanup()
+        print(f"runtime: {exc}", file=sys.stderr)
+        return 1
     from runtime.scheduler.server import Server, WorkerStartError
 
     try:
@@ -27,11 +40,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:  # uvloop is optional on platforms without it
         pass
-    addresses = resolve(config.server.address, config.server.host)
 
     async def run() -> int:
         try:
             server = Server(config, addresses)
+        except (SecurityError, AddressError) as exc:
+            print(f"runtime: {exc}", file=sys.stderr)
+            return 1
         except Exception as exc:
             print(f"runtime: cannot load the tokenizer from {config.model.path}: {exc}", file=sys.stderr)
             return 1
@@ -41,6 +56,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         try:
             await server.start()
+        except (SecurityError, AddressError) as exc:
+            print(f"runtime: {exc}", file=sys.stderr)
+            await server.shutdown()
+            return 1
         except WorkerStartError as exc:
             print(f"runtime: the worker could not load the model: {exc}", file=sys.stderr)
             await server.shutdown()
@@ -73,10 +92,25 @@ def _cmd_up(args: argparse.Namespace) -> int:
         addresses.cleanup()
 
 
+def _client_keys(args: argparse.Namespace) -> dict[str, str]:
+    """The CURVE keyword arguments for SyncClient, checked here so a bad key fails before connecting."""
+    from runtime.protocol.security import client_keys
+
+    keys = {"server_key": args.server_key, "public_key": args.public_key, "secret_key": args.secret_key}
+    client_keys(**keys)
+    return {name: key for name, key in keys.items() if key}  # none given: a plain connection
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from runtime.client import ServiceUnavailable, SyncClient
+    from runtime.protocol.security import SecurityError
 
-    with SyncClient(args.address) as client:
+    try:
+        client = SyncClient(args.address, timeout_s=args.timeout, **_client_keys(args))
+    except SecurityError as exc:
+        print(f"runtime: {exc}", file=sys.stderr)
+        return 2
+    with client:
         try:
             reply = client.status(timeout=args.timeout)
         except ServiceUnavailable as exc:
@@ -91,8 +125,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from runtime.client import RequestFailed, ServiceUnavailable, SyncClient
 
+    from runtime.protocol.security import SecurityError
+
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
-    with SyncClient(args.address, timeout_s=args.timeout) as client:
+    try:
+        client = SyncClient(args.address, timeout_s=args.timeout, **_client_keys(args))
+    except SecurityError as exc:
+        print(f"runtime: {exc}", file=sys.stderr)
+        return 2
+    with client:
         try:
             if args.json:
                 result = client.generate(args.prompt, **kwargs)
@@ -122,6 +163,42 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             return 1
 
 
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from runtime.protocol.security import generate_keypair
+
+    public, secret = generate_keypair()
+    if args.json:
+        print(json.dumps({"public": public, "secret": secret}))
+        return 0
+    print(f"public: {public}")
+    print(f"secret: {secret}")
+    print("# in the service's config (keep it private); clients pass the public key as --server-key:")
+    print(f'[server]\ncurve_secret_key = "{secret}"')
+    return 0
+
+
+def _add_key_flags(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument(
+        "--server-key",
+        default=env("RUNTIME_SERVER_KEY"),
+        metavar="Z85",
+        help="the service's CURVE public key (default: $RUNTIME_SERVER_KEY)",
+    )
+    parser.add_argument(
+        "--public-key",
+        default=env("RUNTIME_PUBLIC_KEY"),
+        metavar="Z85",
+        help="this client's CURVE public key (default: $RUNTIME_PUBLIC_KEY; none: an ephemeral pair)",
+    )
+    parser.add_argument(
+        "--secret-key",
+        default=env("RUNTIME_SECRET_KEY"),
+        metavar="Z85",
+        help="this client's CURVE secret key (default: $RUNTIME_SECRET_KEY)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
@@ -138,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="print model and queue facts of a running service")
     st.add_argument("-a", "--address", required=True)
     st.add_argument("--timeout", type=float, default=3.0)
+    _add_key_flags(st)
     st.set_defaults(func=_cmd_status)
     gen = sub.add_parser("generate", help="stream a completion")
     gen.add_argument("-a", "--address", required=True)
@@ -147,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true", help="print one JSON object with the whole result")
     gen.add_argument("--timeout", type=float, default=None, help="seconds to wait for each reply")
     gen.add_argument("prompt")
+    _add_key_flags(gen)
     gen.set_defaults(func=_cmd_generate)
+    keygen = sub.add_parser("keygen", help="print a new CURVE key pair for server.curve_secret_key")
+    keygen.add_argument("--json", action="store_true", help='print {"public": ..., "secret": ...}')
+    keygen.set_defaults(func=_cmd_keygen)
     sub.add_parser("bench", help="benchmark against mlx-lm on the same model (runtime bench --help)")
     args = parser.parse_args(argv)
     return args.func(args)

@@ -203,8 +203,8 @@ def _validate(config: Config) -> None:
         raise ConfigError("config key 'scheduler.admit_window_ms' must be between 0 and 1000")
     if s.max_context < 0 or c.kv_slots < 0:
         raise ConfigError("config keys 'scheduler.max_context' and 'cache.kv_slots' must not be negative")
-    if s.max_waiting < 0:
-        raise ConfigError("config key 'scheduler.max_waiting' must not be negative")
+    if s.max_waiting < 1:
+        raise ConfigError("config key 'scheduler.max_waiting' must be at least 1")
     if config.worker.step_timeout_s <= 0 or config.server.slow_client_timeout_s <= 0:
         raise ConfigError("config keys 'worker.step_timeout_s' and 'server.slow_client_timeout_s' must be positive")
     if not 0 < config.server.max_message_mb <= 1024:
@@ -224,6 +224,18 @@ def _validate(config: Config) -> None:
         raise ConfigError("config key 'worker.blas' must be 'auto' or 'bundled'")
     if config.worker.fuse_projections not in ("auto", "on", "off"):
         raise ConfigError("config key 'worker.fuse_projections' must be 'auto', 'on' or 'off'")
+    if config.server.curve_client_keys and not config.server.curve_secret_key:
+        raise ConfigError("config key 'server.curve_client_keys' needs 'server.curve_secret_key' (`runtime keygen`)")
+    if config.server.curve_secret_key:
+        from runtime.protocol.security import SecurityError, check_key  # zmq only when CURVE is on
+
+        named = [("server.curve_secret_key", config.server.curve_secret_key)]
+        named += [(f"server.curve_client_keys[{i}]", k) for i, k in enumerate(config.server.curve_client_keys)]
+        try:
+            for name, key in named:
+                check_key(key, f"config key '{name}'")
+        except SecurityError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def load_config(path: str | Path) -> Config:

@@ -16,6 +16,17 @@ from model_factory import reference_greedy
 from runtime.client import Client
 from runtime.protocol import client as cp
 
+async def wait_worker_up(client: Client, timeout: float = 60.0):
+    """Poll status until a worker serves again; the status then."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        status = await client.status()
+        if status.worker_state == "up":
+            return status
+        assert asyncio.get_running_loop().time() < deadline, "the worker did not come back"
+        await asyncio.sleep(0.1)
+
+
 EXTRA = "[cache]\nkv_slots = 1024\n[scheduler]\nmax_running = 8\nmax_context = 256\n"
 
 
@@ -75,16 +86,21 @@ async def test_malformed_and_mistyped_messages(served):
     assert good.token_ids == reference_greedy(folder, [9, 8, 7], 3)
 
 
-async def test_duplicate_request_id_is_refused(served):
-    _, svc = served
+async def test_request_ids_are_scoped_to_their_connection(served):
+    folder, svc = served
     async with Client(svc.address, timeout_s=30) as client:
         stream = client.stream(token_ids=[5, 6], max_tokens=200, ignore_eos=True, rid="dup")
         await stream.__anext__()  # the first request is running
+        with pytest.raises(ValueError, match="in use"):
+            await client.generate(token_ids=[5, 6], max_tokens=2, rid="dup")
         async with Client(svc.address, timeout_s=30) as other:
-            second = await other.generate(token_ids=[5, 6], max_tokens=2, rid="dup")
+            theirs = await other.generate(token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True, rid="dup")
+            assert await other.abort("dup") is False  # another connection's request: not found
         assert await client.abort("dup") is True
-        await stream.aclose()
-    assert second.finish_reason == "error" and "already in use" in second.error
+        async for _ in stream:
+            pass
+    assert theirs.token_ids == reference_greedy(folder, [5, 6, 7], 3)
+    assert stream.result.finish_reason == "abort"
 
 
 async def test_worker_death_fails_inflight_and_restarts(model_dir, tmp_path):
@@ -100,8 +116,11 @@ async def test_worker_death_fails_inflight_and_restarts(model_dir, tmp_path):
             except Exception as exc:  # RequestFailed
                 failure = exc
             assert failure is not None and "worker died" in str(failure)
+            meanwhile = await client.generate(token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True)
+            assert (await client.status()).worker_state == "restarting"
+            after = await wait_worker_up(client)
             result = await client.generate(token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True)
-            after = await client.status()
+    assert meanwhile.finish_reason == "error" and "worker unavailable, retrying" in meanwhile.error
     assert result.token_ids == reference_greedy(folder, [5, 6, 7], 4)
     assert after.worker_restarts == 1 and after.worker_pid != status.worker_pid
 

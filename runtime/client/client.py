@@ -11,6 +11,7 @@ import zmq
 
 from runtime.protocol import client as cp
 from runtime.protocol.loop_socket import LoopSocket
+from runtime.protocol.security import secure_client
 
 
 class ServiceUnavailable(ConnectionError):
@@ -61,12 +62,25 @@ def _result(done: cp.Done) -> GenerationResult:
 class Client:
     """Async client: ``async with Client(address) as c: await c.generate(prompt="...")``.
 
-    One DEALER socket; a background task routes replies to waiting requests by id.
+    One DEALER socket; a background task routes replies to waiting requests by id. Request
+    ids belong to this connection. A request whose caller stops waiting (a cancelled
+    ``generate``, a stream left early or closed) is aborted. With ``server_key`` (the
+    service's CURVE public key, Z85) the connection is encrypted; ``public_key`` and
+    ``secret_key`` are this client's own key pair (a fresh one when both are None).
     """
 
-    def __init__(self, address: str, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float | None = None,
+        *,
+        server_key: str | None = None,
+        public_key: str | None = None,
+        secret_key: str | None = None,
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self._keys = (server_key, public_key, secret_key)
         self._ctx: zmq.Context | None = None
         self._sock: LoopSocket | None = None
         self._queues: dict[str, asyncio.Queue] = {}
@@ -76,6 +90,7 @@ class Client:
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        secure_client(sock, *self._keys)
         sock.connect(self.address)
         self._sock = LoopSocket(sock)
         self._reader = asyncio.create_task(self._read())
@@ -103,14 +118,29 @@ class Client:
             payload = await self._sock.recv()
             assert payload is not None  # no timeout: only a message ends the wait
             msg = cp.server_msg_decoder.decode(payload)
+            if isinstance(msg, cp.Ping):
+                continue
             for item in msg.chunks if isinstance(msg, cp.ChunkBatch) else (msg,):
                 key = "abort:" + item.rid if isinstance(item, cp.AbortReply) else item.rid
                 queue = self._queues.get(key)
                 if queue is not None:
                     queue.put_nowait(item)
 
+    def _abandon(self, rid: str) -> None:
+        """The caller stopped waiting for ``rid``: abort it without waiting for the answer."""
+        self._queues.pop(rid, None)
+        if self._sock is not None:
+            try:
+                self._sock.send(cp.client_encoder.encode(cp.Abort(rid=rid)))
+            except zmq.ZMQError:
+                pass  # a full or closed socket: the service aborts it when this connection goes
+
     async def _call(self, msg: msgspec.Struct, rid: str) -> asyncio.Queue:
         assert self._sock is not None, "use `async with Client(...)`"
+        if len(rid) > cp.MAX_RID_LEN + len("abort:"):
+            raise ValueError(f"request ids are at most {cp.MAX_RID_LEN} characters")
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is in use on this connection")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         try:
@@ -155,15 +185,21 @@ class Client:
         """Run one request to completion; finish_reason "error" comes back as a result, not raised."""
         msg = self._request(rid, False, prompt, token_ids, max_tokens, temperature, ignore_eos, stop_token_ids)
         queue = await self._call(msg, msg.rid)
+        finished = False
         try:
             while True:
                 reply = await self._get(queue)
                 if isinstance(reply, cp.Done):
+                    finished = True
                     return _result(reply)
                 if isinstance(reply, cp.ProtocolError):
+                    finished = True
                     return GenerationResult(rid=msg.rid, finish_reason="error", error=reply.message)
         finally:
-            self._queues.pop(msg.rid, None)
+            if finished:
+                self._queues.pop(msg.rid, None)
+            else:
+                self._abandon(msg.rid)  # cancelled or timed out: nobody wants the rest
 
     def stream(
         self,
@@ -224,7 +260,8 @@ class Stream:
             try:
                 reply = await self._client._get(self._queue)
             except BaseException:
-                self._client._queues.pop(self.rid, None)
+                self._client._abandon(self.rid)
+                self.result = GenerationResult(rid=self.rid, finish_reason="abort", error="abandoned by the caller")
                 raise
             if isinstance(reply, cp.Chunk):
                 return GenerationChunk(token_ids=list(reply.token_ids), text=reply.text)
@@ -240,17 +277,32 @@ class Stream:
             raise StopAsyncIteration
 
     async def aclose(self) -> None:
-        """Stop listening (the request keeps running unless aborted)."""
-        if self._queue is not None:
-            self._client._queues.pop(self.rid, None)
+        """Stop listening; a request still running is aborted."""
+        if self._queue is not None and self.result is None:
+            self._client._abandon(self.rid)
+            self.result = GenerationResult(rid=self.rid, finish_reason="abort", error="closed by the caller")
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
 
 
 class SyncClient:
     """Blocking wrapper for scripts: ``with SyncClient(address) as c: c.generate(prompt="...")``."""
 
-    def __init__(self, address: str, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float | None = None,
+        *,
+        server_key: str | None = None,
+        public_key: str | None = None,
+        secret_key: str | None = None,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
-        self._client = Client(address, timeout_s=timeout_s)
+        self._client = Client(address, timeout_s=timeout_s, server_key=server_key, public_key=public_key, secret_key=secret_key)
 
     def __enter__(self) -> SyncClient:
         self._loop.run_until_complete(self._client.__aenter__())
@@ -268,7 +320,7 @@ class SyncClient:
         return self._loop.run_until_complete(self._client.generate(prompt, **kwargs))
 
     def stream(self, prompt: str | None = None, **kwargs):
-        """A plain iterator of GenerationChunk."""
+        """A plain iterator of GenerationChunk; leaving it early (break, close) aborts the request."""
         agen = self._client.stream(prompt, **kwargs)
         try:
             while True:
@@ -277,7 +329,8 @@ class SyncClient:
                 except StopAsyncIteration:
                     return
         finally:
-            self._loop.run_until_complete(agen.aclose())
+            if not self._loop.is_closed():
+                self._loop.run_until_complete(agen.aclose())
 
     def abort(self, rid: str) -> bool:
         return self._loop.run_until_complete(self._client.abort(rid))

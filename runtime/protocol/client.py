@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
 
+MAX_RID_LEN = 256
+"""Longest request id a client may choose (every reply repeats it)."""
+
+Rid = Annotated[str, msgspec.Meta(max_length=MAX_RID_LEN)]
+
 
 class Generate(msgspec.Struct, tag="generate", omit_defaults=True, forbid_unknown_fields=True):
-    """Start a generation. Exactly one of ``prompt`` or ``token_ids`` is set."""
+    """Start a generation. Exactly one of ``prompt`` or ``token_ids`` is set.
 
-    rid: str
+    ``rid`` is the client's own id for the request, scoped to its connection: two clients
+    may use the same one, and only the sender can abort it. A REQ socket gets exactly one
+    reply per request, so its requests never stream.
+    """
+
+    rid: Rid
     prompt: str | None = None
     token_ids: list[int] | None = None
     max_tokens: int = 256
@@ -21,15 +31,15 @@ class Generate(msgspec.Struct, tag="generate", omit_defaults=True, forbid_unknow
 
 
 class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
-    """End a running or waiting request; its result comes back with finish_reason "abort"."""
+    """End a running or waiting request of this connection; its result comes back with finish_reason "abort"."""
 
-    rid: str
+    rid: Rid
 
 
 class StatusQuery(msgspec.Struct, tag="status", forbid_unknown_fields=True):
     """Ask for model and queue facts."""
 
-    rid: str
+    rid: Rid
 
 
 ClientMsg = Union[Generate, Abort, StatusQuery]
@@ -64,7 +74,11 @@ class Done(msgspec.Struct, tag="done", omit_defaults=True):
 
 
 class StatusReply(msgspec.Struct, tag="status_reply"):
-    """Model and queue facts for ``runtime status``."""
+    """Model and queue facts for ``runtime status``.
+
+    ``worker_state``: "up", or "restarting" while no worker is serving (new requests are
+    refused then; waiting ones run once it is back).
+    """
 
     rid: str
     model: str
@@ -83,6 +97,9 @@ class StatusReply(msgspec.Struct, tag="status_reply"):
     steps: int = 0
     worker_idle_s: float = 0.0
     worker_uptime_s: float = 0.0
+    worker_state: str = "up"
+    max_waiting: int = 0
+    max_message_bytes: int = 0
 
 
 class ProtocolError(msgspec.Struct, tag="protocol_error"):
@@ -99,7 +116,12 @@ class AbortReply(msgspec.Struct, tag="abort_reply"):
     found: bool
 
 
-ServerMsg = Union[Chunk, ChunkBatch, Done, StatusReply, ProtocolError, AbortReply]
+class Ping(msgspec.Struct, tag="ping"):
+    """Sent now and then to a client with requests in flight, so the service notices when it
+    has gone (its requests are then aborted). Clients ignore it. REQ sockets drop it unread."""
+
+
+ServerMsg = Union[Chunk, ChunkBatch, Done, StatusReply, ProtocolError, AbortReply, Ping]
 
 client_encoder = msgspec.msgpack.Encoder()
 client_msg_decoder = msgspec.msgpack.Decoder(ClientMsg)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+MIN_TEMPERATURE = 1e-5
+"""Temperatures in (0, MIN_TEMPERATURE) are greedy: 1/t would overflow the logits' dtype."""
+
+MAX_TEMPERATURE = 1e4
 
 
 @dataclass(frozen=True)
@@ -35,8 +41,7 @@ def validate_request(
         raise RequestRejected(f"unknown token ids {bad[:5]}: the vocabulary has ids 0..{lim.vocab_size - 1}")
     if max_tokens < 1:
         raise RequestRejected(f"max_tokens must be at least 1, got {max_tokens}")
-    if temperature < 0:
-        raise RequestRejected(f"temperature must be >= 0, got {temperature}")
+    checked_temperature(temperature)
     n = len(prompt_ids)
     if n >= lim.max_context:
         raise RequestRejected(
@@ -49,3 +54,14 @@ def validate_request(
             f"tokens; lower max_tokens or raise cache.kv_slots"
         )
     return max_new
+
+
+def checked_temperature(temperature: float) -> float:
+    """The temperature a request samples at: finite, 0 (greedy) or in [1e-5, 1e4]."""
+    if not math.isfinite(temperature):
+        raise RequestRejected(f"temperature must be a finite number, got {temperature}")
+    if temperature < 0:
+        raise RequestRejected(f"temperature must be >= 0, got {temperature}")
+    if temperature > MAX_TEMPERATURE:
+        raise RequestRejected(f"temperature must be at most {MAX_TEMPERATURE:g}, got {temperature}")
+    return 0.0 if temperature < MIN_TEMPERATURE else temperature

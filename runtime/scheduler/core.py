@@ -10,7 +10,6 @@ then is it reported complete (``pop_completed``).
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from runtime.protocol.worker import AUX_CONTINUE, DecodeBatch, PrefillChunk, Step
@@ -20,6 +19,7 @@ from runtime.scheduler.radix import InsertResult, RadixCache
 from runtime.scheduler.request import Request
 from runtime.scheduler.rows import RowAllocator
 from runtime.scheduler.slots import SlotAllocator
+from runtime.scheduler.waiting import WaitingQueue
 
 
 @dataclass
@@ -58,7 +58,8 @@ class Scheduler:
         self.tree = RadixCache(self.slots, on_evict_aux) if limits.cache_enabled else None
         if self.aux is not None:
             self.aux.attach(self.tree)
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
+        self._live: dict[str, Request] = {}  # waiting and running, by rid (unique per scheduler)
         self.running: list[Request] = []
         self.draining: list[Request] = []
         self.completed: list[Request] = []
@@ -72,7 +73,14 @@ class Scheduler:
         return validate_request(self.limits, self.slots.capacity, prompt_ids, max_tokens, temperature)
 
     def add(self, req: Request) -> None:
+        assert req.rid not in self._live, f"request id {req.rid!r} is live already"
         self.waiting.append(req)
+        self._live[req.rid] = req
+
+    def adopt_waiting(self, waiting: WaitingQueue) -> None:
+        """Take over another scheduler's waiting requests (after a worker restart)."""
+        for req in waiting:
+            self.add(req)
 
     def _try_admit(self, req: Request) -> bool:
         if self.rows.free_count == 0:
@@ -153,7 +161,7 @@ class Scheduler:
                     budget -= n
                     self._cache_prefilled(req)
             candidates = []
-            while self.waiting and budget > 0 and self._try_admit(self.waiting[0]):
+            while self.waiting and budget > 0 and self._try_admit(self.waiting.peek()):
                 req = self.waiting.popleft()
                 if req.prefill_done:
                     # One-token prompt or full-prefix hit: straight to decode; the worker
@@ -275,6 +283,7 @@ class Scheduler:
         if req.finished:
             return
         req.finish_reason = reason
+        self._live.pop(req.rid, None)
         if req in self.waiting:
             self.waiting.remove(req)
             self.completed.append(req)
@@ -327,11 +336,11 @@ class Scheduler:
         return done
 
     def abort(self, rid: str) -> Request | None:
-        for req in list(self.waiting) + self.running:
-            if req.rid == rid:
-                self.finish(req, "abort")
-                return req
-        return None
+        """End a waiting or running request by id (O(1)); None if none is live."""
+        req = self._live.get(rid)
+        if req is not None:
+            self.finish(req, "abort")
+        return req
 
     def fail_all(self, reason: str) -> list[Request]:
         """The worker died: fail running requests, forget in-flight steps, reset the cache."""

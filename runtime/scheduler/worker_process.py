@@ -40,6 +40,18 @@ class WorkerProcess:
         """None while running; the exit status once it has exited."""
         return None if self.proc is None else self.proc.poll()
 
+    def kill(self) -> None:
+        """SIGKILL now (also ends a stopped or hung process, which SIGTERM cannot) and reap it."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            pass
+        self.proc = None
+
     def stop(self, timeout: float = 5.0) -> None:
         """Wait for a clean exit, then terminate, then kill."""
         if self.proc is None:

@@ -1,0 +1,36 @@
+"""The frame layouts a ROUTER socket receives, and what each becomes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """A client message: who sent it, the envelope to send back (REQ), and its one payload frame."""
+
+    identity: bytes
+    envelope: tuple[bytes, ...]
+    payload: bytes
+
+
+class BadFrames(ValueError):
+    """A layout that is neither DEALER's [payload] nor REQ's [..., b"", payload]."""
+
+
+def split_frames(frames: list[bytes]) -> Incoming:
+    """``[identity, payload]`` (DEALER) or ``[identity, *hops, b"", payload]`` (REQ, possibly proxied).
+
+    Raises BadFrames for anything else; the message says what was expected.
+    """
+    if len(frames) < 2:
+        raise BadFrames("empty message")
+    identity = frames[0]
+    if len(frames) == 2:
+        return Incoming(identity, (), frames[1])
+    if frames[-2] == b"":
+        return Incoming(identity, tuple(frames[1:-1]), frames[-1])
+    raise BadFrames(
+        f"expected one frame (a DEALER socket) or an empty delimiter and one frame (a REQ socket); "
+        f"got {len(frames) - 1} frames"
+    )

@@ -1,0 +1,66 @@
+"""From a client's Generate message to prompt token ids, without stalling the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from runtime.protocol import client as cp
+from runtime.scheduler.admission import RequestRejected
+from runtime.scheduler.tokenizer import Tokenizer
+
+INLINE_TOKENIZE_BYTES = 4096
+"""Prompts up to this size are tokenized on the loop (faster than a thread hop)."""
+PROMPT_BYTES_PER_TOKEN = 32
+"""A prompt text longer than this many bytes per token of context is refused untokenized."""
+
+
+class Intake:
+    """Tokenizes prompts: short ones inline, long ones on one background thread, in order."""
+
+    def __init__(self, tokenizer: Tokenizer, max_context: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_prompt_bytes = max(65536, max_context * PROMPT_BYTES_PER_TOKEN)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    def set_max_context(self, max_context: int) -> None:
+        self.max_prompt_bytes = max(65536, max_context * PROMPT_BYTES_PER_TOKEN)
+
+    @staticmethod
+    def needs_thread(msg: cp.Generate) -> bool:
+        """Whether the prompt is text long enough to tokenize off the loop (a cheap upper bound)."""
+        return msg.prompt is not None and msg.token_ids is None and len(msg.prompt) * 4 > INLINE_TOKENIZE_BYTES
+
+    def prompt_ids_now(self, msg: cp.Generate) -> list[int]:
+        """The prompt as token ids, on the calling thread; raises RequestRejected with a reason."""
+        if (msg.prompt is None) == (msg.token_ids is None):
+            raise RequestRejected("give exactly one of prompt or token_ids")
+        if msg.token_ids is not None:
+            return list(msg.token_ids)
+        assert msg.prompt is not None
+        return self._encode(self._checked_text(msg.prompt))
+
+    async def prompt_ids(self, msg: cp.Generate) -> list[int]:
+        """``prompt_ids_now`` on the tokenizer thread."""
+        if msg.prompt is None or msg.token_ids is not None:
+            return self.prompt_ids_now(msg)
+        text = self._checked_text(msg.prompt)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, text)
+
+    def _checked_text(self, text: str) -> str:
+        size = len(text.encode("utf-8", errors="surrogatepass"))
+        if size > self.max_prompt_bytes:
+            raise RequestRejected(
+                f"the prompt text is {size} bytes; this service takes at most {self.max_prompt_bytes} "
+                f"({PROMPT_BYTES_PER_TOKEN} per token of context)"
+            )
+        return text
+
+    def _encode(self, text: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except Exception as exc:  # e.g. lone surrogates the tokenizer cannot take
+            raise RequestRejected(f"the prompt text cannot be tokenized: {exc}") from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
