@@ -100,6 +100,8 @@ class StatusReply(msgspec.Struct, tag="status_reply"):
     worker_state: str = "up"
     max_waiting: int = 0
     max_message_bytes: int = 0
+    clients: int = 0
+    replies_queued: int = 0
 
 
 class ProtocolError(msgspec.Struct, tag="protocol_error"):

@@ -318,6 +318,8 @@ class Server:
             worker_state=self.supervisor.state,
             max_waiting=self.config.scheduler.max_waiting,
             max_message_bytes=int(self.config.server.max_message_mb * 2**20),
+            clients=len(self.peers.peers),
+            replies_queued=sum(len(p.outbox) for p in self.peers.backlogged),
         )
 
     # ---- results to clients ----------------------------------------------------------

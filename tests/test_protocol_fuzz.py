@@ -1,0 +1,315 @@
+"""Any message a client can send gets one final reply, and the service keeps serving.
+
+A bounded hypothesis fuzz of frame layouts and payloads against a real `runtime up`, plus
+the known-nasty cases spelled out. Each message must get exactly one final reply (Done,
+ProtocolError, StatusReply or AbortReply; chunks and pings are not final), and after each
+one a second connection must get a StatusReply within 5 s.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import zmq
+from conftest import running_service
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime.client import SyncClient
+from runtime.protocol import client as cp
+
+EXTRA = "[cache]\nkv_slots = 2048\n[scheduler]\nmax_running = 8\nmax_context = 128\n"
+FUZZ_EXAMPLES = 300
+STATUS_TIMEOUT_S = 5.0
+FINAL_TIMEOUT_S = 20.0  # a queued 127-token generation, on a slow machine
+FINAL = (cp.Done, cp.ProtocolError, cp.StatusReply, cp.AbortReply)
+
+# ---- strategies ----------------------------------------------------------------------
+FIELDS = ["type", "rid", "prompt", "token_ids", "max_tokens", "temperature", "ignore_eos", "stop_token_ids", "stream"]
+TYPES = ["generate", "abort", "status", "chunk", "chunks", "done", "status_reply", "ping", "", "GENERATE"]
+EXTREME_INTS = [2**64 - 1, 2**63, 2**63 - 1, -(2**63), 2**31, -(2**31) - 1, 0, -1]
+
+ints = st.integers(-(2**63), 2**64 - 1) | st.sampled_from(EXTREME_INTS)  # msgpack's whole int range
+floats = st.floats(allow_nan=True, allow_infinity=True)
+scalars = st.none() | st.booleans() | ints | floats | st.text(max_size=40) | st.binary(max_size=40)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=6)
+    | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8) | st.integers(-3, 3), inner, max_size=6),
+    max_leaves=40,
+)
+
+rids = (
+    st.text(max_size=24)
+    | st.sampled_from(["", "a", "x" * 256, "x" * 257, "é" * 256])
+    | st.text(min_size=250, max_size=300)
+    | scalars
+)
+token_ids = st.lists(st.integers(-5, 300), max_size=140) | st.lists(ints, max_size=4) | values
+prompts = (
+    st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=100)
+    | st.text(max_size=200)
+    | st.text(st.characters(min_codepoint=32, max_codepoint=126), min_size=1030, max_size=1100)  # tokenized off the loop
+    | st.just("a" * 70_000)  # over the prompt byte limit
+    | values
+)
+max_tokens = st.integers(-5, 40) | st.sampled_from(EXTREME_INTS) | values
+temperatures = (
+    st.sampled_from([0.0, -0.0, 1e-40, -1e-40, 1e-5, 0.7, 1e4, 1e4 + 1, float("nan"), float("inf"), float("-inf")])
+    | floats
+    | values
+)
+
+
+def shaped(kind: str) -> st.SearchStrategy[dict]:
+    """A dict shaped like a client message of ``kind``, with random and extreme field values."""
+    optional = {"x": values}
+    if kind == "generate":
+        optional |= {
+            "token_ids": token_ids,
+            "prompt": prompts,
+            "max_tokens": max_tokens,
+            "temperature": temperatures,
+            "ignore_eos": st.booleans() | values,
+            "stop_token_ids": st.lists(ints, max_size=4) | values,
+            "stream": st.booleans() | values,
+        }
+    required = {"type": st.just(kind) | st.sampled_from(TYPES), "rid": rids}
+    return st.fixed_dictionaries(required, optional=optional)
+
+
+valid_generate = st.builds(
+    cp.Generate,
+    rid=st.text(max_size=12),
+    token_ids=st.lists(st.integers(0, 255), min_size=1, max_size=20),
+    max_tokens=st.integers(1, 40),
+    temperature=st.sampled_from([0.0, 0.7, 1e-40]),
+    ignore_eos=st.booleans(),
+    stop_token_ids=st.lists(st.integers(0, 255), max_size=3),
+    stream=st.booleans(),
+)
+valid = (
+    valid_generate
+    | st.builds(cp.Abort, rid=st.text(max_size=12))
+    | st.builds(cp.StatusQuery, rid=st.text(max_size=12))
+).map(cp.client_encoder.encode)
+
+
+def _flip(payload: bytes, at: int, byte: int) -> bytes:
+    if not payload:
+        return bytes([byte])
+    at %= len(payload)
+    return payload[:at] + bytes([byte]) + payload[at + 1 :]
+
+
+deep = st.integers(1, 5000).flatmap(
+    lambda n: st.sampled_from(
+        [
+            b"\x91" * n + b"\xc0",
+            b"\x81\xa3rid" * n + b"\xc0",
+            b"\x82\xa3rid\xa1x\xa1z" + b"\x91" * n + b"\xc0",
+            b"\x83\xa4type\xa6status\xa3rid\xa1x\xa1z" + b"\x91" * n + b"\xc0",
+        ]
+    )
+)
+payloads = st.one_of(
+    st.binary(max_size=200),
+    values.map(msgspec.msgpack.encode),
+    st.sampled_from(["generate", "abort", "status"]).flatmap(shaped).map(msgspec.msgpack.encode),
+    valid,
+    valid.flatmap(lambda p: st.integers(0, len(p)).map(lambda cut: p[:cut])),  # truncated
+    st.tuples(valid, st.integers(0, 10**6), st.integers(0, 255)).map(lambda t: _flip(*t)),  # one byte changed
+    st.tuples(valid, st.binary(min_size=1, max_size=8)).map(lambda t: t[0] + t[1]),  # trailing bytes
+    deep,
+)
+messages = st.one_of(
+    payloads.map(lambda p: [p]),
+    payloads.map(lambda p: [b"", p]),  # a REQ socket's envelope
+    st.lists(payloads | st.just(b""), min_size=1, max_size=4),
+)
+
+
+# ---- sockets -------------------------------------------------------------------------
+def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def recv_final(sock: zmq.Socket, timeout_s: float) -> cp.Done | cp.ProtocolError | cp.StatusReply | cp.AbortReply:
+    """The next final reply on ``sock``, skipping chunks and pings; fails the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0 and sock.poll(remaining * 1000), f"no final reply within {timeout_s} s"
+        msg = cp.server_msg_decoder.decode(sock.recv_multipart()[-1])  # every reply must decode
+        if isinstance(msg, FINAL):
+            return msg
+
+
+def quiet_for(sock: zmq.Socket, seconds: float) -> list:
+    """Every final reply that arrives within ``seconds`` (there should be none)."""
+    extra = []
+    deadline = time.monotonic() + seconds
+    while (remaining := deadline - time.monotonic()) > 0:
+        if sock.poll(remaining * 1000):
+            msg = cp.server_msg_decoder.decode(sock.recv_multipart()[-1])
+            if isinstance(msg, FINAL):
+                extra.append(msg)
+    return extra
+
+
+def check_status(sock: zmq.Socket, rid: str) -> cp.StatusReply:
+    """Ask for status on ``sock`` and wait (at most 5 s) for the reply with this rid."""
+    sock.send(cp.client_encoder.encode(cp.StatusQuery(rid=rid)))
+    deadline = time.monotonic() + STATUS_TIMEOUT_S
+    while True:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0 and sock.poll(remaining * 1000), "the service did not answer a status query within 5 s"
+        msg = cp.server_msg_decoder.decode(sock.recv_multipart()[-1])
+        if isinstance(msg, cp.StatusReply) and msg.rid == rid:
+            return msg
+
+
+def wait_idle(sock: zmq.Socket, timeout_s: float = 20.0) -> cp.StatusReply:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = check_status(sock, f"idle-{time.monotonic()}")
+        if status.running == 0 and status.waiting == 0:
+            return status
+        assert time.monotonic() < deadline, f"requests still in the service: {status}"
+        time.sleep(0.05)
+
+
+def generate(sock: zmq.Socket, **fields) -> cp.Done:
+    sock.send(msgspec.msgpack.encode({"type": "generate", **fields}))
+    reply = recv_final(sock, FINAL_TIMEOUT_S)
+    assert isinstance(reply, cp.Done), reply
+    return reply
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, tmp_path_factory):
+    with running_service(tmp_path_factory.mktemp("fuzz"), model_dir("llama"), EXTRA) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def assert_still_serving(svc, ctx: zmq.Context) -> None:
+    assert svc.proc.poll() is None, "the service exited:\n" + svc.log()
+    assert "error handling a client message" not in svc.log(), svc.log()
+    probe = dealer(ctx, svc.address)
+    try:
+        status = wait_idle(probe)
+    finally:
+        probe.close()
+    assert status.worker_restarts == 0, "a client message cost a worker"
+    with SyncClient(svc.address, timeout_s=30) as client:
+        result = client.generate(token_ids=[5, 6, 7], max_tokens=8, ignore_eos=True)
+    assert result.finish_reason == "length" and len(result.token_ids) == 8
+
+
+# ---- tests ---------------------------------------------------------------------------
+def test_fuzzed_messages_each_get_one_reply(served, ctx):
+    fuzz, status_sock = dealer(ctx, served.address), dealer(ctx, served.address)
+    counts = {"sent": 0, "status": 0}
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(frames=messages)
+    def one_message(frames: list[bytes]) -> None:
+        fuzz.send_multipart(frames)
+        counts["sent"] += 1
+        recv_final(fuzz, FINAL_TIMEOUT_S)
+        counts["status"] += 1
+        check_status(status_sock, f"fuzz-status-{counts['status']}")
+
+    try:
+        one_message()
+        assert quiet_for(fuzz, 0.5) == [], "a message got more than one final reply"
+    finally:
+        fuzz.close()
+        status_sock.close()
+    assert counts["sent"] >= FUZZ_EXAMPLES // 2
+    assert_still_serving(served, ctx)
+
+
+def test_known_nasty_messages(served, ctx):
+    sock = dealer(ctx, served.address)
+    try:
+        # Two frames: neither DEALER's nor REQ's layout.
+        sock.send_multipart([cp.client_encoder.encode(cp.StatusQuery(rid="two")), b"x"])
+        reply = recv_final(sock, STATUS_TIMEOUT_S)
+        assert isinstance(reply, cp.ProtocolError) and "frames" in reply.message
+        # An empty frame, and nothing at all in a REQ envelope.
+        for frames in ([b""], [b"", b""]):
+            sock.send_multipart(frames)
+            assert isinstance(recv_final(sock, STATUS_TIMEOUT_S), cp.ProtocolError)
+        # Deep nesting: 3 KB of fixarray headers; a known rid next to a deeply nested value.
+        sock.send(b"\x91" * 3000 + b"\xc0")
+        assert isinstance(recv_final(sock, STATUS_TIMEOUT_S), cp.ProtocolError)
+        sock.send(b"\x82\xa3rid\xa4deep\xa1z" + b"\x91" * 3000 + b"\xc0")
+        assert isinstance(recv_final(sock, STATUS_TIMEOUT_S), cp.ProtocolError)
+        sock.send(b"\x82\xa1z" + b"\x91" * 3000 + b"\xc0" + b"\xa3rid\xa4deep")
+        assert isinstance(recv_final(sock, STATUS_TIMEOUT_S), cp.ProtocolError)
+        # A 300-character rid is refused, and not echoed back.
+        sock.send(msgspec.msgpack.encode({"type": "status", "rid": "r" * 300}))
+        reply = recv_final(sock, STATUS_TIMEOUT_S)
+        assert isinstance(reply, cp.ProtocolError) and reply.rid == ""
+        # Temperatures: NaN and inf are refused; 1e-40 is greedy.
+        for i, temperature in enumerate([float("nan"), float("inf"), float("-inf")]):
+            done = generate(sock, rid=f"t{i}", token_ids=[5, 6, 7], max_tokens=5, temperature=temperature)
+            assert done.finish_reason == "error" and "temperature" in done.error
+        tiny = generate(sock, rid="tiny", token_ids=[9, 4, 7, 2], max_tokens=24, temperature=1e-40, ignore_eos=True)
+        greedy = generate(sock, rid="greedy", token_ids=[9, 4, 7, 2], max_tokens=24, temperature=0.0, ignore_eos=True)
+        assert tiny.finish_reason == "length" and len(tiny.token_ids) == 24
+        assert tiny.token_ids == greedy.token_ids
+    finally:
+        sock.close()
+
+    # A real REQ socket: a streaming Generate gets exactly one reply, the Done.
+    req = ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(served.address)
+    try:
+        msg = cp.Generate(rid="req", token_ids=[9, 4, 7, 2], max_tokens=100, ignore_eos=True, stream=True)
+        req.send(cp.client_encoder.encode(msg))
+        assert req.poll(FINAL_TIMEOUT_S * 1000)
+        done = cp.server_msg_decoder.decode(req.recv())
+        assert isinstance(done, cp.Done) and done.finish_reason == "length"
+        assert done.token_ids[:24] == greedy.token_ids and len(done.token_ids) == 100
+        req.send(cp.client_encoder.encode(cp.StatusQuery(rid="req-status")))  # the next reply is this one's
+        assert req.poll(STATUS_TIMEOUT_S * 1000)
+        status = cp.server_msg_decoder.decode(req.recv())
+        assert isinstance(status, cp.StatusReply) and status.rid == "req-status"
+    finally:
+        req.close()
+    assert_still_serving(served, ctx)
+
+
+def test_oversized_message_drops_only_that_connection(model_dir, tmp_path, ctx):
+    extra = EXTRA + "[server]\nmax_message_mb = 1\n"
+    with running_service(tmp_path, model_dir("llama"), extra) as svc:
+        big, other = dealer(ctx, svc.address), dealer(ctx, svc.address)
+        events = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            check_status(other, "before")
+            big.send(msgspec.msgpack.encode({"type": "status", "rid": "big", "pad": b"\0" * (3 * 2**19)}))
+            assert events.poll(STATUS_TIMEOUT_S * 1000), "the service kept the connection"
+            assert quiet_for(big, 0.5) == [], "an oversized message was answered"
+            done = generate(other, rid="after", token_ids=[5, 6, 7], max_tokens=8, ignore_eos=True)
+            assert done.finish_reason == "length" and len(done.token_ids) == 8
+        finally:
+            big.disable_monitor()
+            events.close()
+            big.close()
+            other.close()
+        assert_still_serving(svc, ctx)
