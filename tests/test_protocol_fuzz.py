@@ -13,7 +13,7 @@ import time
 import msgspec
 import pytest
 import zmq
-from conftest import running_service
+from conftest import running_config, running_service
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -275,17 +275,29 @@ def test_known_nasty_messages(served, ctx):
     finally:
         sock.close()
 
-    # A real REQ socket: a streaming Generate gets exactly one reply, the Done.
+    assert_still_serving(served, ctx)
+
+
+def test_req_socket_gets_exactly_one_reply(served, ctx):
+    """A REQ socket takes one reply per request: the Done, never chunks or pings.
+
+    Five requests of 120 tokens keep a request in flight across several ping rounds (0.25 s).
+    """
+    dealer_sock = dealer(ctx, served.address)
+    try:
+        expected = generate(dealer_sock, rid="ref", token_ids=[9, 4, 7, 2], max_tokens=120, ignore_eos=True)
+    finally:
+        dealer_sock.close()
     req = ctx.socket(zmq.REQ)
     req.setsockopt(zmq.LINGER, 0)
     req.connect(served.address)
     try:
-        msg = cp.Generate(rid="req", token_ids=[9, 4, 7, 2], max_tokens=100, ignore_eos=True, stream=True)
-        req.send(cp.client_encoder.encode(msg))
-        assert req.poll(FINAL_TIMEOUT_S * 1000)
-        done = cp.server_msg_decoder.decode(req.recv())
-        assert isinstance(done, cp.Done) and done.finish_reason == "length"
-        assert done.token_ids[:24] == greedy.token_ids and len(done.token_ids) == 100
+        for i in range(5):
+            msg = cp.Generate(rid=f"req{i}", token_ids=[9, 4, 7, 2], max_tokens=120, ignore_eos=True, stream=True)
+            req.send(cp.client_encoder.encode(msg))
+            assert req.poll(FINAL_TIMEOUT_S * 1000), f"request {i} of a REQ socket got no reply"
+            done = cp.server_msg_decoder.decode(req.recv())
+            assert isinstance(done, cp.Done) and done.rid == f"req{i}" and done.token_ids == expected.token_ids
         req.send(cp.client_encoder.encode(cp.StatusQuery(rid="req-status")))  # the next reply is this one's
         assert req.poll(STATUS_TIMEOUT_S * 1000)
         status = cp.server_msg_decoder.decode(req.recv())
@@ -296,8 +308,11 @@ def test_known_nasty_messages(served, ctx):
 
 
 def test_oversized_message_drops_only_that_connection(model_dir, tmp_path, ctx):
-    extra = EXTRA + "[server]\nmax_message_mb = 1\n"
-    with running_service(tmp_path, model_dir("llama"), extra) as svc:
+    config_file = tmp_path / "service.toml"
+    config_file.write_text(
+        f'[model]\npath = "{model_dir("llama")}"\n[server]\naddress = "ipc://"\nmax_message_mb = 1\n{EXTRA}'
+    )
+    with running_config(config_file) as svc:
         big, other = dealer(ctx, svc.address), dealer(ctx, svc.address)
         events = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
