@@ -231,3 +231,18 @@ def test_status_reports_the_limits():
     )
     decoded = cp.server_msg_decoder.decode(msgspec.msgpack.encode(reply))
     assert decoded.worker_state == "up" and decoded.replies_queued == 0
+
+
+async def test_long_prompt_texts_are_limited_and_tokenized_beside_running_streams(served):
+    _, svc = served
+    async with Client(svc.address, timeout_s=60) as client:
+        stream = client.stream(token_ids=[5, 6], max_tokens=200, ignore_eos=True)
+        await stream.__anext__()
+        too_big = await client.generate(prompt="7" * 200_000)  # over 32 bytes per token of context
+        long = await client.generate(prompt="7 " * 20_000)  # tokenized on the thread, then too long
+        got = 1
+        async for chunk in stream:
+            got += len(chunk.token_ids)
+    assert too_big.finish_reason == "error" and "bytes" in too_big.error
+    assert long.finish_reason == "error" and "context" in long.error
+    assert got == 200 and stream.result.finish_reason == "length"

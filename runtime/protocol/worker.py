@@ -33,6 +33,30 @@ class PrefillChunk(msgspec.Struct, array_like=True):
     aux_snapshot: int = -1
 
 
+class RowSampling(msgspec.Struct, array_like=True, omit_defaults=True):
+    """How request row ``row`` chooses its tokens, from its next decode on (sent once, at admission).
+
+    The defaults are plain greedy. ``seed`` keys the row's random draws together with each
+    token's position, so a seeded request samples the same tokens in any batch.
+    ``stop_ids`` are masked while the scheduler says the row has not reached ``min_tokens``
+    (``DecodeBatch.ban_stop``). ``logit_bias`` is (token id, bias) pairs.
+    """
+
+    row: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: list[tuple[int, float]] = []
+    seed: int = 0
+    stop_ids: list[int] = []
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
 class DecodeBatch(msgspec.Struct, array_like=True):
     """One token for each listed request row, all in one forward pass.
 
@@ -40,6 +64,7 @@ class DecodeBatch(msgspec.Struct, array_like=True):
     worker sampled for that row in the previous step (not read back yet).
     ``positions[i]`` is the token's position; ``slot_ids[i]`` receives its K/V;
     ``aux_slots[i]`` (hybrid models) is the row's live auxiliary-state slot.
+    ``ban_stop`` lists the batch indices whose stop ids are masked in this step (min_tokens).
     """
 
     rows: list[int]
@@ -48,6 +73,7 @@ class DecodeBatch(msgspec.Struct, array_like=True):
     slot_ids: list[int]
     temperatures: list[float]
     aux_slots: list[int] = []
+    ban_stop: list[int] = []
 
 
 class Step(msgspec.Struct, tag="step"):
@@ -57,6 +83,7 @@ class Step(msgspec.Struct, tag="step"):
     prefills: list[PrefillChunk]
     decode: DecodeBatch | None
     released_rows: list[int] = []
+    samplings: list[RowSampling] = []
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -89,6 +116,10 @@ class LoadFailed(msgspec.Struct, tag="load_failed"):
 class StepDone(msgspec.Struct, tag="step_done"):
     """Finalized tokens of a step's decode batch, in the batch's row order.
 
+    When a row of the batch asked for logprobs: ``logprobs[i]`` is token i's log-probability,
+    ``top_ids[i]``/``top_logprobs[i]`` the most likely tokens (as many as the batch's largest
+    ``top_logprobs``), for every row (the scheduler keeps those that asked).
+
     ``idle_s``: total time so far the worker had no step launched on the device;
     ``uptime_s``: time since the worker became ready (so idle share = idle_s / uptime_s).
     """
@@ -97,6 +128,9 @@ class StepDone(msgspec.Struct, tag="step_done"):
     tokens: list[int]
     idle_s: float = 0.0
     uptime_s: float = 0.0
+    logprobs: list[float] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
 
 
 class StepFailed(msgspec.Struct, tag="step_failed"):

@@ -36,17 +36,17 @@ def validate_request(
     """Check a request against the limits; return its effective max new tokens."""
     if not prompt_ids:
         raise RequestRejected("the prompt is empty: send at least one token")
-    bad = [t for t in prompt_ids if not 0 <= t < lim.vocab_size]
-    if bad:
-        raise RequestRejected(f"unknown token ids {bad[:5]}: the vocabulary has ids 0..{lim.vocab_size - 1}")
     if max_tokens < 1:
         raise RequestRejected(f"max_tokens must be at least 1, got {max_tokens}")
     checked_temperature(temperature)
     n = len(prompt_ids)
-    if n >= lim.max_context:
+    if n >= lim.max_context:  # before the scan below: a huge prompt costs nothing more
         raise RequestRejected(
             f"the prompt has {n} tokens; this service's context holds at most {lim.max_context - 1} prompt tokens"
         )
+    if min(prompt_ids) < 0 or max(prompt_ids) >= lim.vocab_size:
+        bad = [t for t in prompt_ids if not 0 <= t < lim.vocab_size]
+        raise RequestRejected(f"unknown token ids {bad[:5]}: the vocabulary has ids 0..{lim.vocab_size - 1}")
     max_new = min(max_tokens, lim.max_context - n)
     if n + max_new > pool_capacity:
         raise RequestRejected(

@@ -24,7 +24,7 @@ from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.prefill_groups import prefill_groups
-from runtime.worker.sampling import sample
+from runtime.worker.sampler import RowSampler, StepDraws
 
 
 @dataclass
@@ -33,6 +33,8 @@ class LaunchedStep:
 
     step_id: int
     tokens: mx.array | None = None
+    draws: StepDraws | None = None
+    logprobs: tuple[list, list, list] | None = None  # read back with the tokens, when a row asked
     written: mx.array | None = None
     step: Step | None = None
     in_place: bool = True  # updates the pools in place: submit only after the previous read-back
@@ -84,6 +86,8 @@ class Engine:
             self.compiled_paged = CompiledPagedDecode(model, layout, pool, self.paths.attention, self.paths.tail)
         self._prev_tokens: mx.array | None = None
         self._prev_rows: list[int] = []
+        self.sampler = RowSampler(max_rows)
+        self._last_draws: StepDraws | None = None
         # Share of padding a batched prefill may carry: on a GPU, where a step costs its launch
         # overhead more than its arithmetic, batching pays for some; on the CPU it does not.
         self.max_padding = 0.25 if mx.default_device().type == mx.DeviceType.gpu else 0.0
@@ -128,7 +132,7 @@ class Engine:
             logits = self.compiled.forward(inputs, mx.array(plan.rows.astype(np.int32)),
                                            mx.array(plan.positions.astype(np.int32)), plan.compact, plan.length,
                                            aux_slots)
-            return self._sampled(decode, sample(logits, decode.temperatures)), True
+            return self._sampled(decode, self.sampler.sample(logits, decode)), True
         batch, in_place = self.paths.decode_batch(decode, plan)
         if plan.pad:
             inputs = mx.concatenate([inputs, mx.zeros((plan.pad,), dtype=inputs.dtype)])
@@ -141,13 +145,14 @@ class Engine:
                 self.aux_pool.store(aux, aux_slots)
         if plan.pad:
             logits = logits[: len(decode.rows)]
-        return self._sampled(decode, sample(logits, decode.temperatures)), in_place
+        return self._sampled(decode, self.sampler.sample(logits, decode)), in_place
 
-    def _sampled(self, decode: DecodeBatch, tokens: mx.array) -> mx.array:
+    def _sampled(self, decode: DecodeBatch, draws: StepDraws) -> mx.array:
         """Keep a decode batch's sampled tokens: the next chained batch takes them as input."""
-        self._prev_tokens = tokens
+        self._prev_tokens = draws.tokens
         self._prev_rows = decode.rows
-        return tokens
+        self._last_draws = draws
+        return draws.tokens
 
     def build(self, step: Step) -> LaunchedStep:
         """Build a decode-only step's lazy graph, chained on the previous step's lazy tokens.
@@ -155,6 +160,8 @@ class Engine:
         A step with prefill chunks is only recorded here: ``prepare`` runs it once the
         previous step has been read back.
         """
+        if step.samplings:
+            self.sampler.configure(step.samplings)
         launched = LaunchedStep(step.step_id, step=step, first_tokens=bool(step.prefills))
         if not step.prefills:
             self._build_decode(launched)
@@ -212,6 +219,7 @@ class Engine:
         launched.tokens, in_place = None, True
         if step.decode is not None and step.decode.rows:
             launched.tokens, in_place = self._decode(step.decode)
+            launched.draws = self._last_draws
         launched.in_place = bool(step.prefills) or in_place
         if launched.tokens is not None and not step.prefills:
             # Decode attention reads what the step writes (pool, row cache, tail), so the
@@ -231,6 +239,8 @@ class Engine:
         """Queue a built step on the device without waiting for it."""
         self.prepare(built)
         targets = [t for t in (built.written, built.tokens) if t is not None]
+        if built.draws is not None:
+            targets += built.draws.arrays()[1:]
         mx.async_eval(*targets)
 
     def launch(self, step: Step) -> LaunchedStep:
@@ -244,7 +254,16 @@ class Engine:
         if launched.tokens is None:
             mx.eval(launched.written)
             return []
-        mx.eval([t for t in (launched.tokens, launched.written) if t is not None])
+        draws = launched.draws
+        extra = draws.arrays()[1:] if draws is not None else []
+        mx.eval([t for t in (launched.tokens, launched.written) if t is not None] + extra)
+        if draws is not None and draws.token_logprobs is not None:
+            launched.logprobs = (
+                draws.token_logprobs.tolist(),
+                draws.top_ids.tolist() if draws.top_ids is not None else [],
+                draws.top_logprobs.tolist() if draws.top_logprobs is not None else [],
+            )
+        launched.draws = None
         return launched.tokens.tolist()
 
     @staticmethod

@@ -191,7 +191,10 @@ def _read_back(engine, launched, clock: IdleClock) -> StepDone | StepFailed:
         engine.reset_chain()
         return StepFailed(step_id=launched.step_id, error=f"{type(exc).__name__}: {exc}")
     now = time.perf_counter()
-    return StepDone(step_id=launched.step_id, tokens=tokens, idle_s=clock.idle_so_far(now), uptime_s=now - clock.started)
+    done = StepDone(step_id=launched.step_id, tokens=tokens, idle_s=clock.idle_so_far(now), uptime_s=now - clock.started)
+    if launched.logprobs is not None:
+        done.logprobs, done.top_ids, done.top_logprobs = launched.logprobs
+    return done
 
 
 def main(argv: list[str] | None = None) -> int:

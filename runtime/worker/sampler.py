@@ -1,0 +1,252 @@
+"""Per-row token choice inside one batched decode step: penalties, bias, filters, seeded draws, logprobs.
+
+Every row has its own parameters (``RowSampling``, sent once when a request takes the row);
+rows with different parameters share the step. The order follows mlx-lm's
+``make_logits_processors`` and ``make_sampler``: logit bias and penalties change the logits,
+then the log-softmax, then top-p, min-p and top-k (each computed on that distribution, so the
+kept set is their intersection, as in mlx-lm), then temperature. Draws are Gumbel-max with
+noise hashed from (seed, position, token id): a row's tokens do not depend on the other rows
+or on any global random state. Penalty counts of generated tokens stay on the device and are
+updated from the lazy tokens, so chained decode never waits for a read-back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from runtime.protocol.worker import DecodeBatch, RowSampling
+
+_PLAIN = RowSampling(row=-1)
+
+
+def is_plain(spec: RowSampling) -> bool:
+    """Plain greedy: argmax of the model's log-probabilities, nothing else."""
+    return (
+        spec.temperature == 0.0 and spec.repetition_penalty == 1.0 and spec.presence_penalty == 0.0
+        and spec.frequency_penalty == 0.0 and not spec.logit_bias and not spec.logprobs
+    )
+
+
+@dataclass
+class StepDraws:
+    """A decode step's lazy outputs: tokens, and logprobs when a row asked."""
+
+    tokens: mx.array
+    token_logprobs: mx.array | None = None
+    top_ids: mx.array | None = None
+    top_logprobs: mx.array | None = None
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.tokens, self.token_logprobs, self.top_ids, self.top_logprobs) if a is not None]
+
+
+@dataclass(frozen=True)
+class _BatchParams:
+    """Per-row parameter arrays of one batch composition (cached while the rows stay the same)."""
+
+    specs: tuple[RowSampling, ...]
+    rows: mx.array
+    inv_temp: mx.array
+    sampled: mx.array
+    any_sampled: bool
+    top_k: mx.array | None
+    top_p: mx.array | None
+    log_min_p: mx.array | None
+    seeds: mx.array
+    bias: tuple[list[int], list[int], list[float]] | None
+    repetition: mx.array | None
+    presence: mx.array | None
+    frequency: mx.array | None
+    penalties: bool
+    top_n: int
+    logprobs: bool
+
+
+class RowSampler:
+    """Sampling parameters per request row and the device-side counts of generated tokens."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self.specs: dict[int, RowSampling] = {}
+        self.counts: mx.array | None = None  # [max_rows, vocab] generated-token counts, once a row has penalties
+        self._want_counts = False
+        self._reset_rows: set[int] = set()
+        self._cached: tuple[tuple, _BatchParams] | None = None
+
+    def configure(self, specs: list[RowSampling]) -> None:
+        """Rows taken by new requests: their parameters, and zeroed penalty counts."""
+        for spec in specs:
+            if is_plain(spec):
+                self.specs.pop(spec.row, None)
+            else:
+                self.specs[spec.row] = spec
+            if spec.repetition_penalty != 1.0 or spec.presence_penalty or spec.frequency_penalty:
+                self._want_counts = True
+            self._reset_rows.add(spec.row)
+        self._cached = None
+
+    def _prepare_counts(self, vocab: int) -> None:
+        if self._want_counts and self.counts is None:
+            self.counts = mx.zeros((self.max_rows, vocab), dtype=mx.float32)
+        elif self.counts is not None and self._reset_rows:
+            self.counts[mx.array(sorted(self._reset_rows), dtype=mx.int32)] = 0.0
+        self._reset_rows.clear()
+
+    def plain(self, decode: DecodeBatch) -> bool:
+        """Whether every row of the batch is plain greedy (the fast path)."""
+        return not decode.ban_stop and not any(r in self.specs for r in decode.rows) and max(decode.temperatures) <= 0
+
+    def sample(self, logits: mx.array, decode: DecodeBatch) -> StepDraws:
+        """The batch's tokens (lazy). ``logits``: [rows, vocab] for the rows of ``decode``."""
+        self._prepare_counts(logits.shape[-1])
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.plain(decode):
+            draws = StepDraws(mx.argmax(logprobs, axis=-1).astype(mx.int32))
+            self._count(decode, draws.tokens)
+            return draws
+        params = self._params(decode, logits.shape[-1])
+        x = logits
+        if params.bias is not None or params.penalties or decode.ban_stop:
+            x = self._processed(x, decode, params)
+            logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+        tokens = greedy
+        if params.any_sampled:
+            kept = self._filtered(logprobs, params)
+            positions = mx.array(decode.positions, dtype=mx.uint32)
+            scores = kept.astype(mx.float32) * params.inv_temp[:, None] + _gumbel(params.seeds, positions, logits.shape[-1])
+            tokens = mx.where(params.sampled, mx.argmax(scores, axis=-1).astype(mx.int32), greedy)
+        draws = StepDraws(tokens)
+        if params.logprobs:
+            raw = logits.astype(mx.float32)
+            raw = raw - mx.logsumexp(raw, axis=-1, keepdims=True)  # the model's own, before any filter
+            draws.token_logprobs = mx.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+            if params.top_n:
+                order = mx.argsort(-raw, axis=-1)[:, : params.top_n].astype(mx.int32)
+                draws.top_ids = order
+                draws.top_logprobs = mx.take_along_axis(raw, order, axis=-1)
+        self._count(decode, tokens)
+        return draws
+
+    def _count(self, decode: DecodeBatch, tokens: mx.array) -> None:
+        if self.counts is not None:
+            rows = mx.array(decode.rows, dtype=mx.int32)
+            self.counts = self.counts.at[rows, tokens].add(1.0)
+
+    def _processed(self, logits: mx.array, decode: DecodeBatch, params: _BatchParams) -> mx.array:
+        """Logit bias, repetition / presence / frequency penalties, and stop tokens masked for min_tokens."""
+        x = logits
+        if params.bias is not None:
+            ri, ti, vals = params.bias
+            bias = mx.zeros(x.shape, dtype=x.dtype).at[mx.array(ri), mx.array(ti)].add(mx.array(vals, dtype=x.dtype))
+            x = x + bias
+        if params.penalties:
+            assert self.counts is not None
+            counts = self.counts[params.rows]
+            seen = counts > 0
+            if params.repetition is not None:
+                rep = params.repetition[:, None].astype(x.dtype)
+                x = mx.where(seen, mx.where(x < 0, x * rep, x / rep), x)
+            if params.presence is not None:
+                x = x - (params.presence[:, None] * seen).astype(x.dtype)
+            if params.frequency is not None:
+                x = x - (params.frequency[:, None] * counts).astype(x.dtype)
+        if decode.ban_stop:
+            ri, ti = [], []
+            for i in decode.ban_stop:
+                ids = params.specs[i].stop_ids
+                ri.extend([i] * len(ids))
+                ti.extend(ids)
+            if ri:
+                x = x.at[mx.array(ri), mx.array(ti)].add(mx.array(-float("inf"), dtype=x.dtype))
+        return x
+
+    @staticmethod
+    def _filtered(logprobs: mx.array, params: _BatchParams) -> mx.array:
+        """Top-p, min-p and top-k as mlx-lm computes them, per row; dropped tokens get -inf."""
+        drop = None
+        if params.top_p is not None:
+            ascending = mx.sort(logprobs, axis=-1)
+            probs = mx.exp(ascending.astype(mx.float32))
+            mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+            total = mass_above[:, :1] + probs[:, :1]
+            dropped = (mass_above >= params.top_p[:, None] * total).sum(axis=-1, keepdims=True)
+            threshold = mx.take_along_axis(ascending, dropped, axis=-1)
+            drop = logprobs < threshold
+        if params.log_min_p is not None:
+            low = logprobs < mx.max(logprobs, axis=-1, keepdims=True) + params.log_min_p[:, None].astype(logprobs.dtype)
+            drop = low if drop is None else drop | low
+        if params.top_k is not None:
+            order = mx.argsort(-logprobs, axis=-1)
+            vocab = logprobs.shape[-1]
+            ranks = mx.put_along_axis(mx.zeros(order.shape, dtype=mx.int32), order,
+                                      mx.broadcast_to(mx.arange(vocab, dtype=mx.int32), order.shape), axis=-1)
+            beyond = ranks >= params.top_k[:, None]
+            drop = beyond if drop is None else drop | beyond
+        if drop is None:
+            return logprobs
+        return mx.where(drop, mx.array(-float("inf"), dtype=logprobs.dtype), logprobs)
+
+    def _params(self, decode: DecodeBatch, vocab: int) -> _BatchParams:
+        key = (tuple(decode.rows), tuple(id(self.specs.get(r, _PLAIN)) for r in decode.rows))
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
+        specs = tuple(self.specs.get(r, _PLAIN) for r in decode.rows)
+        temps = [s.temperature if s is not _PLAIN else max(t, 0.0) for s, t in zip(specs, decode.temperatures)]
+        sampled = [t > 0 for t in temps]
+        top_k = [s.top_k if 0 < s.top_k < vocab else vocab for s in specs]
+        top_p = [s.top_p for s in specs]
+        min_p = [s.min_p for s in specs]
+        bias_rows, bias_ids, bias_vals = [], [], []
+        for i, s in enumerate(specs):
+            for token, value in s.logit_bias:
+                bias_rows.append(i)
+                bias_ids.append(token)
+                bias_vals.append(value)
+        rep = [s.repetition_penalty for s in specs]
+        pres = [s.presence_penalty for s in specs]
+        freq = [s.frequency_penalty for s in specs]
+        penalties = any(r != 1.0 for r in rep) or any(pres) or any(freq)
+        params = _BatchParams(
+            specs=specs,
+            rows=mx.array(decode.rows, dtype=mx.int32),
+            inv_temp=mx.array([1.0 / t if t > 0 else 1.0 for t in temps], dtype=mx.float32),
+            sampled=mx.array(sampled),
+            any_sampled=any(sampled),
+            top_k=mx.array(top_k, dtype=mx.int32) if any(k < vocab for k in top_k) else None,
+            top_p=mx.array(top_p, dtype=mx.float32) if any(p < 1.0 for p in top_p) else None,
+            log_min_p=mx.array([math.log(p) if p > 0 else -math.inf for p in min_p], dtype=mx.float32)
+            if any(min_p) else None,
+            seeds=mx.array([[s.seed & 0xFFFFFFFF, (s.seed >> 32) & 0xFFFFFFFF] for s in specs], dtype=mx.uint32),
+            bias=(bias_rows, bias_ids, bias_vals) if bias_rows else None,
+            repetition=mx.array(rep, dtype=mx.float32) if any(r != 1.0 for r in rep) else None,
+            presence=mx.array(pres, dtype=mx.float32) if any(pres) else None,
+            frequency=mx.array(freq, dtype=mx.float32) if any(freq) else None,
+            penalties=penalties,
+            top_n=max(s.top_logprobs for s in specs),
+            logprobs=any(s.logprobs for s in specs),
+        )
+        self._cached = (key, params)
+        return params
+
+
+def _mix(x: mx.array) -> mx.array:
+    """A 32-bit integer hash round (xor-shift-multiply), applied elementwise."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+def _gumbel(seeds: mx.array, positions: mx.array, vocab: int) -> mx.array:
+    """Gumbel noise [rows, vocab] from (row seed, position, token id) alone: batch-invariant draws."""
+    token = mx.arange(vocab, dtype=mx.uint32)[None, :]
+    x = _mix(seeds[:, :1] ^ _mix(positions[:, None] * 0x9E3779B9 + 0x632BE5AB))
+    x = _mix(x ^ (token * 0x85EBCA6B) ^ seeds[:, 1:2])
+    x = _mix(x + 0x27D4EB2F)
+    uniform = ((x >> 8).astype(mx.float32) + 0.5) * (1.0 / 16777216.0)
+    return -mx.log(-mx.log(uniform))
