@@ -47,7 +47,7 @@ def served(model_dir, tmp_path_factory):
         (dict(token_ids=[3, -1]), "unknown token ids"),
         (dict(token_ids=[3, 4], max_tokens=0), "max_tokens"),
         (dict(token_ids=[3, 4], temperature=-1.0), "temperature"),
-        (dict(), "exactly one of prompt or token_ids"),
+        (dict(), "exactly one of prompt, token_ids or messages"),
     ],
 )
 async def test_bad_requests_get_error_replies(served, kwargs, needle):

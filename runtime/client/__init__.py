@@ -3,10 +3,11 @@
 from runtime.client.client import (
     Client,
     GenerationChunk,
+    TokenLogprob,
     GenerationResult,
     RequestFailed,
     ServiceUnavailable,
     SyncClient,
 )
 
-__all__ = ["Client", "SyncClient", "GenerationResult", "GenerationChunk", "RequestFailed", "ServiceUnavailable"]
+__all__ = ["Client", "SyncClient", "GenerationResult", "GenerationChunk", "TokenLogprob", "RequestFailed", "ServiceUnavailable"]

@@ -26,17 +26,37 @@ class RequestFailed(RuntimeError):
         self.result = result
 
 
+SAMPLING_KEYWORDS = frozenset(
+    {
+        "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "logit_bias", "seed", "min_tokens", "stop", "logprobs", "top_logprobs",
+    }
+)
+"""Keywords ``generate``/``stream``/``chat`` take besides the named ones (see the README's table)."""
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability and the ``top`` (token id, logprob) pairs, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
 @dataclass
 class GenerationChunk:
-    """New tokens of a streaming request and the text they completed."""
+    """New tokens of a streaming request, the text they completed, and their logprobs if asked."""
 
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
 class GenerationResult:
-    """A finished request. ``finish_reason`` is "stop", "length", "abort" or "error"."""
+    """A finished request. ``finish_reason`` is "stop", "length", "abort" or "error";
+    ``stop_reason`` the stop string or stop token id that ended it (None for EOS)."""
 
     rid: str
     token_ids: list[int] = field(default_factory=list)
@@ -45,6 +65,14 @@ class GenerationResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None
+
+
+def _logprobs(entries: list[cp.TokenLogprob] | None) -> list[TokenLogprob] | None:
+    if entries is None:
+        return None
+    return [TokenLogprob(e.token_id, e.logprob, [tuple(pair) for pair in e.top]) for e in entries]
 
 
 def _result(done: cp.Done) -> GenerationResult:
@@ -56,6 +84,8 @@ def _result(done: cp.Done) -> GenerationResult:
         prompt_tokens=done.prompt_tokens,
         cached_tokens=done.cached_tokens,
         error=done.error,
+        logprobs=_logprobs(done.logprobs),
+        stop_reason=done.stop_reason,
     )
 
 
@@ -159,17 +189,16 @@ class Client:
             raise ServiceUnavailable(f"no reply from {self.address} within {limit} s") from None
 
     @staticmethod
-    def _request(rid: str | None, stream: bool, prompt, token_ids, max_tokens, temperature, ignore_eos, stop_token_ids):
-        return cp.Generate(
-            rid=rid or uuid.uuid4().hex,
-            prompt=prompt,
-            token_ids=list(token_ids) if token_ids is not None else None,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            ignore_eos=ignore_eos,
-            stop_token_ids=list(stop_token_ids or []),
-            stream=stream,
-        )
+    def _request(rid: str | None, stream: bool, sampling: dict, **fields) -> cp.Generate:
+        unknown = set(sampling) - SAMPLING_KEYWORDS
+        if unknown:
+            raise TypeError(f"unknown keyword arguments {sorted(unknown)}; known: {sorted(SAMPLING_KEYWORDS)}")
+        if isinstance(sampling.get("stop"), str):
+            sampling["stop"] = [sampling["stop"]]
+        if fields.get("token_ids") is not None:
+            fields["token_ids"] = list(fields["token_ids"])
+        fields["stop_token_ids"] = list(fields.get("stop_token_ids") or [])
+        return cp.Generate(rid=rid or uuid.uuid4().hex, stream=stream, **fields, **sampling)
 
     async def generate(
         self,
@@ -181,9 +210,38 @@ class Client:
         ignore_eos: bool = False,
         stop_token_ids: list[int] | None = None,
         rid: str | None = None,
+        **sampling,
     ) -> GenerationResult:
-        """Run one request to completion; finish_reason "error" comes back as a result, not raised."""
-        msg = self._request(rid, False, prompt, token_ids, max_tokens, temperature, ignore_eos, stop_token_ids)
+        """Run one request to completion; finish_reason "error" comes back as a result, not raised.
+
+        ``sampling``: top_p, top_k, min_p, repetition_penalty, presence_penalty,
+        frequency_penalty, logit_bias ({token_id: bias}), seed, min_tokens, stop (a string or
+        a list), logprobs, top_logprobs.
+        """
+        msg = self._request(rid, False, sampling, prompt=prompt, token_ids=token_ids, max_tokens=max_tokens,
+                            temperature=temperature, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+        return await self._run(msg)
+
+    async def chat(
+        self,
+        messages: list[dict],
+        *,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        ignore_eos: bool = False,
+        stop_token_ids: list[int] | None = None,
+        rid: str | None = None,
+        **sampling,
+    ) -> GenerationResult:
+        """``generate`` on the model's chat template applied to ``messages`` (with the generation prompt)."""
+        msg = self._request(rid, False, sampling, messages=messages, chat_template_kwargs=chat_template_kwargs,
+                            tools=tools, max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos,
+                            stop_token_ids=stop_token_ids)
+        return await self._run(msg)
+
+    async def _run(self, msg: cp.Generate) -> GenerationResult:
         queue = await self._call(msg, msg.rid)
         finished = False
         try:
@@ -206,15 +264,22 @@ class Client:
         prompt: str | None = None,
         *,
         token_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
         max_tokens: int = 256,
         temperature: float = 0.0,
         ignore_eos: bool = False,
         stop_token_ids: list[int] | None = None,
         rid: str | None = None,
+        **sampling,
     ) -> Stream:
         """An async iterator of chunks as tokens are produced; raises RequestFailed if the
-        request errors. After the last chunk, ``.result`` holds the final GenerationResult."""
-        msg = self._request(rid, True, prompt, token_ids, max_tokens, temperature, ignore_eos, stop_token_ids)
+        request errors. After the last chunk, ``.result`` holds the final GenerationResult.
+        Takes ``messages=`` (chat) instead of a prompt, and the sampling keywords of ``generate``."""
+        msg = self._request(rid, True, sampling, prompt=prompt, token_ids=token_ids, messages=messages,
+                            chat_template_kwargs=chat_template_kwargs, tools=tools, max_tokens=max_tokens,
+                            temperature=temperature, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
         return Stream(self, msg)
 
     async def abort(self, rid: str) -> bool:
@@ -264,7 +329,8 @@ class Stream:
                 self.result = GenerationResult(rid=self.rid, finish_reason="abort", error="abandoned by the caller")
                 raise
             if isinstance(reply, cp.Chunk):
-                return GenerationChunk(token_ids=list(reply.token_ids), text=reply.text)
+                return GenerationChunk(token_ids=list(reply.token_ids), text=reply.text,
+                                       logprobs=_logprobs(reply.logprobs))
             if isinstance(reply, cp.Done):
                 self.result = _result(reply)
             elif isinstance(reply, cp.ProtocolError):
@@ -318,6 +384,9 @@ class SyncClient:
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
         return self._loop.run_until_complete(self._client.generate(prompt, **kwargs))
+
+    def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
+        return self._loop.run_until_complete(self._client.chat(messages, **kwargs))
 
     def stream(self, prompt: str | None = None, **kwargs):
         """A plain iterator of GenerationChunk; leaving it early (break, close) aborts the request."""

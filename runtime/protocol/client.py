@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
@@ -13,18 +13,35 @@ Rid = Annotated[str, msgspec.Meta(max_length=MAX_RID_LEN)]
 
 
 class Generate(msgspec.Struct, tag="generate", omit_defaults=True, forbid_unknown_fields=True):
-    """Start a generation. Exactly one of ``prompt`` or ``token_ids`` is set.
+    """Start a generation. Exactly one of ``prompt``, ``token_ids`` or ``messages`` is set.
 
     ``rid`` is the client's own id for the request, scoped to its connection: two clients
     may use the same one, and only the sender can abort it. A REQ socket gets exactly one
-    reply per request, so its requests never stream.
+    reply per request, so its requests never stream. ``messages`` (OpenAI chat messages) go
+    through the model folder's chat template, with ``chat_template_kwargs`` and ``tools``.
+    Sampling parameters follow OpenAI's and vLLM's names; the scheduler checks their ranges.
     """
 
     rid: Rid
     prompt: str | None = None
     token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     max_tokens: int = 256
     temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    min_tokens: int = 0
+    stop: list[str] | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
     stream: bool = False
@@ -47,12 +64,22 @@ ClientMsg = Union[Generate, Abort, StatusQuery]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-class Chunk(msgspec.Struct, tag="chunk"):
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One generated token's log-probability (the model's log-softmax, before any filter) and
+    the ``top`` most likely tokens at that position as (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class Chunk(msgspec.Struct, tag="chunk", omit_defaults=True):
     """New tokens of a streaming request and the text they completed."""
 
     rid: str
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 class ChunkBatch(msgspec.Struct, tag="chunks"):
@@ -62,7 +89,10 @@ class ChunkBatch(msgspec.Struct, tag="chunks"):
 
 
 class Done(msgspec.Struct, tag="done", omit_defaults=True):
-    """The final result of a request (also the error reply for a rejected one)."""
+    """The final result of a request (also the error reply for a rejected one).
+
+    ``stop_reason``: the stop string or stop token id that ended it (None for EOS or length).
+    """
 
     rid: str
     finish_reason: FinishReason
@@ -71,6 +101,8 @@ class Done(msgspec.Struct, tag="done", omit_defaults=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None
 
 
 class StatusReply(msgspec.Struct, tag="status_reply"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.protocol.worker import AUX_CONTINUE, DecodeBatch, PrefillChunk, Step
+from runtime.protocol.worker import AUX_CONTINUE, DecodeBatch, PrefillChunk, RowSampling, Step
 from runtime.scheduler.admission import Limits, validate_request
 from runtime.scheduler.aux_state import AuxTracker
 from runtime.scheduler.radix import InsertResult, RadixCache
@@ -33,11 +33,12 @@ class PlannedStep:
 
 @dataclass
 class StepOutput:
-    """New tokens for one request after a step, and whether it finished."""
+    """New tokens for one request after a step, whether it finished, and their logprobs if asked."""
 
     req: Request
     new_ids: list[int]
     finished: bool
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 class Scheduler:
@@ -66,6 +67,7 @@ class Scheduler:
         self.inflight: dict[int, PlannedStep] = {}
         self.reserved = 0
         self._next_step_id = 0
+        self._new_rows: list[Request] = []  # admitted since the last step: their RowSampling goes with it
 
     # ---- admission -------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], max_tokens: int, temperature: float) -> int:
@@ -108,7 +110,18 @@ class Scheduler:
         req.reserved = need
         self.reserved += need
         self.running.append(req)
+        self._new_rows.append(req)
         return True
+
+    def _row_sampling(self, req: Request) -> RowSampling:
+        p = req.params
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
+        return RowSampling(
+            row=req.row, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, logit_bias=list(p.logit_bias), seed=p.seed,
+            stop_ids=sorted(stop_ids) if p.min_tokens else [], logprobs=p.logprobs, top_logprobs=p.top_logprobs,
+        )
 
     def _alloc(self, req: Request, n: int) -> list[int]:
         if self.slots.free_count < n and self.tree is not None:
@@ -184,9 +197,11 @@ class Scheduler:
             return None
         decode = None
         if decode_reqs:
-            rows, tokens, positions, slot_ids, temps = [], [], [], [], []
-            for req in decode_reqs:
+            rows, tokens, positions, slot_ids, temps, ban_stop = [], [], [], [], [], []
+            for i, req in enumerate(decode_reqs):
                 k = req.decodes_launched
+                if k < req.params.min_tokens:
+                    ban_stop.append(i)
                 rows.append(req.row)
                 tokens.append(req.prompt_ids[-1] if k == 0 else -1)
                 positions.append(req.prompt_len - 1 + k)
@@ -194,8 +209,10 @@ class Scheduler:
                 temps.append(req.params.temperature)
                 req.decodes_launched += 1
             aux_slots = [r.aux_slot for r in decode_reqs] if self.aux is not None else []
-            decode = DecodeBatch(rows, tokens, positions, slot_ids, temps, aux_slots)
-        step = Step(step_id=self._next_step_id, prefills=prefills, decode=decode)
+            decode = DecodeBatch(rows, tokens, positions, slot_ids, temps, aux_slots, ban_stop)
+        samplings = [self._row_sampling(r) for r in self._new_rows if r.row >= 0 and not r.finished]
+        self._new_rows = []
+        step = Step(step_id=self._next_step_id, prefills=prefills, decode=decode, samplings=samplings)
         self._next_step_id += 1
         planned = PlannedStep(step, decode_reqs, prefill_reqs)
         for req in set(decode_reqs) | set(prefill_reqs):
@@ -237,25 +254,37 @@ class Scheduler:
         return result
 
     # ---- results ---------------------------------------------------------------------
-    def on_step_done(self, step_id: int, tokens: list[int]) -> list[StepOutput]:
+    def on_step_done(
+        self, step_id: int, tokens: list[int], logprobs: tuple[list, list, list] | None = None
+    ) -> list[StepOutput]:
+        """Take a step's tokens (and, when a row asked, logprobs, top ids, top logprobs)."""
         planned = self.inflight.pop(step_id)
         assert len(tokens) == len(planned.decode_reqs), "worker returned a wrong number of tokens"
         outputs = []
         for req in set(planned.decode_reqs) | set(planned.prefill_reqs):
             req.inflight_steps -= 1
-        for req, token in zip(planned.decode_reqs, tokens):
+        for i, (req, token) in enumerate(zip(planned.decode_reqs, tokens)):
             if req.finished:
                 req.extra_ids.append(token)  # chained past its end: not returned, but its K/V is valid
                 continue
             req.output_ids.append(token)
+            entry = None
+            if req.params.logprobs and logprobs is not None and logprobs[0]:
+                lps, top_ids, top_lps = logprobs
+                n = req.params.top_logprobs
+                top = list(zip(top_ids[i][:n], top_lps[i][:n])) if n else []
+                entry = [(token, lps[i], top)]
+                req.logprobs.extend(entry)
             reason = None
-            if (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
+            if token in req.params.stop_token_ids:
+                reason, req.stop_reason = "stop", token
+            elif token in self.eos_ids and not req.params.ignore_eos:
                 reason = "stop"
             elif len(req.output_ids) >= req.max_new:
                 reason = "length"
             if reason is not None:
                 self.finish(req, reason)
-            outputs.append(StepOutput(req, [token], reason is not None))
+            outputs.append(StepOutput(req, [token], reason is not None, entry))
         for req in [r for r in self.draining if r.inflight_steps == 0]:
             self.draining.remove(req)
             self._release(req)

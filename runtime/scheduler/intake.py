@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from runtime.protocol import client as cp
 from runtime.scheduler.admission import RequestRejected
+from runtime.scheduler.chat import chat_prompt_ids
 from runtime.scheduler.tokenizer import Tokenizer
 
 INLINE_TOKENIZE_BYTES = 4096
@@ -29,23 +30,35 @@ class Intake:
     @staticmethod
     def needs_thread(msg: cp.Generate) -> bool:
         """Whether the prompt is text long enough to tokenize off the loop (a cheap upper bound)."""
-        return msg.prompt is not None and msg.token_ids is None and len(msg.prompt) * 4 > INLINE_TOKENIZE_BYTES
+        if msg.messages is not None:
+            return len(msg.messages) > 64 or _content_chars(msg.messages) * 4 > INLINE_TOKENIZE_BYTES
+        return msg.prompt is not None and len(msg.prompt) * 4 > INLINE_TOKENIZE_BYTES
 
     def prompt_ids_now(self, msg: cp.Generate) -> list[int]:
         """The prompt as token ids, on the calling thread; raises RequestRejected with a reason."""
-        if (msg.prompt is None) == (msg.token_ids is None):
-            raise RequestRejected("give exactly one of prompt or token_ids")
+        given = sum(x is not None for x in (msg.prompt, msg.token_ids, msg.messages))
+        if given != 1:
+            raise RequestRejected("give exactly one of prompt, token_ids or messages")
         if msg.token_ids is not None:
             return list(msg.token_ids)
+        if msg.messages is not None:
+            return self._chat(msg)
         assert msg.prompt is not None
         return self._encode(self._checked_text(msg.prompt))
 
     async def prompt_ids(self, msg: cp.Generate) -> list[int]:
         """``prompt_ids_now`` on the tokenizer thread."""
-        if msg.prompt is None or msg.token_ids is not None:
+        if msg.messages is not None and msg.prompt is None and msg.token_ids is None:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._chat, msg)
+        if msg.prompt is None or msg.token_ids is not None or msg.messages is not None:
             return self.prompt_ids_now(msg)
         text = self._checked_text(msg.prompt)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, text)
+
+    def _chat(self, msg: cp.Generate) -> list[int]:
+        if _content_chars(msg.messages or []) * 4 > self.max_prompt_bytes:
+            raise RequestRejected(f"the messages' text is over {self.max_prompt_bytes} bytes")
+        return chat_prompt_ids(self.tokenizer.hf, msg.messages or [], msg.chat_template_kwargs, msg.tools)
 
     def _checked_text(self, text: str) -> str:
         size = len(text.encode("utf-8", errors="surrogatepass"))
@@ -64,3 +77,16 @@ class Intake:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _content_chars(messages: list) -> int:
+    """Characters of the messages' string contents (an estimate of the chat prompt's size)."""
+    total = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part.get("text", "")) for part in content if isinstance(part, dict)
+                         and isinstance(part.get("text"), str))
+    return total

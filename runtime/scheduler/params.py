@@ -100,7 +100,7 @@ def check_sampling(
         raise RequestRejected(f"min_tokens must be >= 0, got {min_tokens_value}")
     logprobs_value = False if logprobs is None else logprobs
     if not isinstance(logprobs_value, bool):
-        raise RequestRejected(f"logprobs must be true or false, got {logprobs!r}")
+        raise RequestRejected(f"logprobs must be true or false, got {_shown(logprobs)}")
     top_n = 0 if top_logprobs is None else _int("top_logprobs", top_logprobs)
     if not 0 <= top_n <= MAX_TOP_LOGPROBS:
         raise RequestRejected(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {top_n}")
@@ -126,17 +126,26 @@ def check_sampling(
 def _real(name: str, value: Any) -> float:
     """A finite int or float (not a bool) as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RequestRejected(f"{name} must be a number, got {value!r}")
-    result = float(value)  # a huge int overflows here: refuse it like inf
+        raise RequestRejected(f"{name} must be a number, got {_shown(value)}")
+    try:
+        result = float(value)
+    except OverflowError:  # an int beyond float range: refuse it like inf
+        result = math.inf
     if not math.isfinite(result):
-        raise RequestRejected(f"{name} must be a finite number, got {value!r}")
+        raise RequestRejected(f"{name} must be a finite number, got {_shown(value)}")
     return result
+
+
+def _shown(value: Any) -> str:
+    """A value's repr cut to a length that fits in an error message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _int(name: str, value: Any) -> int:
     """An int that is not a bool."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestRejected(f"{name} must be an integer, got {value!r}")
+        raise RequestRejected(f"{name} must be an integer, got {_shown(value)}")
     return value
 
 
@@ -161,7 +170,7 @@ def _logit_bias(logit_bias: Any, vocab_size: int) -> tuple[tuple[int, float], ..
     if logit_bias is None:
         return ()
     if not isinstance(logit_bias, dict):
-        raise RequestRejected(f"logit_bias must be an object of token id -> bias, got {logit_bias!r}")
+        raise RequestRejected(f"logit_bias must be an object of token id -> bias, got {_shown(logit_bias)}")
     if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
         raise RequestRejected(
             f"logit_bias has {len(logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed"
@@ -184,7 +193,7 @@ def _token_id(key: Any, vocab_size: int) -> int:
     elif isinstance(key, int) and not isinstance(key, bool):
         token = key
     else:
-        raise RequestRejected(f"logit_bias keys must be token ids (integers), got {key!r}")
+        raise RequestRejected(f"logit_bias keys must be token ids (integers), got {_shown(key)}")
     if not 0 <= token < vocab_size:
         raise RequestRejected(
             f"logit_bias has unknown token id {token}: the vocabulary has ids 0..{vocab_size - 1}"
@@ -198,12 +207,12 @@ def _stop(stop: Any, max_stop_strings: int, max_stop_len: int) -> tuple[str, ...
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, (list, tuple)):
-        raise RequestRejected(f"stop must be a string or a list of strings, got {stop!r}")
+        raise RequestRejected(f"stop must be a string or a list of strings, got {_shown(stop)}")
     if len(stops) > max_stop_strings:
         raise RequestRejected(f"stop lists {len(stops)} strings; at most {max_stop_strings} are allowed")
     for item in stops:
         if not isinstance(item, str):
-            raise RequestRejected(f"stop must be a string or a list of strings, got {item!r} in the list")
+            raise RequestRejected(f"stop must be a string or a list of strings, got {_shown(item)} in the list")
         if not item:
             raise RequestRejected("stop strings must not be empty")
         if len(item) > max_stop_len:

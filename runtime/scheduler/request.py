@@ -8,12 +8,24 @@ from typing import Any
 
 @dataclass
 class SamplingParams:
-    """What the client asked for, validated."""
+    """What the client asked for, validated (``runtime/scheduler/params.py``)."""
 
     max_tokens: int
     temperature: float = 0.0
     ignore_eos: bool = False
     stop_token_ids: frozenset[int] = frozenset()
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int = 0
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @dataclass(eq=False)
@@ -47,6 +59,10 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     detok: Any = None
+    stop_matcher: Any = None
+    text: str = ""  # text returned so far, when stop strings are matched
+    stop_reason: str | int | None = None
+    logprobs: list[Any] = field(default_factory=list)  # (token id, logprob, top) per output token
     arrived_at: float = 0.0
     # Hybrid models: live aux slot, where its state starts, snapshot points and slots.
     aux_slot: int = -1

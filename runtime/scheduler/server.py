@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 
 import msgspec
@@ -21,12 +22,14 @@ from runtime.protocol import worker as wp
 from runtime.protocol.loop_socket import LoopSocket
 from runtime.protocol.security import check_bind_allowed, secure_server
 from runtime.scheduler.addresses import Addresses, bind_client
-from runtime.scheduler.admission import Limits, RequestRejected, checked_temperature
+from runtime.scheduler.admission import Limits, RequestRejected
 from runtime.scheduler.core import Scheduler, StepOutput
 from runtime.scheduler.frames import BadFrames, split_frames
 from runtime.scheduler.intake import Intake
+from runtime.scheduler.params import check_sampling
 from runtime.scheduler.peers import Peer, PeerBusy, PeerGone, PeerTable, ReplyTo
 from runtime.scheduler.request import Request, SamplingParams
+from runtime.scheduler.stop_strings import StopMatcher
 from runtime.scheduler.supervisor import WORKER_POLL_S, WorkerStartError, WorkerSupervisor
 from runtime.scheduler.tokenizer import Detokenizer, Tokenizer
 
@@ -153,7 +156,9 @@ class Server:
         self._forget(req)
         if to.peer.gone:
             return
-        if req.detok is not None:
+        if req.stop_matcher is not None:
+            text = req.text
+        elif req.detok is not None:
             text = req.detok.text
         else:
             ids = req.output_ids[:-1] if req.finish_reason == "stop" else req.output_ids  # a stop token is not text
@@ -166,6 +171,8 @@ class Server:
             prompt_tokens=req.prompt_len,
             cached_tokens=req.prefix_len,
             error=req.error,
+            logprobs=_wire_logprobs(req.logprobs) if req.params.logprobs else None,
+            stop_reason=req.stop_reason,
         )
         self._reply(to, done)
 
@@ -225,15 +232,36 @@ class Server:
         queued = len(s.waiting) + len(self._tokenizing)
         if queued >= self.config.scheduler.max_waiting:
             return reject(f"overloaded: {queued} requests are waiting (scheduler.max_waiting); retry later")
+        assert self.ready is not None
         try:
-            temperature = checked_temperature(msg.temperature)
+            choice = check_sampling(
+                temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, min_p=msg.min_p,
+                repetition_penalty=msg.repetition_penalty, presence_penalty=msg.presence_penalty,
+                frequency_penalty=msg.frequency_penalty, logit_bias=msg.logit_bias, seed=msg.seed,
+                min_tokens=msg.min_tokens, stop=msg.stop, logprobs=msg.logprobs, top_logprobs=msg.top_logprobs,
+                vocab_size=self.ready.vocab_size,
+            )
+            if any(not 0 <= t < self.ready.vocab_size for t in msg.stop_token_ids):
+                raise RequestRejected(f"stop_token_ids must be token ids in 0..{self.ready.vocab_size - 1}")
         except RequestRejected as exc:
             return reject(str(exc))
         params = SamplingParams(
             max_tokens=msg.max_tokens,
-            temperature=temperature,
+            temperature=choice.temperature,
             ignore_eos=msg.ignore_eos,
             stop_token_ids=frozenset(msg.stop_token_ids),
+            top_p=choice.top_p,
+            top_k=choice.top_k,
+            min_p=choice.min_p,
+            repetition_penalty=choice.repetition_penalty,
+            presence_penalty=choice.presence_penalty,
+            frequency_penalty=choice.frequency_penalty,
+            logit_bias=choice.logit_bias,
+            seed=choice.seed if choice.seed is not None else secrets.randbits(64),  # unseeded: random per request
+            min_tokens=choice.min_tokens,
+            stop=choice.stop,
+            logprobs=choice.logprobs,
+            top_logprobs=choice.top_logprobs,
         )
         req = Request(rid=f"r{next(self._ids)}", prompt_ids=[], params=params, max_new=0)
         req.stream = msg.stream and not envelope  # a REQ socket takes one reply per request
@@ -274,8 +302,10 @@ class Server:
         except RequestRejected as exc:
             return self._fail_new(req, str(exc))
         req.prompt_ids = ids
-        if req.stream:
-            req.detok = Detokenizer(self.tokenizer)  # non-streaming requests decode once, at the end
+        if req.params.stop:
+            req.stop_matcher = StopMatcher(list(req.params.stop))
+        if req.stream or req.stop_matcher is not None:
+            req.detok = Detokenizer(self.tokenizer)  # other requests decode once, at the end
         self.scheduler.add(req)
         self.wakeup.set()
 
@@ -325,15 +355,26 @@ class Server:
     # ---- results to clients ----------------------------------------------------------
     def _emit(self, out: StepOutput) -> None:
         req = out.req
-        if req.stream:
-            stop_token = out.finished and req.finish_reason == "stop"
-            delta = "" if stop_token else req.detok.add(out.new_ids)
-            if out.finished:
-                delta += req.detok.flush()
-            to: ReplyTo = req.client
-            if to is not None and not to.peer.gone:
-                chunk = cp.Chunk(rid=to.rid, token_ids=out.new_ids, text=delta)
-                self._pending_chunks.setdefault(to.peer, []).append(chunk)
+        if req.detok is None:
+            return
+        stop_token = out.finished and req.finish_reason == "stop"  # EOS or a stop token: not text
+        delta = "" if stop_token else req.detok.add(out.new_ids)
+        if out.finished:
+            delta += req.detok.flush()
+        if req.stop_matcher is not None:
+            delta, matched = req.stop_matcher.feed(delta)
+            if matched is not None:
+                req.stop_reason = matched
+                assert self.scheduler is not None
+                self.scheduler.finish(req, "stop")
+            elif out.finished:
+                delta += req.stop_matcher.flush()
+            req.text += delta
+        to: ReplyTo = req.client
+        if req.stream and to is not None and not to.peer.gone:
+            logprobs = _wire_logprobs(out.logprobs) if out.logprobs is not None else None
+            chunk = cp.Chunk(rid=to.rid, token_ids=out.new_ids, text=delta, logprobs=logprobs)
+            self._pending_chunks.setdefault(to.peer, []).append(chunk)
 
     def _send_completed(self) -> None:
         """Final results, only once each request's state is cached and released (SPEC 5.2)."""
@@ -417,7 +458,8 @@ class Server:
             if isinstance(reply, wp.StepDone):
                 self.last_step = reply
                 self.steps_done += 1
-                for out in s.on_step_done(reply.step_id, reply.tokens):
+                logprobs = (reply.logprobs, reply.top_ids, reply.top_logprobs) if reply.logprobs else None
+                for out in s.on_step_done(reply.step_id, reply.tokens, logprobs):
                     self._emit(out)
                 self._send_completed()
                 self._flush_chunks()
@@ -459,6 +501,10 @@ class Server:
         if self._auth is not None:
             self._auth.stop()
         self.ctx.term()
+
+
+def _wire_logprobs(entries: list[tuple[int, float, list[tuple[int, float]]]]) -> list[cp.TokenLogprob]:
+    return [cp.TokenLogprob(token_id=t, logprob=lp, top=top) for t, lp, top in entries]
 
 
 def _guess_rid(payload: bytes) -> str:

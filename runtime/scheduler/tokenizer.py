@@ -35,6 +35,11 @@ class Tokenizer:
         self.eos_ids = frozenset(eos)
 
     @property
+    def hf(self) -> Any:
+        """The transformers tokenizer (chat templates: ``runtime/scheduler/chat.py``)."""
+        return self._tok
+
+    @property
     def backend(self) -> Any:
         """The Rust `tokenizers.Tokenizer` behind a fast tokenizer, or None."""
         return getattr(self._tok, "backend_tokenizer", None)
