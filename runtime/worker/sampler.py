@@ -26,7 +26,7 @@ def is_plain(spec: RowSampling) -> bool:
     """Plain greedy: argmax of the model's log-probabilities, nothing else."""
     return (
         spec.temperature == 0.0 and spec.repetition_penalty == 1.0 and spec.presence_penalty == 0.0
-        and spec.frequency_penalty == 0.0 and not spec.logit_bias and not spec.logprobs
+        and spec.frequency_penalty == 0.0 and not spec.logit_bias and not spec.logprobs and not spec.stop_ids
     )
 
 

@@ -1,0 +1,132 @@
+"""The worker's per-row sampler against mlx-lm's own samplers: allowed sets, distributions, invariance."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
+
+from runtime.protocol.worker import DecodeBatch, RowSampling
+from runtime.worker.sampler import RowSampler
+
+VOCAB = 48
+DRAWS = 6000
+
+
+def _logits(seed: int = 0) -> mx.array:
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.normal(0.0, 2.0, VOCAB).astype(np.float32))
+
+
+def _batch(n: int, positions: list[int] | None = None) -> DecodeBatch:
+    return DecodeBatch(rows=list(range(n)), token_ids=[-1] * n, positions=positions or list(range(n)),
+                       slot_ids=[0] * n, temperatures=[0.0] * n)
+
+
+def _draw(spec: dict, logits: mx.array, n: int = DRAWS) -> np.ndarray:
+    sampler = RowSampler(max_rows=n)
+    sampler.configure([RowSampling(row=r, **spec) for r in range(n)])
+    batch = mx.broadcast_to(logits[None], (n, VOCAB))
+    return np.array(sampler.sample(batch, _batch(n)).tokens)
+
+
+def _histogram(tokens: np.ndarray) -> np.ndarray:
+    return np.bincount(tokens, minlength=VOCAB) / len(tokens)
+
+
+FILTERS = [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=5),
+    dict(temperature=1.2, top_p=0.8),
+    dict(temperature=0.9, min_p=0.08),
+    dict(temperature=0.8, top_k=10, top_p=0.9, min_p=0.05),
+]
+
+
+@pytest.mark.parametrize("spec", FILTERS)
+def test_draws_follow_mlx_lm_samplers(spec):
+    logits = _logits()
+    logprobs = logits - mx.logsumexp(logits)
+    kept = logprobs[None]
+    if spec.get("top_p", 1.0) < 1.0:
+        kept = apply_top_p(kept, spec["top_p"])
+    if spec.get("min_p", 0.0):
+        kept = apply_min_p(kept, spec["min_p"])
+    if spec.get("top_k", 0):
+        kept = apply_top_k(kept, spec["top_k"])
+    allowed = set(np.nonzero(np.isfinite(np.array(kept[0])))[0].tolist())
+    exact = np.array(mx.softmax(kept[0] / spec["temperature"]))
+
+    ours = _draw(dict(spec, seed=11), logits)
+    mx.random.seed(3)
+    theirs_sampler = make_sampler(temp=spec["temperature"], top_p=spec.get("top_p", 0.0),
+                                  min_p=spec.get("min_p", 0.0), top_k=spec.get("top_k", 0))
+    theirs = np.array(theirs_sampler(mx.broadcast_to(logprobs[None], (DRAWS, VOCAB))))
+
+    assert set(ours.tolist()) <= allowed and set(theirs.tolist()) <= allowed
+    tv_ours = 0.5 * np.abs(_histogram(ours) - exact).sum()
+    tv_theirs = 0.5 * np.abs(_histogram(theirs) - exact).sum()
+    tv_between = 0.5 * np.abs(_histogram(ours) - _histogram(theirs)).sum()
+    assert tv_ours < 0.05 and tv_theirs < 0.05 and tv_between < 0.07, (tv_ours, tv_theirs, tv_between)
+
+
+def test_a_row_draws_the_same_token_alone_or_in_any_batch():
+    logits = [_logits(s) for s in range(6)]
+    specs = [
+        dict(temperature=0.9, seed=5),
+        dict(temperature=1.3, top_k=4, seed=6),
+        dict(),
+        dict(temperature=0.6, top_p=0.7, seed=7, logprobs=True, top_logprobs=3),
+        dict(temperature=1.0, min_p=0.2, seed=8, logit_bias=[(3, 2.0)]),
+        dict(temperature=1.0, seed=5),
+    ]
+    positions = [10, 11, 12, 13, 14, 10]
+
+    def run(order: list[int]) -> dict[int, int]:
+        sampler = RowSampler(max_rows=8)
+        sampler.configure([RowSampling(row=r, **specs[i]) for r, i in enumerate(order)])
+        batch = mx.stack([logits[i] for i in order])
+        got = sampler.sample(batch, _batch(len(order), [positions[i] for i in order])).tokens.tolist()
+        return {i: got[r] for r, i in enumerate(order)}
+
+    together = run([0, 1, 2, 3, 4, 5])
+    shuffled = run([4, 2, 5, 0, 3, 1])
+    for i in range(6):
+        assert run([i])[i] == together[i] == shuffled[i]
+    assert together[2] == int(mx.argmax(logits[2]))
+
+
+def test_greedy_rows_with_filters_or_top_k_one_take_the_argmax():
+    logits = _logits(4)
+    for spec in (dict(temperature=2.0, top_k=1, seed=1), dict(top_p=0.5), dict(min_p=0.5)):
+        tokens = _draw(dict(spec), logits, n=50)
+        assert set(tokens.tolist()) == {int(mx.argmax(logits))}
+
+
+def test_penalty_counts_follow_the_lazy_tokens_of_chained_steps():
+    sampler = RowSampler(max_rows=2)
+    sampler.configure([RowSampling(row=0, frequency_penalty=1.5), RowSampling(row=1)])
+    logits = mx.zeros((2, VOCAB))
+    logits[:, 7] = 1.0  # row 0 takes 7, then 7 is penalized below the rest
+    first = sampler.sample(logits, _batch(2)).tokens
+    second = sampler.sample(logits, _batch(2)).tokens  # built before the first is read back
+    assert first.tolist() == [7, 7] and second.tolist()[1] == 7 and second.tolist()[0] != 7
+    assert sampler.counts is not None and sampler.counts[0, 7].item() == 1.0
+    sampler.configure([RowSampling(row=0, frequency_penalty=1.5)])  # a new request in row 0
+    assert sampler.sample(logits, _batch(2)).tokens.tolist()[0] == 7
+
+
+def test_logprobs_are_the_unfiltered_log_softmax():
+    logits = _logits(9)
+    sampler = RowSampler(max_rows=1)
+    sampler.configure([RowSampling(row=0, temperature=0.5, top_k=2, seed=1, logprobs=True, top_logprobs=4,
+                                   logit_bias=[(0, 3.0)])])
+    draws = sampler.sample(logits[None], _batch(1))
+    raw = np.array(logits - mx.logsumexp(logits))
+    token = draws.tokens.item()
+    assert draws.token_logprobs.item() == pytest.approx(raw[token], abs=1e-6)
+    assert draws.top_ids[0].tolist() == np.argsort(-raw)[:4].tolist()
+    assert math.isclose(np.exp(raw).sum(), 1.0, rel_tol=1e-5)
