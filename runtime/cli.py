@@ -128,6 +128,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from runtime.protocol.security import SecurityError
 
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
+    for name in ("top_p", "top_k", "min_p", "seed", "min_tokens", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    if args.stop:
+        kwargs["stop"] = args.stop
+    if args.chat:
+        kwargs["messages"] = [{"role": "user", "content": args.prompt}]
+    prompt = None if args.chat else args.prompt
     try:
         client = SyncClient(args.address, timeout_s=args.timeout, **_client_keys(args))
     except SecurityError as exc:
@@ -136,7 +145,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     with client:
         try:
             if args.json:
-                result = client.generate(args.prompt, **kwargs)
+                result = client.chat(kwargs.pop("messages"), **kwargs) if args.chat else client.generate(prompt, **kwargs)
                 print(
                     json.dumps(
                         {
@@ -145,12 +154,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             "finish_reason": result.finish_reason,
                             "prompt_tokens": result.prompt_tokens,
                             "cached_tokens": result.cached_tokens,
+                            **({"stop_reason": result.stop_reason} if result.stop_reason is not None else {}),
                             **({"error": result.error} if result.error else {}),
                         }
                     )
                 )
                 return 1 if result.finish_reason == "error" else 0
-            for chunk in client.stream(args.prompt, **kwargs):
+            for chunk in client.stream(prompt, **kwargs):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
             sys.stdout.write("\n")
@@ -222,6 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--min-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--min-tokens", type=int, default=None)
+    gen.add_argument("--repetition-penalty", type=float, default=None)
+    gen.add_argument("--presence-penalty", type=float, default=None)
+    gen.add_argument("--frequency-penalty", type=float, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeat for several)")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the whole result")
     gen.add_argument("--timeout", type=float, default=None, help="seconds to wait for each reply")
     gen.add_argument("prompt")

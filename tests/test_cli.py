@@ -86,6 +86,22 @@ def test_generate_json_and_streaming(model_dir, tmp_path):
     assert streamed.stdout.rstrip("\n") == result["text"]
 
 
+def test_generate_sampling_flags_stop_and_chat(tmp_path):
+    adder = REPO / "models" / "adder"
+    with running_service(tmp_path, adder, "[scheduler]\nmax_context = 64\n") as svc:
+        stopped = _runtime("generate", "-a", svc.address, "--json", "--stop", "79", "123+456=")
+        seeded = [_runtime("generate", "-a", svc.address, "--json", "--temperature", "1.5", "--top-k", "3",
+                           "--top-p", "0.9", "--seed", "4", "--max-tokens", "6", "--ignore-eos", "1+1=")
+                  for _ in range(2)]
+        bad = _runtime("generate", "-a", svc.address, "--json", "--top-p", "2", "1+1=")
+        chat = _runtime("generate", "-a", svc.address, "--json", "--chat", "1+1=")
+    assert json.loads(stopped.stdout)["text"] == "5" and json.loads(stopped.stdout)["stop_reason"] == "79"
+    runs = [json.loads(r.stdout) for r in seeded]
+    assert seeded[0].returncode == 0 and runs[0]["token_ids"] == runs[1]["token_ids"]  # the same seed
+    assert bad.returncode == 1 and "top_p" in json.loads(bad.stdout)["error"]
+    assert chat.returncode == 1 and "chat template" in json.loads(chat.stdout)["error"]  # the adder has none
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_shuts_down_within_10s_leaving_no_process(model_dir, tmp_path, sig):
     folder = model_dir("llama")
