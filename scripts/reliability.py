@@ -135,7 +135,10 @@ def service(work: Path, name: str, folder: Path, extra: str, server: str = "") -
 
 
 # ---- the fuzz's messages (the generators of tests/test_protocol_fuzz.py, on plain random) ----
-FIELDS = ["type", "rid", "prompt", "token_ids", "max_tokens", "temperature", "ignore_eos", "stop_token_ids", "stream"]
+FIELDS = [
+    "type", "rid", "prompt", "token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+    "logit_bias", "seed", "min_tokens", "stop", "logprobs", "top_logprobs", "ignore_eos", "stop_token_ids", "stream",
+]
 TYPES = ["generate", "abort", "status", "chunk", "chunks", "done", "status_reply", "ping", "", "GENERATE"]
 EXTREME_INTS = [2**64 - 1, 2**63, 2**63 - 1, -(2**63), 2**31, -(2**31) - 1, 0, -1]
 EXTREME_FLOATS = [0.0, -0.0, 1e-40, 1e-5, 0.7, 1e4, 1e4 + 1, 1e308, float("nan"), float("inf"), float("-inf")]
@@ -180,26 +183,47 @@ class Fuzzer:
         return self.pick(lambda: f"z{self._n}", "", "x" * 256, "x" * 257, "é" * 256, self.text(300))
 
     def shaped(self) -> dict:
+        """A message-shaped map; ``typed`` ones have values of the declared types only (they pass
+        decoding and reach the service's own checks)."""
         r = self.rng
-        kind = r.choice(["generate", "generate", "abort", "status"])
-        msg = {"type": kind if r.random() < 0.8 else r.choice(TYPES), "rid": self.rid()}
+        kind = r.choice(["generate", "generate", "generate", "abort", "status"])
+        typed = r.random() < 0.5
+        msg = {"type": kind if typed or r.random() < 0.8 else r.choice(TYPES), "rid": self.rid() if not typed else f"t{self._n}"}
+        pick = (lambda good, *weird: good() if r.random() < 0.7 or not weird else r.choice(weird)) if typed else self.pick
+        real = lambda: pick(lambda: r.choice(EXTREME_FLOATS), r.randint(-3, 3), r.uniform(-1e3, 1e3))  # noqa: E731
         if kind == "generate":
             fields = {
-                "token_ids": lambda: self.pick(lambda: [r.randint(-5, 300) for _ in range(r.randint(0, 140))],
-                                               [], [2**64 - 1], [-(2**63)]),
-                "prompt": lambda: self.pick(lambda: self.text(r.randint(0, 100)), "", "a" * 1100, "a" * 70_000),
-                "max_tokens": lambda: self.pick(lambda: r.randint(-5, 40), *EXTREME_INTS),
-                "temperature": lambda: self.pick(lambda: r.choice(EXTREME_FLOATS)),
-                "ignore_eos": lambda: self.pick(lambda: r.random() < 0.5),
-                "stop_token_ids": lambda: self.pick(lambda: [r.randint(0, 300)], EXTREME_INTS),
-                "stream": lambda: self.pick(lambda: r.random() < 0.5),
+                "token_ids": lambda: pick(lambda: [r.randint(-5, 300) for _ in range(r.randint(0, 140))],
+                                          [], [2**64 - 1], [-(2**63)]),
+                "prompt": lambda: pick(lambda: self.text(r.randint(0, 100)), "", "a" * 1100, "a" * 70_000),
+                "messages": lambda: pick(lambda: [self.chat_message() for _ in range(r.randint(0, 4))], [], [{"role": "u"}] * 100),
+                "max_tokens": lambda: pick(lambda: r.randint(-5, 40), *EXTREME_INTS),
+                "temperature": real, "top_p": real, "min_p": real, "repetition_penalty": real,
+                "presence_penalty": real, "frequency_penalty": real,
+                "top_k": lambda: pick(lambda: r.randint(-2, 300), *EXTREME_INTS),
+                "logit_bias": lambda: pick(lambda: {r.randint(-5, 300): real() for _ in range(r.randint(0, 5))}, {2**64 - 1: 1.0}),
+                "seed": lambda: pick(lambda: r.choice([None, 0, 2**64 - 1, r.randint(0, 2**64 - 1)]), -1),
+                "min_tokens": lambda: pick(lambda: r.randint(-5, 200), *EXTREME_INTS),
+                "stop": lambda: pick(lambda: [self.text(r.randint(0, 6)) for _ in range(r.randint(0, 20))], ["x" * 300]),
+                "logprobs": lambda: pick(lambda: r.random() < 0.5),
+                "top_logprobs": lambda: pick(lambda: r.randint(-2, 25)),
+                "ignore_eos": lambda: pick(lambda: r.random() < 0.5),
+                "stop_token_ids": lambda: pick(lambda: [r.randint(-5, 300)], [2**64 - 1]),
+                "stream": lambda: pick(lambda: r.random() < 0.5),
             }
             for key, make in fields.items():
-                if r.random() < 0.6:
+                if r.random() < (0.15 if key in ("prompt", "messages") else 0.3):
                     msg[key] = make()
-        if r.random() < 0.1:
+        if not typed and r.random() < 0.1:
             msg[self.text(3)] = self.value()
         return msg
+
+    def chat_message(self) -> dict:
+        r = self.rng
+        message = {"role": self.pick(lambda: r.choice(["user", "assistant", "system", "tool"]))}
+        if r.random() < 0.8:
+            message["content"] = self.pick(lambda: self.text(r.randint(0, 40)), None, [{"type": "text", "text": "hi"}])
+        return message
 
     def valid(self) -> bytes:
         r = self.rng
@@ -208,10 +232,23 @@ class Fuzzer:
             self._n += 1
             rid = f"v{self._n}"
             self.recent.append(rid)
+            if r.random() < 0.2:
+                prompt = {"messages": [{"role": "user", "content": self.text(r.randint(1, 30))}]}
+            else:
+                prompt = {"token_ids": [r.randint(0, 255) for _ in range(r.randint(1, 20))]}
+            logprobs = r.random() < 0.3
             msg = cp.Generate(
-                rid=rid, token_ids=[r.randint(0, 255) for _ in range(r.randint(1, 20))], max_tokens=r.randint(1, 40),
-                temperature=r.choice([0.0, 0.7, 1e-40]), ignore_eos=r.random() < 0.5,
-                stop_token_ids=[r.randint(0, 255) for _ in range(r.randint(0, 3))], stream=r.random() < 0.5,
+                rid=rid, **prompt, max_tokens=r.randint(1, 40),
+                temperature=r.choice([0.0, 0.7, 1e-40, 1e4]), top_p=r.choice([1.0, 0.5, 1e-9]),
+                top_k=r.choice([0, 1, 5, 10**9]), min_p=r.choice([0.0, 0.1, 1.0]),
+                repetition_penalty=r.choice([1.0, 1e-3, 10.0]), presence_penalty=r.choice([0.0, -2.0, 2.0]),
+                frequency_penalty=r.choice([0.0, -2.0, 2.0]),
+                logit_bias={r.randint(0, 255): r.uniform(-100, 100) for _ in range(r.randint(0, 4))} or None,
+                seed=r.choice([None, r.randint(0, 2**64 - 1)]), min_tokens=r.randint(0, 50),
+                stop=[self.text(r.randint(1, 4)) for _ in range(r.randint(0, 3))] or None,
+                logprobs=logprobs, top_logprobs=r.randint(0, 20) if logprobs else 0,
+                ignore_eos=r.random() < 0.5, stop_token_ids=[r.randint(0, 255) for _ in range(r.randint(0, 3))],
+                stream=r.random() < 0.5,
             )
         elif x < 0.9 and self.recent:
             msg = cp.Abort(rid=r.choice(self.recent))

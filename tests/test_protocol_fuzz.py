@@ -14,22 +14,27 @@ import msgspec
 import pytest
 import zmq
 from conftest import running_config, running_service
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from runtime.client import SyncClient
 from runtime.protocol import client as cp
 
 EXTRA = "[cache]\nkv_slots = 2048\n[scheduler]\nmax_running = 8\nmax_context = 128\n"
-FUZZ_EXAMPLES = 300
+FUZZ_EXAMPLES = 400
 STATUS_TIMEOUT_S = 5.0
 FINAL_TIMEOUT_S = 20.0  # a queued 127-token generation, on a slow machine
 FINAL = (cp.Done, cp.ProtocolError, cp.StatusReply, cp.AbortReply)
 
 # ---- strategies ----------------------------------------------------------------------
-FIELDS = ["type", "rid", "prompt", "token_ids", "max_tokens", "temperature", "ignore_eos", "stop_token_ids", "stream"]
+FIELDS = [
+    "type", "rid", "prompt", "token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+    "logit_bias", "seed", "min_tokens", "stop", "logprobs", "top_logprobs", "ignore_eos", "stop_token_ids", "stream",
+]
 TYPES = ["generate", "abort", "status", "chunk", "chunks", "done", "status_reply", "ping", "", "GENERATE"]
 EXTREME_INTS = [2**64 - 1, 2**63, 2**63 - 1, -(2**63), 2**31, -(2**31) - 1, 0, -1]
+EXTREME_REALS = [0.0, -0.0, 1e-40, -1e-40, 1e-5, 0.5, 1.0, 2.0, 10.0, 1e4, 1e4 + 1, 1e308]
+NON_FINITE = [float("nan"), float("inf"), float("-inf")]
 
 ints = st.integers(-(2**63), 2**64 - 1) | st.sampled_from(EXTREME_INTS)  # msgpack's whole int range
 floats = st.floats(allow_nan=True, allow_infinity=True)
@@ -40,6 +45,8 @@ values = st.recursive(
     | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8) | st.integers(-3, 3), inner, max_size=6),
     max_leaves=40,
 )
+reals = st.sampled_from(EXTREME_REALS + NON_FINITE) | floats | ints | values
+ascii_text = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=100)
 
 rids = (
     st.text(max_size=24)
@@ -49,49 +56,122 @@ rids = (
 )
 token_ids = st.lists(st.integers(-5, 300), max_size=140) | st.lists(ints, max_size=4) | values
 prompts = (
-    st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=100)
+    ascii_text
     | st.text(max_size=200)
     | st.text(st.characters(min_codepoint=32, max_codepoint=126), min_size=1030, max_size=1100)  # tokenized off the loop
     | st.just("a" * 70_000)  # over the prompt byte limit
     | values
 )
-max_tokens = st.integers(-5, 40) | st.sampled_from(EXTREME_INTS) | values
-temperatures = (
-    st.sampled_from([0.0, -0.0, 1e-40, -1e-40, 1e-5, 0.7, 1e4, 1e4 + 1, float("nan"), float("inf"), float("-inf")])
-    | floats
-    | values
+content_parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20) | values}), max_size=3)
+chat = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "system", "tool"]) | st.text(max_size=10) | values},
+        optional={"content": ascii_text | st.none() | content_parts | values, "name": st.text(max_size=8), "tool_calls": values},
+    ),
+    max_size=4,
 )
+GENERATE_FIELDS = {
+    "token_ids": token_ids,
+    "prompt": prompts,
+    "messages": chat | values,
+    "chat_template_kwargs": st.dictionaries(
+        st.sampled_from(["tokenize", "messages", "documents", "enable_thinking"]) | st.text(max_size=8), values, max_size=3
+    ) | values,
+    "tools": st.lists(st.dictionaries(st.text(max_size=8), values, max_size=3), max_size=3) | values,
+    "max_tokens": st.integers(-5, 40) | st.sampled_from(EXTREME_INTS) | values,
+    "temperature": reals,
+    "top_p": reals,
+    "top_k": st.integers(-2, 300) | ints | values,
+    "min_p": reals,
+    "repetition_penalty": reals,
+    "presence_penalty": reals,
+    "frequency_penalty": reals,
+    "logit_bias": st.dictionaries(st.integers(-5, 300) | ints, reals, max_size=5) | values,
+    "seed": st.none() | ints | values,
+    "min_tokens": st.integers(-5, 200) | st.sampled_from(EXTREME_INTS) | values,
+    "stop": st.lists(st.text(max_size=6), max_size=4) | st.text(max_size=6) | values,
+    "logprobs": st.booleans() | values,
+    "top_logprobs": st.integers(-2, 25) | values,
+    "ignore_eos": st.booleans() | values,
+    "stop_token_ids": st.lists(st.integers(-5, 300) | ints, max_size=4) | values,
+    "stream": st.booleans() | values,
+}
+
+
+# The same fields with values of the declared types only: these pass decoding and reach the
+# service's own checks (ranges, vocabulary, context, chat template).
+typed_reals = st.sampled_from(EXTREME_REALS + NON_FINITE) | floats | st.integers(-3, 3)
+TYPED_GENERATE_FIELDS = {
+    "token_ids": st.lists(st.integers(-5, 300), max_size=140) | st.lists(ints, max_size=4),
+    "prompt": ascii_text | st.text(max_size=200),
+    "messages": chat,
+    "max_tokens": st.integers(-5, 40) | st.sampled_from(EXTREME_INTS),
+    "temperature": typed_reals,
+    "top_p": typed_reals,
+    "top_k": st.integers(-2, 300) | ints,
+    "min_p": typed_reals,
+    "repetition_penalty": typed_reals,
+    "presence_penalty": typed_reals,
+    "frequency_penalty": typed_reals,
+    "logit_bias": st.dictionaries(st.integers(-5, 300) | ints, typed_reals, max_size=5),
+    "seed": st.none() | ints,
+    "min_tokens": st.integers(-5, 200) | st.sampled_from(EXTREME_INTS),
+    "stop": st.lists(st.text(max_size=6), max_size=20),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(-2, 25),
+    "ignore_eos": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(-5, 300) | ints, max_size=4),
+    "stream": st.booleans(),
+}
 
 
 def shaped(kind: str) -> st.SearchStrategy[dict]:
     """A dict shaped like a client message of ``kind``, with random and extreme field values."""
     optional = {"x": values}
     if kind == "generate":
-        optional |= {
-            "token_ids": token_ids,
-            "prompt": prompts,
-            "max_tokens": max_tokens,
-            "temperature": temperatures,
-            "ignore_eos": st.booleans() | values,
-            "stop_token_ids": st.lists(ints, max_size=4) | values,
-            "stream": st.booleans() | values,
-        }
+        optional |= GENERATE_FIELDS
     required = {"type": st.just(kind) | st.sampled_from(TYPES), "rid": rids}
     return st.fixed_dictionaries(required, optional=optional)
 
 
-valid_generate = st.builds(
-    cp.Generate,
-    rid=st.text(max_size=12),
-    token_ids=st.lists(st.integers(0, 255), min_size=1, max_size=20),
-    max_tokens=st.integers(1, 40),
-    temperature=st.sampled_from([0.0, 0.7, 1e-40]),
-    ignore_eos=st.booleans(),
-    stop_token_ids=st.lists(st.integers(0, 255), max_size=3),
-    stream=st.booleans(),
+typed_generate = st.fixed_dictionaries(
+    {"type": st.just("generate"), "rid": st.text(max_size=12)}, optional=TYPED_GENERATE_FIELDS
 )
+
+
+@st.composite
+def valid_generate(draw: st.DrawFn) -> cp.Generate:
+    """A Generate the service should run: valid values across the sampling parameters."""
+    if draw(st.integers(0, 4)) == 0:
+        prompt = {"messages": [{"role": "user", "content": draw(st.text("abc xyz", min_size=1, max_size=30))}]}
+    else:
+        prompt = {"token_ids": draw(st.lists(st.integers(0, 255), min_size=1, max_size=20))}
+    logprobs = draw(st.booleans())
+    return cp.Generate(
+        rid=draw(st.text(max_size=12)),
+        **prompt,
+        max_tokens=draw(st.integers(1, 40)),
+        temperature=draw(st.sampled_from([0.0, 0.7, 1e-40, 1e4])),
+        top_p=draw(st.sampled_from([1.0, 0.5, 1e-9])),
+        top_k=draw(st.sampled_from([0, 1, 5, 10**9])),
+        min_p=draw(st.sampled_from([0.0, 0.1, 1.0])),
+        repetition_penalty=draw(st.sampled_from([1.0, 1e-3, 10.0])),
+        presence_penalty=draw(st.sampled_from([0.0, -2.0, 2.0])),
+        frequency_penalty=draw(st.sampled_from([0.0, -2.0, 2.0])),
+        logit_bias=draw(st.none() | st.dictionaries(st.integers(0, 255), st.floats(-100, 100), max_size=4)),
+        seed=draw(st.none() | st.integers(0, 2**64 - 1)),
+        min_tokens=draw(st.integers(0, 50)),
+        stop=draw(st.none() | st.lists(st.text("abc xyz", min_size=1, max_size=4), max_size=3)),
+        logprobs=logprobs,
+        top_logprobs=draw(st.integers(0, 20)) if logprobs else 0,
+        ignore_eos=draw(st.booleans()),
+        stop_token_ids=draw(st.lists(st.integers(0, 255), max_size=3)),
+        stream=draw(st.booleans()),
+    )
+
+
 valid = (
-    valid_generate
+    valid_generate()
     | st.builds(cp.Abort, rid=st.text(max_size=12))
     | st.builds(cp.StatusQuery, rid=st.text(max_size=12))
 ).map(cp.client_encoder.encode)
@@ -118,6 +198,7 @@ payloads = st.one_of(
     st.binary(max_size=200),
     values.map(msgspec.msgpack.encode),
     st.sampled_from(["generate", "abort", "status"]).flatmap(shaped).map(msgspec.msgpack.encode),
+    typed_generate.map(msgspec.msgpack.encode),
     valid,
     valid.flatmap(lambda p: st.integers(0, len(p)).map(lambda cut: p[:cut])),  # truncated
     st.tuples(valid, st.integers(0, 10**6), st.integers(0, 255)).map(lambda t: _flip(*t)),  # one byte changed
@@ -162,13 +243,13 @@ def quiet_for(sock: zmq.Socket, seconds: float) -> list:
     return extra
 
 
-def check_status(sock: zmq.Socket, rid: str) -> cp.StatusReply:
-    """Ask for status on ``sock`` and wait (at most 5 s) for the reply with this rid."""
+def check_status(sock: zmq.Socket, rid: str, timeout_s: float = STATUS_TIMEOUT_S) -> cp.StatusReply:
+    """Ask for status on ``sock`` and wait (at most ``timeout_s``) for the reply with this rid."""
     sock.send(cp.client_encoder.encode(cp.StatusQuery(rid=rid)))
-    deadline = time.monotonic() + STATUS_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while True:
         remaining = deadline - time.monotonic()
-        assert remaining > 0 and sock.poll(remaining * 1000), "the service did not answer a status query within 5 s"
+        assert remaining > 0 and sock.poll(remaining * 1000), f"the service did not answer a status query within {timeout_s} s"
         msg = cp.server_msg_decoder.decode(sock.recv_multipart()[-1])
         if isinstance(msg, cp.StatusReply) and msg.rid == rid:
             return msg
@@ -228,7 +309,8 @@ def test_fuzzed_messages_each_get_one_reply(served, ctx):
     def one_message(frames: list[bytes]) -> None:
         fuzz.send_multipart(frames)
         counts["sent"] += 1
-        recv_final(fuzz, FINAL_TIMEOUT_S)
+        reply = recv_final(fuzz, FINAL_TIMEOUT_S)
+        event(type(reply).__name__ + (f" {reply.finish_reason}" if isinstance(reply, cp.Done) else ""))
         counts["status"] += 1
         check_status(status_sock, f"fuzz-status-{counts['status']}")
 
@@ -295,7 +377,7 @@ def test_req_socket_gets_exactly_one_reply(served, ctx):
         for i in range(5):
             msg = cp.Generate(rid=f"req{i}", token_ids=[9, 4, 7, 2], max_tokens=120, ignore_eos=True, stream=True)
             req.send(cp.client_encoder.encode(msg))
-            assert req.poll(FINAL_TIMEOUT_S * 1000), f"request {i} of a REQ socket got no reply"
+            assert req.poll(10_000), f"request {i} of a REQ socket got no reply"
             done = cp.server_msg_decoder.decode(req.recv())
             assert isinstance(done, cp.Done) and done.rid == f"req{i}" and done.token_ids == expected.token_ids
         req.send(cp.client_encoder.encode(cp.StatusQuery(rid="req-status")))  # the next reply is this one's
@@ -304,6 +386,27 @@ def test_req_socket_gets_exactly_one_reply(served, ctx):
         assert isinstance(status, cp.StatusReply) and status.rid == "req-status"
     finally:
         req.close()
+    assert_still_serving(served, ctx)
+
+
+def test_chat_text_outside_content_does_not_stall_others(served, ctx):
+    """A chat request is as big as all the text its template renders, not only its "content":
+    a 3 MB role must be refused or rendered off the event loop while others are answered."""
+    big, other = dealer(ctx, served.address), dealer(ctx, served.address)
+    try:
+        check_status(other, "chat-before")
+        big.send(msgspec.msgpack.encode({"type": "generate", "rid": "big", "messages": [{"role": "r" * 3_000_000}]}))
+        deadline = time.monotonic() + 60
+        n = 0
+        while not big.poll(0):
+            assert time.monotonic() < deadline, "no reply to the big chat request"
+            n += 1
+            check_status(other, f"chat-{n}", timeout_s=1.0)
+        done = recv_final(big, FINAL_TIMEOUT_S)
+        assert isinstance(done, cp.Done) and done.finish_reason == "error"
+    finally:
+        big.close()
+        other.close()
     assert_still_serving(served, ctx)
 
 

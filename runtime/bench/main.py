@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from runtime.bench.service import ServiceSpec
 
-WORKLOADS = ("single", "sweep", "prefix", "memory", "paired")
+WORKLOADS = ("single", "sweep", "prefix", "memory", "paired", "sampling")
 DEFAULT_WORKLOADS = "single,sweep,prefix"
 MEMORY_PROMPT = (8, 200)
 MEMORY_GEN = (1, 64)
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=256, help="single and sweep prompt tokens")
     p.add_argument("--gen-len", type=int, default=256, help="single and sweep new tokens")
     p.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64, 256], help="sweep levels, e.g. 1,4,16")
+    p.add_argument("--sampling-streams", type=int, default=64, help="sampling: concurrent streams")
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--prefix-unique", type=_ints, default=[16, 64], help="min,max unique tokens per request")
@@ -85,8 +86,9 @@ def _service_spec(args: argparse.Namespace, model: Path, workloads: list[str], c
     from runtime.bench.service import ServiceSpec
 
     running, context, slots = 1, 64, 0
-    if "single" in workloads or "sweep" in workloads or "paired" in workloads:
+    if "single" in workloads or "sweep" in workloads or "paired" in workloads or "sampling" in workloads:
         n = max(args.concurrency) if "sweep" in workloads else 1
+        n = max(n, args.sampling_streams) if "sampling" in workloads else n
         seq = args.prompt_len + args.gen_len
         running, context, slots = max(running, n), max(context, seq), max(slots, n * seq)
     if "prefix" in workloads:
@@ -246,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
         plans.append(workloads.Single(bench, args.prompt_len, args.gen_len, args.repeats))
     if "sweep" in chosen:
         plans.append(workloads.Sweep(bench, args.concurrency, args.prompt_len, args.gen_len, args.repeats))
+    if "sampling" in chosen:
+        from runtime.bench.sampling import Sampling
+
+        plans.append(Sampling(bench, args.sampling_streams, args.prompt_len, args.gen_len))
     if "prefix" in chosen:
         unique = (args.prefix_unique[0], args.prefix_unique[-1])
         plans.append(prefix_memory.Prefix(bench, args.prefix_requests, args.prefix_len, unique, args.prefix_gen,
@@ -257,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
             if args.repeats > 1:
                 log(f"repeat {rep + 1} of {args.repeats}")
             _runtime_phase(args, model, plans, services, rep, log)
-            _mlx_phase(model, plans, rep, log)
+            if any(plan.name != "sampling" for plan in plans):  # sampling compares the runtime with itself
+                _mlx_phase(model, plans, rep, log)
         for plan in plans:
             report(plan.name, plan.outcome())
     if "paired" in chosen:

@@ -12,9 +12,11 @@ from runtime.client import Client
 REPLY_TIMEOUT_S = 600.0
 
 
-async def _stream_one(client: Client, prompt: list[int], gen_len: int, timing: StreamTiming) -> None:
-    """One streaming request, greedy and ignoring EOS; chunks are stamped as they arrive."""
-    stream = client.stream(token_ids=prompt, max_tokens=gen_len, ignore_eos=True)
+async def _stream_one(
+    client: Client, prompt: list[int], gen_len: int, timing: StreamTiming, params: dict | None = None
+) -> None:
+    """One streaming request, ignoring EOS (greedy unless ``params`` say otherwise); chunks are stamped as they arrive."""
+    stream = client.stream(token_ids=prompt, max_tokens=gen_len, ignore_eos=True, **(params or {}))
     async for chunk in stream:
         timing.add(chunk.token_ids)
     assert stream.result is not None
@@ -23,12 +25,14 @@ async def _stream_one(client: Client, prompt: list[int], gen_len: int, timing: S
         timing.add(list(stream.result.token_ids))
 
 
-async def _together(address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int]) -> list[StreamTiming]:
+async def _together(
+    address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int], params: dict | None = None
+) -> list[StreamTiming]:
     async with Client(address, timeout_s=REPLY_TIMEOUT_S) as client:
         before = await client.status()
         start = time.perf_counter()
         timings = [StreamTiming(start=start) for _ in prompts]
-        await asyncio.gather(*(_stream_one(client, p, g, t) for p, g, t in zip(prompts, gen_lens, timings)))
+        await asyncio.gather(*(_stream_one(client, p, g, t, params) for p, g, t in zip(prompts, gen_lens, timings)))
         after = await client.status()
     # The worker's own clock: time with no step launched on the device, over its uptime.
     span = after.worker_uptime_s - before.worker_uptime_s
@@ -39,9 +43,11 @@ async def _together(address: str, prompts: Sequence[list[int]], gen_lens: Sequen
     return timings
 
 
-def run_together(address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int]) -> list[StreamTiming]:
+def run_together(
+    address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int], params: dict | None = None
+) -> list[StreamTiming]:
     """Send all requests at once (one client, concurrent streams); the shared start is t=0 for TTFT."""
-    return asyncio.run(_together(address, prompts, gen_lens))
+    return asyncio.run(_together(address, prompts, gen_lens, params))
 
 
 async def _pooled(

@@ -53,6 +53,7 @@ class _BatchParams:
     sampled: mx.array
     any_sampled: bool
     top_k: mx.array | None
+    k_max: int
     top_p: mx.array | None
     log_min_p: mx.array | None
     seeds: mx.array
@@ -115,19 +116,19 @@ class RowSampler:
         greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
         tokens = greedy
         if params.any_sampled:
-            kept = self._filtered(logprobs, params)
             positions = mx.array(decode.positions, dtype=mx.uint32)
-            scores = kept.astype(mx.float32) * params.inv_temp[:, None] + _gumbel(params.seeds, positions, logits.shape[-1])
-            tokens = mx.where(params.sampled, mx.argmax(scores, axis=-1).astype(mx.int32), greedy)
+            tokens = mx.where(params.sampled, self._draw(logprobs, positions, params), greedy)
         draws = StepDraws(tokens)
         if params.logprobs:
             raw = logits.astype(mx.float32)
             raw = raw - mx.logsumexp(raw, axis=-1, keepdims=True)  # the model's own, before any filter
             draws.token_logprobs = mx.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
             if params.top_n:
-                order = mx.argsort(-raw, axis=-1)[:, : params.top_n].astype(mx.int32)
-                draws.top_ids = order
-                draws.top_logprobs = mx.take_along_axis(raw, order, axis=-1)
+                best = mx.argpartition(-raw, kth=params.top_n - 1, axis=-1)[:, : params.top_n]
+                values = mx.take_along_axis(raw, best, axis=-1)
+                order = mx.argsort(-values, axis=-1)
+                draws.top_ids = mx.take_along_axis(best, order, axis=-1).astype(mx.int32)
+                draws.top_logprobs = mx.take_along_axis(values, order, axis=-1)
         self._count(decode, tokens)
         return draws
 
@@ -165,30 +166,47 @@ class RowSampler:
         return x
 
     @staticmethod
-    def _filtered(logprobs: mx.array, params: _BatchParams) -> mx.array:
-        """Top-p, min-p and top-k as mlx-lm computes them, per row; dropped tokens get -inf."""
-        drop = None
-        if params.top_p is not None:
-            ascending = mx.sort(logprobs, axis=-1)
-            probs = mx.exp(ascending.astype(mx.float32))
-            mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
-            total = mass_above[:, :1] + probs[:, :1]
-            dropped = (mass_above >= params.top_p[:, None] * total).sum(axis=-1, keepdims=True)
-            threshold = mx.take_along_axis(ascending, dropped, axis=-1)
-            drop = logprobs < threshold
+    def _draw(logprobs: mx.array, positions: mx.array, params: _BatchParams) -> mx.array:
+        """Sampled tokens: top-k, top-p and min-p as mlx-lm keeps them, then Gumbel-max at each row's temperature.
+
+        Works on the candidates in descending order: the top ``k_max`` of each row (one
+        partition, no full sort) when every sampled row has a top-k, else the whole vocabulary
+        sorted when a row has top-p, else unsorted. The noise is keyed by token id, so the
+        choice does not depend on which of these ways a batch takes.
+        """
+        vocab = logprobs.shape[-1]
+        if params.k_max < vocab:
+            cand = mx.argpartition(-logprobs, kth=params.k_max - 1, axis=-1)[:, : params.k_max]
+            values = mx.take_along_axis(logprobs, cand, axis=-1)
+            order = mx.argsort(-values, axis=-1)
+            cand, values = mx.take_along_axis(cand, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+            ranked = True
+        elif params.top_p is not None:
+            cand = mx.argsort(-logprobs, axis=-1)
+            values = mx.take_along_axis(logprobs, cand, axis=-1)
+            ranked = True
+        else:
+            cand, values, ranked = None, logprobs, False
+        keep = None
+        if ranked and params.top_k is not None:
+            keep = mx.arange(values.shape[-1], dtype=mx.int32)[None, :] < params.top_k[:, None]
+        if ranked and params.top_p is not None:
+            probs = mx.exp(values.astype(mx.float32))
+            above = mx.cumsum(probs, axis=-1) - probs  # the mass of the better candidates
+            nucleus = above < params.top_p[:, None]
+            keep = nucleus if keep is None else keep & nucleus
         if params.log_min_p is not None:
-            low = logprobs < mx.max(logprobs, axis=-1, keepdims=True) + params.log_min_p[:, None].astype(logprobs.dtype)
-            drop = low if drop is None else drop | low
-        if params.top_k is not None:
-            order = mx.argsort(-logprobs, axis=-1)
-            vocab = logprobs.shape[-1]
-            ranks = mx.put_along_axis(mx.zeros(order.shape, dtype=mx.int32), order,
-                                      mx.broadcast_to(mx.arange(vocab, dtype=mx.int32), order.shape), axis=-1)
-            beyond = ranks >= params.top_k[:, None]
-            drop = beyond if drop is None else drop | beyond
-        if drop is None:
-            return logprobs
-        return mx.where(drop, mx.array(-float("inf"), dtype=logprobs.dtype), logprobs)
+            best = values[:, :1] if ranked else mx.max(values, axis=-1, keepdims=True)
+            high = values >= best + params.log_min_p[:, None].astype(values.dtype)
+            keep = high if keep is None else keep & high
+        ids = cand if cand is not None else mx.broadcast_to(mx.arange(vocab, dtype=mx.uint32)[None, :], values.shape)
+        scores = values.astype(mx.float32) * params.inv_temp[:, None] + _gumbel(params.seeds, positions, ids)
+        if keep is not None:
+            scores = mx.where(keep, scores, mx.array(-float("inf"), dtype=mx.float32))
+        choice = mx.argmax(scores, axis=-1)
+        if cand is None:
+            return choice.astype(mx.int32)
+        return mx.take_along_axis(cand, choice[:, None], axis=-1)[:, 0].astype(mx.int32)
 
     def _params(self, decode: DecodeBatch, vocab: int) -> _BatchParams:
         key = (tuple(decode.rows), tuple(id(self.specs.get(r, _PLAIN)) for r in decode.rows))
@@ -217,6 +235,7 @@ class RowSampler:
             sampled=mx.array(sampled),
             any_sampled=any(sampled),
             top_k=mx.array(top_k, dtype=mx.int32) if any(k < vocab for k in top_k) else None,
+            k_max=max((k for k, on in zip(top_k, sampled) if on), default=vocab),
             top_p=mx.array(top_p, dtype=mx.float32) if any(p < 1.0 for p in top_p) else None,
             log_min_p=mx.array([math.log(p) if p > 0 else -math.inf for p in min_p], dtype=mx.float32)
             if any(min_p) else None,
@@ -242,9 +261,10 @@ def _mix(x: mx.array) -> mx.array:
     return x ^ (x >> 16)
 
 
-def _gumbel(seeds: mx.array, positions: mx.array, vocab: int) -> mx.array:
-    """Gumbel noise [rows, vocab] from (row seed, position, token id) alone: batch-invariant draws."""
-    token = mx.arange(vocab, dtype=mx.uint32)[None, :]
+def _gumbel(seeds: mx.array, positions: mx.array, token_ids: mx.array) -> mx.array:
+    """Gumbel noise for each (row, candidate token) from (row seed, position, token id) alone:
+    a row's draws do not depend on the batch or on which candidates are scored."""
+    token = token_ids.astype(mx.uint32)
     x = _mix(seeds[:, :1] ^ _mix(positions[:, None] * 0x9E3779B9 + 0x632BE5AB))
     x = _mix(x ^ (token * 0x85EBCA6B) ^ seeds[:, 1:2])
     x = _mix(x + 0x27D4EB2F)
