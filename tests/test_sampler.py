@@ -130,3 +130,13 @@ def test_logprobs_are_the_unfiltered_log_softmax():
     assert draws.token_logprobs.item() == pytest.approx(raw[token], abs=1e-6)
     assert draws.top_ids[0].tolist() == np.argsort(-raw)[:4].tolist()
     assert math.isclose(np.exp(raw).sum(), 1.0, rel_tol=1e-5)
+
+
+def test_top_k_holds_beside_a_sampled_row_without_one():
+    logits = _logits(2)
+    sampler = RowSampler(max_rows=64)
+    specs = [RowSampling(row=r, temperature=1.5, top_k=1, seed=r) for r in range(32)]
+    specs += [RowSampling(row=32 + r, temperature=1.5, seed=r) for r in range(32)]  # no top-k: the full sort
+    sampler.configure(specs)
+    tokens = sampler.sample(mx.broadcast_to(logits[None], (64, VOCAB)), _batch(64)).tokens.tolist()
+    assert set(tokens[:32]) == {int(mx.argmax(logits))} and len(set(tokens[32:])) > 1

@@ -171,7 +171,7 @@ class RowSampler:
 
         Works on the candidates in descending order: the top ``k_max`` of each row (one
         partition, no full sort) when every sampled row has a top-k, else the whole vocabulary
-        sorted when a row has top-p, else unsorted. The noise is keyed by token id, so the
+        sorted when a row has top-p or top-k, else unsorted. The noise is keyed by token id, so the
         choice does not depend on which of these ways a batch takes.
         """
         vocab = logprobs.shape[-1]
@@ -181,7 +181,7 @@ class RowSampler:
             order = mx.argsort(-values, axis=-1)
             cand, values = mx.take_along_axis(cand, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
             ranked = True
-        elif params.top_p is not None:
+        elif params.top_p is not None or params.top_k is not None:  # a row without top-k needs them all
             cand = mx.argsort(-logprobs, axis=-1)
             values = mx.take_along_axis(logprobs, cand, axis=-1)
             ranked = True
