@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import platform
 import random
@@ -82,16 +83,6 @@ class Probe:
                 return int(line.split()[1]) / 1024
         return 0.0
 
-    def wait_until(self, done: Callable[[cp.StatusReply], bool], timeout_s: float, every_s: float = 0.02) -> float | None:
-        """Seconds until ``done(status)`` holds, or None after ``timeout_s``."""
-        start = time.monotonic()
-        while time.monotonic() - start < timeout_s:
-            status = self.status()
-            if status is not None and done(status):
-                return time.monotonic() - start
-            time.sleep(every_s)
-        return None
-
 
 def dealer(ctx: zmq.Context, address: str, **options: int) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
@@ -117,7 +108,9 @@ def tokens_by_rid(msg) -> list[tuple[str, int]]:
 
 
 @contextmanager
-def service(work: Path, name: str, folder: Path, extra: str, server: str = "") -> Iterator[tuple[object, Probe, zmq.Context]]:
+def service(
+    work: Path, name: str, folder: Path, extra: str, server: str = ""
+) -> Iterator[tuple[object, Probe, zmq.Context]]:
     """A fresh `runtime up` with ``extra`` TOML (``server``: more [server] keys), a status probe
     and a context; all torn down."""
     config_file = work / f"{name}.toml"
@@ -188,23 +181,34 @@ class Fuzzer:
         r = self.rng
         kind = r.choice(["generate", "generate", "generate", "abort", "status"])
         typed = r.random() < 0.5
-        msg = {"type": kind if typed or r.random() < 0.8 else r.choice(TYPES), "rid": self.rid() if not typed else f"t{self._n}"}
-        pick = (lambda good, *weird: good() if r.random() < 0.7 or not weird else r.choice(weird)) if typed else self.pick
+        tag = kind if typed or r.random() < 0.8 else r.choice(TYPES)
+        msg = {"type": tag, "rid": f"t{self._n}" if typed else self.rid()}
+
+        def typed_pick(good: Callable[[], object], *weird: object):
+            return good() if r.random() < 0.7 or not weird else r.choice(weird)
+
+        pick = typed_pick if typed else self.pick
         real = lambda: pick(lambda: r.choice(EXTREME_FLOATS), r.randint(-3, 3), r.uniform(-1e3, 1e3))  # noqa: E731
         if kind == "generate":
             fields = {
                 "token_ids": lambda: pick(lambda: [r.randint(-5, 300) for _ in range(r.randint(0, 140))],
                                           [], [2**64 - 1], [-(2**63)]),
                 "prompt": lambda: pick(lambda: self.text(r.randint(0, 100)), "", "a" * 1100, "a" * 70_000),
-                "messages": lambda: pick(lambda: [self.chat_message() for _ in range(r.randint(0, 4))], [], [{"role": "u"}] * 100),
+                "messages": lambda: pick(
+                    lambda: [self.chat_message() for _ in range(r.randint(0, 4))], [], [{"role": "u"}] * 100
+                ),
                 "max_tokens": lambda: pick(lambda: r.randint(-5, 40), *EXTREME_INTS),
                 "temperature": real, "top_p": real, "min_p": real, "repetition_penalty": real,
                 "presence_penalty": real, "frequency_penalty": real,
                 "top_k": lambda: pick(lambda: r.randint(-2, 300), *EXTREME_INTS),
-                "logit_bias": lambda: pick(lambda: {r.randint(-5, 300): real() for _ in range(r.randint(0, 5))}, {2**64 - 1: 1.0}),
+                "logit_bias": lambda: pick(
+                    lambda: {r.randint(-5, 300): real() for _ in range(r.randint(0, 5))}, {2**64 - 1: 1.0}
+                ),
                 "seed": lambda: pick(lambda: r.choice([None, 0, 2**64 - 1, r.randint(0, 2**64 - 1)]), -1),
                 "min_tokens": lambda: pick(lambda: r.randint(-5, 200), *EXTREME_INTS),
-                "stop": lambda: pick(lambda: [self.text(r.randint(0, 6)) for _ in range(r.randint(0, 20))], ["x" * 300]),
+                "stop": lambda: pick(
+                    lambda: [self.text(r.randint(0, 6)) for _ in range(r.randint(0, 20))], ["x" * 300]
+                ),
                 "logprobs": lambda: pick(lambda: r.random() < 0.5),
                 "top_logprobs": lambda: pick(lambda: r.randint(-2, 25)),
                 "ignore_eos": lambda: pick(lambda: r.random() < 0.5),
@@ -276,7 +280,8 @@ class Fuzzer:
         if kind == 6:
             return good + r.randbytes(r.randint(1, 8))
         n = r.randint(1, 5000)
-        return r.choice([b"\x91" * n + b"\xc0", b"\x81\xa3rid" * n + b"\xc0", b"\x82\xa3rid\xa1x\xa1z" + b"\x91" * n + b"\xc0"])
+        deep = b"\x91" * n + b"\xc0"
+        return r.choice([deep, b"\x81\xa3rid" * n + b"\xc0", b"\x82\xa3rid\xa1x\xa1z" + deep])
 
     def message(self) -> list[bytes]:
         r = self.rng
@@ -291,7 +296,7 @@ class Fuzzer:
 def encode_any(value: object) -> bytes:
     try:
         return msgspec.msgpack.encode(value)
-    except Exception:  # e.g. a lone surrogate in a str: send its bytes as they come
+    except Exception:  # a value msgpack cannot hold: send its repr instead
         return msgspec.msgpack.encode(repr(value).encode("utf-8", "surrogatepass"))
 
 
@@ -333,7 +338,8 @@ def fuzz(work: Path, folder: Path, count: int) -> list[Row]:
     restarts = status.worker_restarts if status is not None else "?"
     how = f"{sent:,} seeded random messages (frames, bytes, msgpack, message-shaped maps, deep nesting) from one DEALER"
     return [
-        Row("fuzz", "messages sent / final replies", f"{sent:,} / {finals:,}", how + "; one final reply each is expected"),
+        Row("fuzz", "messages sent / final replies", f"{sent:,} / {finals:,}",
+            how + "; one final reply each is expected"),
         Row("fuzz", "crashes / hangs / worker restarts", f"{int(crashed)} / {hangs} / {restarts}",
             "service process exited; status unanswered within 5 s (asked every 50 messages)"),
         Row("fuzz", "handler errors logged", str(bugs), "'error handling a client message' lines in the service log"),
@@ -370,7 +376,8 @@ def disconnects(work: Path, folder: Path, clients: int) -> list[Row]:
             status = probe.status()
             if status is not None:
                 trace.append((time.monotonic() - closed_at, status.running, status.kv_slots_free))
-                if time.monotonic() - closed_at > 2.2 and status.running == 0 and status.kv_slots_free == idle.kv_slots_free:
+                idle_again = status.running == 0 and status.kv_slots_free == idle.kv_slots_free
+                if time.monotonic() - closed_at > 2.2 and idle_again:
                     break
             time.sleep(0.02)
     at_2s = next((running for t, running, _ in trace if t >= 2.0), None)
@@ -384,8 +391,11 @@ def disconnects(work: Path, folder: Path, clients: int) -> list[Row]:
     ]
 
 
-def _stream_then(svc, probe: Probe, ctx: zmq.Context, n: int, fault: Callable[[int], None], reason: str) -> list[float]:
-    """Start ``n`` streams, apply ``fault(worker_pid)`` once all stream; seconds from it to each error reply."""
+def _stream_then(
+    svc, probe: Probe, ctx: zmq.Context, n: int, fault: Callable[[int], None], reason: str
+) -> tuple[float, list[float]]:
+    """Start ``n`` streams, apply ``fault(worker_pid)`` once all stream: when, and seconds from it
+    to each error reply (each must name ``reason``)."""
     status = probe.status()
     assert status is not None
     sock = dealer(ctx, svc.address)
@@ -404,7 +414,7 @@ def _stream_then(svc, probe: Probe, ctx: zmq.Context, n: int, fault: Callable[[i
             assert msg.finish_reason == "error" and reason in (msg.error or ""), msg
             errors.append(time.monotonic() - faulted_at)
     sock.close()
-    return [faulted_at, *errors]
+    return faulted_at, errors
 
 
 def time_to_served(svc, ctx: zmq.Context, since: float, timeout_s: float = 120) -> tuple[float | None, Counter]:
@@ -412,7 +422,7 @@ def time_to_served(svc, ctx: zmq.Context, since: float, timeout_s: float = 120) 
     sock = dealer(ctx, svc.address)
     errors: Counter = Counter()
     try:
-        for i in range(1_000_000):
+        for i in itertools.count():
             if time.monotonic() - since > timeout_s:
                 return None, errors
             sock.send(gen(f"p{i}", [5, 6, 7], 4))
@@ -428,31 +438,34 @@ def time_to_served(svc, ctx: zmq.Context, since: float, timeout_s: float = 120) 
             time.sleep(0.02)
     finally:
         sock.close()
-    return None, errors
+    raise AssertionError("unreachable")
 
 
 def worker_faults(work: Path, folder: Path, streams: int) -> list[Row]:
     extra = "[cache]\nkv_slots = 16384\n[scheduler]\nmax_running = 32\nmax_context = 1024\n"
     rows = []
     with service(work, "kill", folder, extra) as (svc, probe, ctx):
-        faulted_at, *errors = _stream_then(svc, probe, ctx, streams, lambda pid: os.kill(pid, signal.SIGKILL), "worker died")
+        faulted_at, errors = _stream_then(
+            svc, probe, ctx, streams, lambda pid: os.kill(pid, signal.SIGKILL), "worker died"
+        )
         served, before = time_to_served(svc, ctx, faulted_at)
     rows += [
-        Row("worker kill", "kill -> error replies (first / last)", f"{errors[0]:.2f} / {errors[-1]:.2f} s ({len(errors)}/{streams})",
+        Row("worker kill", "kill -> error replies (first / last)", _spread(errors, streams),
             f"SIGKILL of status.worker_pid while {streams} streams of 800 tokens run"),
         Row("worker kill", "kill -> next served request", _secs(served),
             f"a 4-token request every 20 ms until one succeeds; refused before: {_errors(before)}"),
     ]
     hang = extra + "[worker]\nstep_timeout_s = 5\n"
     with service(work, "hang", folder, hang) as (svc, probe, ctx):
-        faulted_at, *errors = _stream_then(
+        faulted_at, errors = _stream_then(
             svc, probe, ctx, streams, lambda pid: os.kill(pid, signal.SIGSTOP), "worker stopped responding"
         )
         served, before = time_to_served(svc, ctx, faulted_at)
     rows += [
-        Row("worker hang", "SIGSTOP -> error replies (first / last)", f"{errors[0]:.2f} / {errors[-1]:.2f} s ({len(errors)}/{streams})",
+        Row("worker hang", "SIGSTOP -> error replies (first / last)", _spread(errors, streams),
             f"SIGSTOP of the worker, worker.step_timeout_s = 5, {streams} streams in flight"),
-        Row("worker hang", "SIGSTOP -> next served request", _secs(served), f"as above; refused before: {_errors(before)}"),
+        Row("worker hang", "SIGSTOP -> next served request", _secs(served),
+            f"as above; refused before: {_errors(before)}"),
     ]
     with service(work, "restart", folder, extra) as (svc, probe, ctx):
         first = probe.status()
@@ -476,6 +489,12 @@ def worker_faults(work: Path, folder: Path, streams: int) -> list[Row]:
     return rows
 
 
+def _spread(errors: list[float], expected: int) -> str:
+    if not errors:
+        return f"no error reply within 60 s (0/{expected})"
+    return f"{errors[0]:.2f} / {errors[-1]:.2f} s ({len(errors)}/{expected})"
+
+
 def _secs(value: float | None) -> str:
     return f"{value:.2f} s" if value is not None else "never (timed out)"
 
@@ -497,7 +516,7 @@ def flood(work: Path, folder: Path, count: int) -> list[Row]:
         sent_s = time.monotonic() - start
         done_at: list[float] = []
         overloaded = 0
-        trace = []  # (t, waiting, replies so far)
+        trace = []  # (t, waiting, replies so far, worker steps)
         peak_rss = base_rss
         next_sample = 0.0
         while len(done_at) < count and time.monotonic() - start < 240:
@@ -517,7 +536,8 @@ def flood(work: Path, folder: Path, count: int) -> list[Row]:
     peak_waiting = max((w for _, w, _, _ in trace), default=0)
     high = _rate([(t, n, k) for t, w, n, k in trace if w >= 0.8 * peak_waiting])
     low = _rate([(t, n, k) for t, w, n, k in trace if 500 <= w <= 1500])
-    how = f"one DEALER (SNDHWM 0) sends {count:,} 3-token, 1-new-token requests in {sent_s:.1f} s; max_waiting {count:,}, max_running 64"
+    how = (f"one DEALER (SNDHWM 0) sends {count:,} 3-token, 1-new-token requests in {sent_s:.1f} s; "
+           f"max_waiting {count:,}, max_running 64")
     return [
         Row("flood", "replies / overloaded", f"{len(done_at):,} / {overloaded:,}", how),
         Row("flood", "scheduler RSS idle / peak", f"{base_rss:.0f} / {peak_rss:.0f} MiB",
@@ -569,10 +589,11 @@ def slow_readers(work: Path, folder: Path, count: int) -> list[Row]:
         rids = [f"{i:08d}".ljust(250, "r") for i in range(count)]
         for rid in rids:
             sock.send(gen(rid, [5, 6, 7], 1))
-        queued = 0
+        queued = unanswered = 0
         start = time.monotonic()
         while time.monotonic() - start < 2.0:
             status = probe.status()
+            unanswered += status is None
             queued = max(queued, status.replies_queued if status is not None else 0)
             time.sleep(0.05)
         got: set[str] = set()
@@ -584,7 +605,8 @@ def slow_readers(work: Path, folder: Path, count: int) -> list[Row]:
     rows = [
         Row("slow reader", "replies received", f"{len(got):,} of {count:,}",
             f"{count:,} requests with 250-character rids sent unread; reading starts 2 s later"),
-        Row("slow reader", "most replies queued in the scheduler", f"{queued:,}", "status.replies_queued, every 50 ms while not reading"),
+        Row("slow reader", "most replies queued in the scheduler / status unanswered", f"{queued:,} / {unanswered}",
+            "status.replies_queued, asked every 50 ms from another DEALER while not reading (5 s timeout)"),
     ]
     longs = 32
     with service(work, "never", folder, extra, server="slow_client_timeout_s = 3") as (svc, probe, ctx):
@@ -596,11 +618,13 @@ def slow_readers(work: Path, folder: Path, count: int) -> list[Row]:
         for i in range(longs):
             sock.send(gen(f"long{i}", [5, 6, 7 + i], 2000))
         stalled = gone = None
+        unanswered = 0
         peak_rss = base_rss
-        while time.monotonic() - start < 60:
+        while time.monotonic() - start < 40:
             status = probe.status()
             peak_rss = max(peak_rss, probe.rss_mib())
             if status is None:
+                unanswered += 1
                 continue
             if stalled is None and status.replies_queued:
                 stalled = time.monotonic() - start
@@ -614,7 +638,10 @@ def slow_readers(work: Path, folder: Path, count: int) -> list[Row]:
             f"{_secs(stalled)} / {_secs(gone)}",
             f"{count:,} short and {longs} 2,000-token requests, never read; slow_client_timeout_s = 3; "
             "from the first send to status.replies_queued > 0, and to running == waiting == 0"),
-        Row("never-reading client", "scheduler RSS idle / peak", f"{base_rss:.0f} / {peak_rss:.0f} MiB", "VmRSS every 20 ms"),
+        Row("never-reading client", "status queries unanswered", str(unanswered),
+            "asked every 20 ms from another DEALER (5 s timeout each) until the requests were gone"),
+        Row("never-reading client", "scheduler RSS idle / peak", f"{base_rss:.0f} / {peak_rss:.0f} MiB",
+            "VmRSS every 20 ms"),
     ]
     return rows
 
@@ -627,11 +654,14 @@ def table(rows: list[Row]) -> str:
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
     import mlx.core as mx
 
-    return f"{os.cpu_count()}-core {platform.system()} VM, {cpu}, Python {platform.python_version()}, mlx {mx.__version__}"
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+               platform.processor())
+    kind = "VM" if " hypervisor" in cpuinfo else "machine"
+    system = f"{os.cpu_count()}-core {platform.system()} {kind}, {cpu}"
+    return f"{system}, Python {platform.python_version()}, mlx {mx.__version__}"
 
 
 DOC_INTRO = """# Reliability: the service under hostile clients and worker faults
@@ -692,7 +722,8 @@ def main() -> None:
     report = table(rows)
     print(report)
     if args.write:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        git = ["git", "rev-parse", "--short", "HEAD"]
+        commit = subprocess.run(git, cwd=ROOT, capture_output=True, text=True).stdout.strip()
         scale = "" if s == 1.0 else f" --scale {s:g}"
         args.write.write_text(
             DOC_INTRO

@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-len", type=int, default=256, help="single and sweep new tokens")
     p.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64, 256], help="sweep levels, e.g. 1,4,16")
     p.add_argument("--sampling-streams", type=int, default=64, help="sampling: concurrent streams")
+    p.add_argument("--sampling-rounds", type=int, default=3, help="sampling: alternating greedy / sampled runs")
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--prefix-unique", type=_ints, default=[16, 64], help="min,max unique tokens per request")
@@ -251,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     if "sampling" in chosen:
         from runtime.bench.sampling import Sampling
 
-        plans.append(Sampling(bench, args.sampling_streams, args.prompt_len, args.gen_len))
+        plans.append(Sampling(bench, args.sampling_streams, args.prompt_len, args.gen_len, args.sampling_rounds))
     if "prefix" in chosen:
         unique = (args.prefix_unique[0], args.prefix_unique[-1])
         plans.append(prefix_memory.Prefix(bench, args.prefix_requests, args.prefix_len, unique, args.prefix_gen,

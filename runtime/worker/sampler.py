@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 
@@ -76,6 +77,7 @@ class RowSampler:
         self._want_counts = False
         self._reset_rows: set[int] = set()
         self._cached: tuple[tuple, _BatchParams] | None = None
+        self._draws: dict[tuple, object] = {}  # compiled draw functions by filter combination
 
     def configure(self, specs: list[RowSampling]) -> None:
         """Rows taken by new requests: their parameters, and zeroed penalty counts."""
@@ -120,15 +122,12 @@ class RowSampler:
             tokens = mx.where(params.sampled, self._draw(logprobs, positions, params), greedy)
         draws = StepDraws(tokens)
         if params.logprobs:
-            raw = logits.astype(mx.float32)
-            raw = raw - mx.logsumexp(raw, axis=-1, keepdims=True)  # the model's own, before any filter
-            draws.token_logprobs = mx.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
-            if params.top_n:
-                best = mx.argpartition(-raw, kth=params.top_n - 1, axis=-1)[:, : params.top_n]
-                values = mx.take_along_axis(raw, best, axis=-1)
-                order = mx.argsort(-values, axis=-1)
-                draws.top_ids = mx.take_along_axis(best, order, axis=-1).astype(mx.int32)
-                draws.top_logprobs = mx.take_along_axis(values, order, axis=-1)
+            fn = self._draws.get(("logprobs", params.top_n))
+            if fn is None:
+                fn = self._draws[("logprobs", params.top_n)] = mx.compile(partial(_logprobs, params.top_n))
+            draws.token_logprobs, draws.top_ids, draws.top_logprobs = fn(logits, tokens)
+            if not params.top_n:
+                draws.top_ids = draws.top_logprobs = None
         self._count(decode, tokens)
         return draws
 
@@ -165,48 +164,20 @@ class RowSampler:
                 x = x.at[mx.array(ri), mx.array(ti)].add(mx.array(-float("inf"), dtype=x.dtype))
         return x
 
-    @staticmethod
-    def _draw(logprobs: mx.array, positions: mx.array, params: _BatchParams) -> mx.array:
-        """Sampled tokens: top-k, top-p and min-p as mlx-lm keeps them, then Gumbel-max at each row's temperature.
-
-        Works on the candidates in descending order: the top ``k_max`` of each row (one
-        partition, no full sort) when every sampled row has a top-k, else the whole vocabulary
-        sorted when a row has top-p or top-k, else unsorted. The noise is keyed by token id, so the
-        choice does not depend on which of these ways a batch takes.
-        """
+    def _draw(self, logprobs: mx.array, positions: mx.array, params: _BatchParams) -> mx.array:
+        """Sampled tokens of the batch, from one compiled function per filter combination and shape."""
         vocab = logprobs.shape[-1]
-        if params.k_max < vocab:
-            cand = mx.argpartition(-logprobs, kth=params.k_max - 1, axis=-1)[:, : params.k_max]
-            values = mx.take_along_axis(logprobs, cand, axis=-1)
-            order = mx.argsort(-values, axis=-1)
-            cand, values = mx.take_along_axis(cand, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
-            ranked = True
-        elif params.top_p is not None or params.top_k is not None:  # a row without top-k needs them all
-            cand = mx.argsort(-logprobs, axis=-1)
-            values = mx.take_along_axis(logprobs, cand, axis=-1)
-            ranked = True
-        else:
-            cand, values, ranked = None, logprobs, False
-        keep = None
-        if ranked and params.top_k is not None:
-            keep = mx.arange(values.shape[-1], dtype=mx.int32)[None, :] < params.top_k[:, None]
-        if ranked and params.top_p is not None:
-            probs = mx.exp(values.astype(mx.float32))
-            above = mx.cumsum(probs, axis=-1) - probs  # the mass of the better candidates
-            nucleus = above < params.top_p[:, None]
-            keep = nucleus if keep is None else keep & nucleus
-        if params.log_min_p is not None:
-            best = values[:, :1] if ranked else mx.max(values, axis=-1, keepdims=True)
-            high = values >= best + params.log_min_p[:, None].astype(values.dtype)
-            keep = high if keep is None else keep & high
-        ids = cand if cand is not None else mx.broadcast_to(mx.arange(vocab, dtype=mx.uint32)[None, :], values.shape)
-        scores = values.astype(mx.float32) * params.inv_temp[:, None] + _gumbel(params.seeds, positions, ids)
-        if keep is not None:
-            scores = mx.where(keep, scores, mx.array(-float("inf"), dtype=mx.float32))
-        choice = mx.argmax(scores, axis=-1)
-        if cand is None:
-            return choice.astype(mx.int32)
-        return mx.take_along_axis(cand, choice[:, None], axis=-1)[:, 0].astype(mx.int32)
+        mode = "top" if params.k_max < vocab else "sorted" if params.top_p is not None or params.top_k is not None else "all"
+        key = (mode, params.k_max if mode == "top" else 0, params.top_k is not None, params.top_p is not None,
+               params.log_min_p is not None)
+        fn = self._draws.get(key)
+        if fn is None:
+            fn = self._draws[key] = mx.compile(partial(_draw, *key))
+        unused = params.inv_temp  # any array: a filter that is off ignores its input
+        return fn(logprobs, positions, params.inv_temp, params.seeds,
+                  params.top_k if params.top_k is not None else unused,
+                  params.top_p if params.top_p is not None else unused,
+                  params.log_min_p if params.log_min_p is not None else unused)
 
     def _params(self, decode: DecodeBatch, vocab: int) -> _BatchParams:
         key = (tuple(decode.rows), tuple(id(self.specs.get(r, _PLAIN)) for r in decode.rows))
@@ -250,6 +221,67 @@ class RowSampler:
         )
         self._cached = (key, params)
         return params
+
+
+def _draw(
+    mode: str, k_max: int, has_top_k: bool, has_top_p: bool, has_min_p: bool,
+    logprobs: mx.array, positions: mx.array, inv_temp: mx.array, seeds: mx.array,
+    top_k: mx.array, top_p: mx.array, log_min_p: mx.array,
+) -> mx.array:
+    """Top-k, top-p and min-p as mlx-lm keeps them, then Gumbel-max at each row's temperature.
+
+    Works on the candidates in descending order: the top ``k_max`` of each row (one
+    partition, no full sort) in mode "top" (every sampled row has a top-k), the whole
+    vocabulary sorted in mode "sorted" (a row has top-p, or top-k beside a row without one),
+    unsorted in mode "all". The noise is keyed by token id, so the choice does not depend on
+    which mode a batch takes.
+    """
+    vocab = logprobs.shape[-1]
+    if mode == "top":
+        cand = mx.argpartition(-logprobs, kth=k_max - 1, axis=-1)[:, :k_max]
+        values = mx.take_along_axis(logprobs, cand, axis=-1)
+        order = mx.argsort(-values, axis=-1)
+        cand, values = mx.take_along_axis(cand, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+    elif mode == "sorted":
+        cand = mx.argsort(-logprobs, axis=-1)
+        values = mx.take_along_axis(logprobs, cand, axis=-1)
+    else:
+        cand, values = None, logprobs
+    ranked = cand is not None
+    keep = None
+    if ranked and has_top_k:
+        keep = mx.arange(values.shape[-1], dtype=mx.int32)[None, :] < top_k[:, None]
+    if ranked and has_top_p:
+        probs = mx.exp(values.astype(mx.float32))
+        above = mx.cumsum(probs, axis=-1) - probs  # the mass of the better candidates
+        nucleus = above < top_p[:, None]
+        keep = nucleus if keep is None else keep & nucleus
+    if has_min_p:
+        best = values[:, :1] if ranked else mx.max(values, axis=-1, keepdims=True)
+        high = values >= best + log_min_p[:, None].astype(values.dtype)
+        keep = high if keep is None else keep & high
+    ids = cand if cand is not None else mx.broadcast_to(mx.arange(vocab, dtype=mx.uint32)[None, :], values.shape)
+    scores = values.astype(mx.float32) * inv_temp[:, None] + _gumbel(seeds, positions, ids)
+    if keep is not None:
+        scores = mx.where(keep, scores, mx.array(-float("inf"), dtype=mx.float32))
+    choice = mx.argmax(scores, axis=-1)
+    if cand is None:
+        return choice.astype(mx.int32)
+    return mx.take_along_axis(cand, choice[:, None], axis=-1)[:, 0].astype(mx.int32)
+
+
+def _logprobs(top_n: int, logits: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """The chosen tokens' log-probabilities and the ``top_n`` best (ids, values), from the
+    model's own log-softmax in float32, before any bias, penalty or filter."""
+    raw = logits.astype(mx.float32)
+    raw = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    if not top_n:
+        return chosen, chosen, chosen
+    best = mx.argpartition(-raw, kth=top_n - 1, axis=-1)[:, :top_n]
+    values = mx.take_along_axis(raw, best, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return chosen, mx.take_along_axis(best, order, axis=-1).astype(mx.int32), mx.take_along_axis(values, order, axis=-1)
 
 
 def _mix(x: mx.array) -> mx.array:
