@@ -372,8 +372,10 @@ def disconnects(work: Path, folder: Path, clients: int) -> list[Row]:
                     del open_socks[i]
         closed_at = time.monotonic()
         trace = []
+        unanswered = 0
         while time.monotonic() - closed_at < 15:
             status = probe.status()
+            unanswered += status is None
             if status is not None:
                 trace.append((time.monotonic() - closed_at, status.running, status.kv_slots_free))
                 idle_again = status.running == 0 and status.kv_slots_free == idle.kv_slots_free
@@ -384,10 +386,13 @@ def disconnects(work: Path, folder: Path, clients: int) -> list[Row]:
     back = next((t for t, running, free in trace if running == 0 and free == idle.kv_slots_free), None)
     how = f"{clients} DEALERs each stream a 500-token request, read 3 tokens, close the socket"
     return [
-        Row("disconnects", "requests still running 2 s after the last close", str(at_2s), how),
+        Row("disconnects", "requests still running 2 s after the last close",
+            str(at_2s) if at_2s is not None else "no status answer", how),
         Row("disconnects", "time until running == 0 and kv_slots_free is back to idle",
-            f"{back:.2f} s" if back is not None else "not within 15 s",
+            f"{back:.2f} s" if back is not None else "not seen within 15 s",
             f"status polled every 20 ms from the last close; idle kv_slots_free = {idle.kv_slots_free} (cache off)"),
+        Row("disconnects", "status queries unanswered", str(unanswered),
+            "from another DEALER, 5 s timeout each, in the 15 s after the last close"),
     ]
 
 
@@ -685,6 +690,9 @@ Figures from `scripts/reliability.py`: a tiny random-weight llama served by a re
 - **slow reader / never-reading client**: replies the client does not read queue in the
   scheduler (per client, bounded); a client that reads none of them for
   `server.slow_client_timeout_s` has its requests aborted.
+
+Every scenario asks for status from a separate, well-behaved connection; a status query left
+unanswered for 5 s means the service stopped serving its other clients, and is a failure.
 """
 
 

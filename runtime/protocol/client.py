@@ -151,8 +151,8 @@ class AbortReply(msgspec.Struct, tag="abort_reply"):
 
 
 class Ping(msgspec.Struct, tag="ping"):
-    """Sent now and then to a client with requests in flight, so the service notices when it
-    has gone (its requests are then aborted). Clients ignore it. REQ sockets drop it unread."""
+    """Sent now and then to a DEALER client with requests in flight, so the service notices when
+    it has gone (its requests are then aborted). Clients ignore it. REQ clients never get one."""
 
 
 ServerMsg = Union[Chunk, ChunkBatch, Done, StatusReply, ProtocolError, AbortReply, Ping]

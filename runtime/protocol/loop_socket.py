@@ -41,12 +41,16 @@ class LoopSocket:
 
     def send(self, data: bytes) -> None:
         """Send one frame now (raises ``zmq.Again`` where the socket type refuses)."""
-        self.sock.send(data, zmq.NOBLOCK)
-        self._after_send()
+        try:
+            self.sock.send(data, zmq.NOBLOCK)
+        finally:
+            self._after_send()  # a refused send processes commands too, and may take the edge
 
     def send_multipart(self, frames: list[bytes]) -> None:
-        self.sock.send_multipart(frames, zmq.NOBLOCK)
-        self._after_send()
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
+        finally:
+            self._after_send()
 
     def _after_send(self) -> None:
         if self._waiter is not None and self._readable():

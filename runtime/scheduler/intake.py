@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
+
 from runtime.protocol import client as cp
 from runtime.scheduler.admission import RequestRejected
 from runtime.scheduler.chat import chat_prompt_ids
@@ -31,7 +33,7 @@ class Intake:
     def needs_thread(msg: cp.Generate) -> bool:
         """Whether the prompt is text long enough to tokenize off the loop (a cheap upper bound)."""
         if msg.messages is not None:
-            return len(msg.messages) > 64 or _content_chars(msg.messages) * 4 > INLINE_TOKENIZE_BYTES
+            return True  # a template may print any field: render it off the loop
         return msg.prompt is not None and len(msg.prompt) * 4 > INLINE_TOKENIZE_BYTES
 
     def prompt_ids_now(self, msg: cp.Generate) -> list[int]:
@@ -42,6 +44,7 @@ class Intake:
         if msg.token_ids is not None:
             return list(msg.token_ids)
         if msg.messages is not None:
+            self._checked_chat(msg)
             return self._chat(msg)
         assert msg.prompt is not None
         return self._encode(self._checked_text(msg.prompt))
@@ -49,6 +52,7 @@ class Intake:
     async def prompt_ids(self, msg: cp.Generate) -> list[int]:
         """``prompt_ids_now`` on the tokenizer thread."""
         if msg.messages is not None and msg.prompt is None and msg.token_ids is None:
+            self._checked_chat(msg)
             return await asyncio.get_running_loop().run_in_executor(self._pool, self._chat, msg)
         if msg.prompt is None or msg.token_ids is not None or msg.messages is not None:
             return self.prompt_ids_now(msg)
@@ -56,9 +60,19 @@ class Intake:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, text)
 
     def _chat(self, msg: cp.Generate) -> list[int]:
-        if _content_chars(msg.messages or []) * 4 > self.max_prompt_bytes:
-            raise RequestRejected(f"the messages' text is over {self.max_prompt_bytes} bytes")
         return chat_prompt_ids(self.tokenizer.hf, msg.messages or [], msg.chat_template_kwargs, msg.tools)
+
+    def _checked_chat(self, msg: cp.Generate) -> None:
+        """Everything a chat template may print counts against the prompt's byte limit."""
+        try:
+            size = len(msgspec.json.encode([msg.messages, msg.tools, msg.chat_template_kwargs]))
+        except Exception as exc:  # e.g. values JSON cannot hold
+            raise RequestRejected(f"the chat messages cannot be read: {exc}") from None
+        if size > self.max_prompt_bytes:
+            raise RequestRejected(
+                f"the chat messages are {size} bytes; this service takes at most {self.max_prompt_bytes} "
+                f"({PROMPT_BYTES_PER_TOKEN} per token of context)"
+            )
 
     def _checked_text(self, text: str) -> str:
         size = len(text.encode("utf-8", errors="surrogatepass"))
@@ -78,15 +92,3 @@ class Intake:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-
-def _content_chars(messages: list) -> int:
-    """Characters of the messages' string contents (an estimate of the chat prompt's size)."""
-    total = 0
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(part.get("text", "")) for part in content if isinstance(part, dict)
-                         and isinstance(part.get("text"), str))
-    return total

@@ -36,6 +36,7 @@ class Peer:
     outbox_bytes: int = 0
     stalled_since: float | None = None  # when a send last found its pipe full
     gone: bool = False
+    pingable: bool = True  # False once it sent a REQ envelope: REQ sockets drop the connection on a ping
 
 
 @dataclass(frozen=True)
@@ -108,10 +109,14 @@ class PeerTable:
         return lost
 
     def probe(self, ping: bytes) -> list[Peer]:
-        """Send ``ping`` to every peer with requests and no backlog; return those found gone."""
+        """Send ``ping`` to every DEALER-style peer with requests and no backlog; return those found gone.
+
+        REQ peers are never pinged (an unexpected message makes a REQ socket drop the
+        connection); one that leaves is found when its reply cannot be sent.
+        """
         lost = []
         for peer in list(self.peers.values()):
-            if peer.requests and not peer.outbox:
+            if peer.requests and not peer.outbox and peer.pingable:
                 try:
                     self._send([peer.identity, ping])
                 except PeerBusy:

@@ -268,6 +268,8 @@ class Server:
         req.client = to
         req.arrived_at = time.monotonic()
         peer.requests[msg.rid] = req
+        if envelope:
+            peer.pingable = False
         if not self.intake.needs_thread(msg):
             try:
                 ids = self.intake.prompt_ids_now(msg)
