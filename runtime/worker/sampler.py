@@ -70,8 +70,9 @@ class _BatchParams:
 class RowSampler:
     """Sampling parameters per request row and the device-side counts of generated tokens."""
 
-    def __init__(self, max_rows: int) -> None:
+    def __init__(self, max_rows: int, compiled: bool = True) -> None:
         self.max_rows = max_rows
+        self.compiled = compiled  # draws and logprobs as mx.compile'd functions
         self.specs: dict[int, RowSampling] = {}
         self.counts: mx.array | None = None  # [max_rows, vocab] generated-token counts, once a row has penalties
         self._want_counts = False
@@ -124,7 +125,8 @@ class RowSampler:
         if params.logprobs:
             fn = self._draws.get(("logprobs", params.top_n))
             if fn is None:
-                fn = self._draws[("logprobs", params.top_n)] = mx.compile(partial(_logprobs, params.top_n))
+                fn = self._draws[("logprobs", params.top_n)] = _maybe_compile(partial(_logprobs, params.top_n),
+                                                                              self.compiled)
             draws.token_logprobs, draws.top_ids, draws.top_logprobs = fn(logits, tokens)
             if not params.top_n:
                 draws.top_ids = draws.top_logprobs = None
@@ -172,7 +174,7 @@ class RowSampler:
                params.log_min_p is not None)
         fn = self._draws.get(key)
         if fn is None:
-            fn = self._draws[key] = mx.compile(partial(_draw, *key))
+            fn = self._draws[key] = _maybe_compile(partial(_draw, *key), self.compiled)
         unused = params.inv_temp  # any array: a filter that is off ignores its input
         return fn(logprobs, positions, params.inv_temp, params.seeds,
                   params.top_k if params.top_k is not None else unused,
@@ -268,6 +270,10 @@ def _draw(
     if cand is None:
         return choice.astype(mx.int32)
     return mx.take_along_axis(cand, choice[:, None], axis=-1)[:, 0].astype(mx.int32)
+
+
+def _maybe_compile(fn, compiled: bool):
+    return mx.compile(fn) if compiled else fn
 
 
 def _logprobs(top_n: int, logits: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array, mx.array]:
