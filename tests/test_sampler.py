@@ -140,3 +140,15 @@ def test_top_k_holds_beside_a_sampled_row_without_one():
     sampler.configure(specs)
     tokens = sampler.sample(mx.broadcast_to(logits[None], (64, VOCAB)), _batch(64)).tokens.tolist()
     assert set(tokens[:32]) == {int(mx.argmax(logits))} and len(set(tokens[32:])) > 1
+
+
+@pytest.mark.parametrize("n, k", [(1000, 5), (128256, 50), (5000, 20), (300, 7), (1030, 64)])
+def test_top_candidates_equal_a_full_sort(n, k):
+    from runtime.worker.sampler import top_candidates
+
+    rng = np.random.default_rng(n + k)
+    x = mx.array(rng.normal(0, 3, (3, n)).astype(np.float32))
+    ids, values = top_candidates(x, k)
+    expected = np.argsort(-np.array(x), axis=-1)[:, :k]
+    assert ids.tolist() == expected.tolist()
+    assert np.allclose(np.array(values), np.take_along_axis(np.array(x), expected, axis=-1))

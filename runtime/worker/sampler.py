@@ -240,10 +240,7 @@ def _draw(
     """
     vocab = logprobs.shape[-1]
     if mode == "top":
-        cand = mx.argpartition(-logprobs, kth=k_max - 1, axis=-1)[:, :k_max]
-        values = mx.take_along_axis(logprobs, cand, axis=-1)
-        order = mx.argsort(-values, axis=-1)
-        cand, values = mx.take_along_axis(cand, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+        cand, values = top_candidates(logprobs, k_max)
     elif mode == "sorted":
         cand = mx.argsort(-logprobs, axis=-1)
         values = mx.take_along_axis(logprobs, cand, axis=-1)
@@ -272,6 +269,34 @@ def _draw(
     return mx.take_along_axis(cand, choice[:, None], axis=-1)[:, 0].astype(mx.int32)
 
 
+CHUNK = 128
+
+
+def top_candidates(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The ``k`` largest entries of each row of ``x`` [rows, n] as (ids, values), best first.
+
+    Exact, without partitioning the whole row: every one of the k largest lies in one of the
+    k chunks (of CHUNK entries) with the largest maxima, since fewer than k entries rank
+    above it and each better chunk's maximum is one of them. So the rows' chunk maxima are
+    partitioned, and then only those k chunks.
+    """
+    rows, n = x.shape
+    chunks = -(-n // CHUNK)
+    if chunks <= k or n <= 4 * CHUNK:
+        ids = mx.argpartition(-x, kth=k - 1, axis=-1)[:, :k]
+    else:
+        padded = x if chunks * CHUNK == n else mx.pad(x, [(0, 0), (0, chunks * CHUNK - n)], constant_values=-float("inf"))
+        blocks = padded.reshape(rows, chunks, CHUNK)
+        best_blocks = mx.argpartition(-blocks.max(axis=-1), kth=k - 1, axis=-1)[:, :k]
+        inside = mx.take_along_axis(blocks, best_blocks[:, :, None], axis=1).reshape(rows, k * CHUNK)
+        block_ids = (best_blocks[:, :, None] * CHUNK + mx.arange(CHUNK, dtype=best_blocks.dtype)).reshape(rows, k * CHUNK)
+        pick = mx.argpartition(-inside, kth=k - 1, axis=-1)[:, :k]
+        ids = mx.take_along_axis(block_ids, pick, axis=-1)
+    values = mx.take_along_axis(x, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+
+
 def _maybe_compile(fn, compiled: bool):
     return mx.compile(fn) if compiled else fn
 
@@ -284,10 +309,8 @@ def _logprobs(top_n: int, logits: mx.array, tokens: mx.array) -> tuple[mx.array,
     chosen = mx.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     if not top_n:
         return chosen, chosen, chosen
-    best = mx.argpartition(-raw, kth=top_n - 1, axis=-1)[:, :top_n]
-    values = mx.take_along_axis(raw, best, axis=-1)
-    order = mx.argsort(-values, axis=-1)
-    return chosen, mx.take_along_axis(best, order, axis=-1).astype(mx.int32), mx.take_along_axis(values, order, axis=-1)
+    best, values = top_candidates(raw, top_n)
+    return chosen, best.astype(mx.int32), values
 
 
 def _mix(x: mx.array) -> mx.array:
