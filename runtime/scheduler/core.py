@@ -119,7 +119,7 @@ class Scheduler:
         return RowSampling(
             row=req.row, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty, logit_bias=list(p.logit_bias), seed=p.seed,
+            frequency_penalty=p.frequency_penalty, logit_bias=list(p.logit_bias), seed=p.seed if p.seed is not None else 0,
             stop_ids=sorted(stop_ids) if p.min_tokens else [], logprobs=p.logprobs, top_logprobs=p.top_logprobs,
         )
 

@@ -5,27 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.scheduler.params import SamplingChoice
 
-@dataclass
-class SamplingParams:
-    """What the client asked for, validated (``runtime/scheduler/params.py``)."""
 
-    max_tokens: int
-    temperature: float = 0.0
+@dataclass(frozen=True)
+class SamplingParams(SamplingChoice):
+    """What the client asked for, validated: the sampling choice (``runtime/scheduler/params.py``)
+    plus the length and stop-token settings. ``seed`` is always set (random when the client gave none)."""
+
+    max_tokens: int = 256
     ignore_eos: bool = False
     stop_token_ids: frozenset[int] = frozenset()
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    seed: int = 0
-    min_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False
-    top_logprobs: int = 0
 
 
 @dataclass(eq=False)

@@ -9,6 +9,7 @@ requests aborted. A dead or hung worker is replaced (``WorkerSupervisor``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import secrets
 import time
@@ -245,23 +246,12 @@ class Server:
                 raise RequestRejected(f"stop_token_ids must be token ids in 0..{self.ready.vocab_size - 1}")
         except RequestRejected as exc:
             return reject(str(exc))
+        seed = choice.seed if choice.seed is not None else secrets.randbits(64)  # unseeded: random per request
         params = SamplingParams(
+            **{**dataclasses.asdict(choice), "seed": seed},
             max_tokens=msg.max_tokens,
-            temperature=choice.temperature,
             ignore_eos=msg.ignore_eos,
             stop_token_ids=frozenset(msg.stop_token_ids),
-            top_p=choice.top_p,
-            top_k=choice.top_k,
-            min_p=choice.min_p,
-            repetition_penalty=choice.repetition_penalty,
-            presence_penalty=choice.presence_penalty,
-            frequency_penalty=choice.frequency_penalty,
-            logit_bias=choice.logit_bias,
-            seed=choice.seed if choice.seed is not None else secrets.randbits(64),  # unseeded: random per request
-            min_tokens=choice.min_tokens,
-            stop=choice.stop,
-            logprobs=choice.logprobs,
-            top_logprobs=choice.top_logprobs,
         )
         req = Request(rid=f"r{next(self._ids)}", prompt_ids=[], params=params, max_new=0)
         req.stream = msg.stream and not envelope  # a REQ socket takes one reply per request
