@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,21 @@ def test_parser_lists():
     assert args.concurrency == [1, 4] and args.workloads == ["single", "sweep", "prefix", "memory", "paired", "sampling"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--synthetic", "tiny", "--workloads", "nope"])
+
+
+def test_sampling_workload_reports_the_median_of_per_round_ratios():
+    from runtime.bench.measure import StreamTiming
+    from runtime.bench.sampling import Sampling
+    from runtime.bench.workloads import Bench
+
+    def run(tokens: int, seconds: float) -> list[StreamTiming]:
+        timing = StreamTiming(start=0.0)
+        timing.add(list(range(tokens)), at=seconds)
+        return [timing]
+
+    plan = Sampling(Bench(Path("."), 100, {99}, 0, print), streams=1, prompt_len=4, gen_len=8, rounds=3)
+    plan.greedy = [run(100, 1.0), run(100, 1.0), run(100, 2.0)]  # 100, 100, 50 tok/s
+    plan.sampled = [run(90, 1.0), run(50, 1.0), run(40, 2.0)]  # ratios 0.9, 0.5, 0.4
+    outcome = plan.outcome()
+    assert outcome.data["ratio_median"] == pytest.approx(0.5)
+    assert "median" in outcome.tables[0] and "0.50" in outcome.tables[0]
