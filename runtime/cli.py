@@ -7,10 +7,15 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
+from typing import TYPE_CHECKING
 
-from runtime.config import ConfigError, load_config
+from runtime.config import Config, ConfigError, load_config
 from runtime.heap import freeze_startup_heap
+
+if TYPE_CHECKING:
+    from runtime.gateway.process import GatewayProcess
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -32,6 +37,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
         addresses.cleanup()
         print(f"runtime: {exc}", file=sys.stderr)
         return 1
+    http_socket = None
+    if config.http is not None:
+        from runtime.gateway.process import GatewayError, bind
+
+        try:
+            http_socket = bind(config.http)  # a busy port fails here, before the model loads
+        except GatewayError as exc:
+            addresses.cleanup()
+            print(f"runtime: {exc}", file=sys.stderr)
+            return 1
     from runtime.scheduler.server import Server, WorkerStartError
 
     try:
@@ -75,11 +90,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
         )
         serve = asyncio.create_task(server.serve_forever())
         stopper = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({serve, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        gateway = None
         code = 0
+        if http_socket is not None:
+            gateway, code = await _start_gateway(config, addresses.client, http_socket, stop)
+        done, _ = await asyncio.wait({serve, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if serve in done and serve.exception() is not None:
             print(f"runtime: stopped: {serve.exception()}", file=sys.stderr)
             code = 1
+        if gateway is not None:
+            await gateway.stop()
         serve.cancel()
         stopper.cancel()
         await server.shutdown()
@@ -89,7 +109,35 @@ def _cmd_up(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(run())
     finally:
+        if http_socket is not None:
+            http_socket.close()
         addresses.cleanup()
+
+
+async def _start_gateway(
+    config: Config, scheduler_address: str, sock: socket.socket, stop: asyncio.Event
+) -> tuple[GatewayProcess | None, int]:
+    """Start the HTTP gateway once the scheduler serves; on failure, print why and set ``stop``.
+
+    Returns (the gateway or None, the exit status so far).
+    """
+    from runtime.gateway.process import GatewayError, GatewayProcess, settings_for
+
+    starting = asyncio.create_task(GatewayProcess.start(config.http, sock, settings_for(config, scheduler_address)))
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not starting.done():  # SIGINT/SIGTERM during start-up
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        return None, 0
+    if isinstance(starting.exception(), GatewayError):
+        print(f"runtime: {starting.exception()}", file=sys.stderr)
+        stop.set()
+        return None, 1
+    gateway = starting.result()
+    print(f"runtime: HTTP on {gateway.url}", flush=True)
+    return gateway, 0
 
 
 def _client_keys(args: argparse.Namespace) -> dict[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -135,14 +136,60 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """``[http]``: the OpenAI-compatible HTTP gateway (``runtime/gateway/``); absent = none.
+
+    ``address``: ``HOST:PORT`` it listens on. ``api_keys``: bearer keys a request must carry
+    (empty: no authentication, allowed only on a loopback host). ``served_model_name``: the
+    model id clients see (empty: the model folder's name). ``workers``: gateway processes
+    (only 1 for now).
+    """
+
+    address: str = "127.0.0.1:8000"
+    api_keys: tuple[str, ...] = ()
+    served_model_name: str = ""
+    workers: int = 1
+
+    @property
+    def host(self) -> str:
+        """The host part of ``address``, without IPv6 brackets."""
+        return split_host_port(self.address)[0]
+
+    @property
+    def port(self) -> int:
+        return split_host_port(self.address)[1]
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` (or ``"[V6]:PORT"``) as (host, port); ConfigError when malformed."""
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"config key 'http.address' must be HOST:PORT with a port in 1-65535, got {address!r}")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
 class Config:
-    """The whole service configuration, frozen after loading."""
+    """The whole service configuration, frozen after loading; ``http`` is None without ``[http]``."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    http: HttpConfig | None = None
 
 
 def _check_type(key: str, value: object, hint: object) -> object:
@@ -159,6 +206,16 @@ def _check_type(key: str, value: object, hint: object) -> object:
     return value
 
 
+def _optional_section(hint: object) -> object:
+    """``Section | None`` (a table that may be absent) as ``Section``; other hints unchanged."""
+    args = typing.get_args(hint)
+    if len(args) == 2 and type(None) in args:
+        inner = next(a for a in args if a is not type(None))
+        if dataclasses.is_dataclass(inner):
+            return inner
+    return hint
+
+
 def _build(cls: type, table: dict, prefix: str) -> object:
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
@@ -167,7 +224,7 @@ def _build(cls: type, table: dict, prefix: str) -> object:
         dotted = f"{prefix}{key}"
         if key not in known:
             raise ConfigError(f"unknown config key '{dotted}' (known: {', '.join(sorted(known))})")
-        hint = hints[key]
+        hint = _optional_section(hints[key])
         if dataclasses.is_dataclass(hint):
             if not isinstance(value, dict):
                 raise ConfigError(f"config key '{dotted}' must be a table")
@@ -236,6 +293,24 @@ def _validate(config: Config) -> None:
                 check_key(key, f"config key '{name}'")
         except SecurityError as exc:
             raise ConfigError(str(exc)) from None
+    if config.http is not None:
+        _validate_http(config.http)
+        if config.server.curve_client_keys:
+            raise ConfigError("config key 'server.curve_client_keys' cannot be combined with [http] yet "
+                              "(the gateway connects with a fresh key pair)")
+
+
+def _validate_http(http: HttpConfig) -> None:
+    host = http.host  # raises on a malformed address
+    if http.workers != 1:
+        raise ConfigError(f"config key 'http.workers' must be 1 (several gateway processes are not supported yet), got {http.workers}")
+    if any(not key.strip() for key in http.api_keys):
+        raise ConfigError("config key 'http.api_keys' must not hold empty keys")
+    if not http.api_keys and not is_loopback(host):
+        raise ConfigError(
+            f"config key 'http.address' is {http.address!r}, not loopback: set 'http.api_keys' "
+            "so the HTTP API is not open to anyone on the network"
+        )
 
 
 def load_config(path: str | Path) -> Config:
@@ -251,8 +326,8 @@ def load_config(path: str | Path) -> Config:
 
 
 def config_to_dict(config: Config) -> dict:
-    """Plain-dict form, for handing the config to the worker process."""
-    return dataclasses.asdict(config)
+    """Plain-dict form, for handing the config to the worker process (absent sections left out)."""
+    return {key: value for key, value in dataclasses.asdict(config).items() if value is not None}
 
 
-__all__ = ["Config", "ConfigError", "load_config", "parse_config", "config_to_dict"]
+__all__ = ["Config", "ConfigError", "HttpConfig", "load_config", "parse_config", "config_to_dict"]

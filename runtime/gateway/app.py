@@ -1,0 +1,207 @@
+"""The FastAPI app: OpenAI's /v1/models, /v1/completions, /v1/chat/completions, plus /health, /metrics.
+
+One long-lived ``runtime.client.Client`` per process, opened in the lifespan. Requests
+become client streams (``fanout.py``); the scheduler applies chat templates and checks
+every sampling parameter, and its refusals come back as OpenAI errors (``errors.py``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.client import Client, GenerationResult, ServiceUnavailable
+from runtime.gateway import convert
+from runtime.gateway.errors import ApiError, failure
+from runtime.gateway.fanout import Fanout
+from runtime.gateway.metrics import Metrics
+from runtime.gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from runtime.gateway.settings import GatewaySettings
+from runtime.gateway.streaming import ChoiceBody, FanoutResponse, LogprobsFormat, stream_events
+from runtime.gateway.tokens import TokenText
+
+STATUS_TIMEOUT_S = 3.0
+
+
+@dataclass
+class Gateway:
+    """Everything a request handler needs; ``client`` and ``limits`` are set in the lifespan."""
+
+    settings: GatewaySettings
+    model: str
+    metrics: Metrics
+    tokens: TokenText
+    client: Client | None = None
+    limits: convert.Limits | None = None
+    created: int = 0
+
+    def check(self, model: str | None) -> None:
+        if model and model != self.model:
+            raise ApiError(404, f"the model {model!r} does not exist; this service serves {self.model!r}",
+                           param="model", code="model_not_found")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    """The app for one gateway process."""
+    model = settings.served_model_name or Path(settings.model_path).name
+    gw = Gateway(settings, model, Metrics(model), TokenText(settings.model_path))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async with Client(settings.scheduler_address, server_key=settings.server_key) as client:
+            status = await client.status(timeout=30.0)
+            gw.client, gw.limits, gw.created = client, convert.Limits(status.max_context), int(time.time())
+            yield
+            gw.client = None
+
+    app = FastAPI(title="runtime", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return ApiError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return ApiError(exc.status_code, str(exc.detail)).response()
+
+    async def authorized(request: Request) -> None:
+        if not settings.api_keys:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.strip(), k) for k in settings.api_keys):
+            raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key")
+
+    async def status_or_none():
+        assert gw.client is not None
+        try:
+            return await gw.client.status(timeout=STATUS_TIMEOUT_S)
+        except ServiceUnavailable:
+            return None
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = await status_or_none()
+        if status is None or status.worker_state != "up":
+            state = "no answer" if status is None else status.worker_state
+            return JSONResponse({"status": "unavailable", "scheduler": state}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gw.metrics.render(await status_or_none()), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict:
+        assert gw.limits is not None
+        card = {"id": gw.model, "object": "model", "created": gw.created, "owned_by": "runtime",
+                "root": settings.model_path, "max_model_len": gw.limits.max_context}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest) -> Response:
+        gw.check(body.model)
+        assert gw.limits is not None
+        requests = convert.completion_requests(body, gw.limits)
+        envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                    "model": gw.model}
+
+        def logprobs(entries, offset: int = 0):
+            return convert.completion_logprobs(entries, gw.tokens, offset)
+
+        def choice(index: int, text: str, lp: dict | None, finish: str | None) -> dict:
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+        def whole(results: list[GenerationResult]) -> dict:
+            return envelope | {
+                "choices": [choice(i, r.text, logprobs(r.logprobs), convert.finish_reason(r)) for i, r in enumerate(results)],
+                "usage": convert.usage(results, body.n),
+            }
+
+        return await _respond(gw, body.stream, body.include_usage, requests, body.n, envelope, choice, logprobs,
+                              whole)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        gw.check(body.model)
+        assert gw.limits is not None
+        requests = convert.chat_requests(body, gw.limits)
+        envelope = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+                    "created": int(time.time()), "model": gw.model}
+
+        def logprobs(entries, offset: int = 0):
+            return convert.chat_logprobs(entries, gw.tokens)
+
+        def choice(index: int, text: str, lp: dict | None, finish: str | None) -> dict:
+            delta = {"content": text} if text or finish is None else {}
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+        def whole(results: list[GenerationResult]) -> dict:
+            return envelope | {
+                "object": "chat.completion",
+                "choices": [{"index": i, "message": {"role": "assistant", "content": r.text},
+                             "logprobs": logprobs(r.logprobs), "finish_reason": convert.finish_reason(r)}
+                            for i, r in enumerate(results)],
+                "usage": convert.usage(results, 1),
+            }
+
+        opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for i in range(len(requests))]
+        return await _respond(gw, body.stream, body.include_usage, requests, 1, envelope, choice, logprobs, whole,
+                              opening)
+
+    return app
+
+
+async def _respond(gw: Gateway, stream: bool, include_usage: bool, requests: list[dict], per_prompt: int,
+                   envelope: dict, choice: ChoiceBody, logprobs: LogprobsFormat,
+                   whole: Callable[[list[GenerationResult]], dict], opening: Sequence[dict] = ()) -> Response:
+    """Run the choices; a whole JSON response, or SSE once the first event shows the request was accepted."""
+    assert gw.client is not None
+    fanout = Fanout(gw.client, requests, gw.metrics)
+    if not stream:
+        try:
+            results = await fanout.collect()
+        except Exception as exc:
+            raise failure(exc) from None
+        finally:
+            await fanout.close()
+        return JSONResponse(whole(results))
+    try:
+        first = await fanout.next_event()
+    except BaseException:
+        await fanout.close()
+        raise
+    assert first is not None
+    if first.error is not None:
+        await fanout.close()
+        raise failure(first.error)
+    events = stream_events(first, fanout, count=len(requests), per_prompt=per_prompt, envelope=envelope,
+                           choice_body=choice, logprobs_format=logprobs, include_usage=include_usage,
+                           opening=opening)
+    return FanoutResponse(events, fanout)

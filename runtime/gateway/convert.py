@@ -1,0 +1,145 @@
+"""OpenAI requests to ``Client.stream`` keyword arguments, and results to OpenAI's shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.client import GenerationResult, TokenLogprob
+from runtime.gateway.errors import ApiError
+from runtime.gateway.openai_types import MAX_N, ChatCompletionRequest, CompletionRequest, SamplingFields
+from runtime.gateway.tokens import TokenText
+
+_PASSED_AS_IS = ("top_p", "presence_penalty", "frequency_penalty", "stop", "top_k", "min_p",
+                 "repetition_penalty", "min_tokens", "stop_token_ids")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Facts of the service a request's defaults depend on."""
+
+    max_context: int
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def _sampling(req: SamplingFields, max_tokens: int | None, limits: Limits) -> dict:
+    kwargs: dict = {
+        # OpenAI's defaults: sample at temperature 1, up to the end of the context.
+        "max_tokens": limits.max_context if max_tokens is None else max_tokens,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "ignore_eos": req.ignore_eos,
+    }
+    for name in _PASSED_AS_IS:
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+    if req.logit_bias:
+        kwargs["logit_bias"] = _logit_bias(req.logit_bias)
+    if req.seed is not None:
+        kwargs["seed"] = req.seed
+    return kwargs
+
+
+def _fan_out(base: dict, n: int) -> list[dict]:
+    """``n`` copies of one request; with a seed, choice i uses seed + i so they differ reproducibly."""
+    out = []
+    for i in range(n):
+        kwargs = dict(base)
+        if "seed" in kwargs:
+            kwargs["seed"] = kwargs["seed"] + i
+        out.append(kwargs)
+    return out
+
+
+def completion_requests(req: CompletionRequest, limits: Limits) -> list[dict]:
+    """One ``Client.stream`` call per choice: prompt-major, ``n`` per prompt."""
+    if req.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompts: list[dict] = [{"prompt": prompt}]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [{"token_ids": list(prompt)}]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [{"prompt": p} for p in prompt]
+    elif prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [{"token_ids": list(p)} for p in prompt]
+    else:
+        raise ApiError(400, "prompt must be a string, a list of strings, token ids or lists of token ids",
+                       param="prompt")
+    if len(prompts) * req.n > MAX_N:
+        raise ApiError(400, f"at most {MAX_N} choices per request (prompts times n)", param="n")
+    base = _sampling(req, req.max_tokens, limits)
+    if req.logprobs is not None:
+        base.update(logprobs=True, top_logprobs=req.logprobs)
+    return [kw | p for p in prompts for kw in _fan_out(base, req.n)]
+
+
+def chat_requests(req: ChatCompletionRequest, limits: Limits) -> list[dict]:
+    """One ``Client.stream(messages=...)`` call per choice."""
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    base = _sampling(req, max_tokens, limits)
+    base["messages"] = req.messages
+    if req.tools is not None:
+        base["tools"] = req.tools
+    if req.chat_template_kwargs is not None:
+        base["chat_template_kwargs"] = req.chat_template_kwargs
+    if req.logprobs:
+        base.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
+    elif req.top_logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    return _fan_out(base, req.n)
+
+
+def usage(results: list[GenerationResult], per_prompt: int) -> dict:
+    """OpenAI's usage: each prompt counted once (its first choice), completion tokens of all choices."""
+    firsts = results[::per_prompt]
+    prompt = sum(r.prompt_tokens for r in firsts)
+    completion = sum(len(r.token_ids) for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
+    }
+
+
+def finish_reason(result: GenerationResult) -> str:
+    return result.finish_reason if result.finish_reason in ("stop", "length") else "stop"
+
+
+def chat_logprobs(entries: list[TokenLogprob] | None, text: TokenText) -> dict | None:
+    """OpenAI's chat shape: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    if entries is None:
+        return None
+
+    def one(token_id: int, logprob: float) -> dict:
+        token = text.of(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [one(e.token_id, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries: list[TokenLogprob] | None, text: TokenText, offset: int = 0) -> dict | None:
+    """The legacy completions shape: parallel lists, ``top_logprobs`` as {token: logprob}."""
+    if entries is None:
+        return None
+    tokens = [text.of(e.token_id) for e in entries]
+    offsets, at = [], offset
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{text.of(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }

@@ -1,0 +1,103 @@
+"""Prometheus metrics of the gateway: its own request timings and the scheduler's gauges.
+
+Each gateway has its own registry (no global state). Scheduler facts come from one
+``Client.status()`` per scrape, held in ``Metrics.status`` while the registry is rendered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from runtime.protocol.client import StatusReply
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class _SchedulerCollector(Collector):
+    """Gauges and the restart counter from the last status reply (nothing before the first scrape)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator:
+        status, model = self._metrics.status, self._metrics.model
+        if status is None:
+            return
+        used = 1.0 - status.kv_slots_free / status.kv_slots_total if status.kv_slots_total else 0.0
+        for name, doc, value in (
+            ("runtime_num_requests_running", "Requests decoding in the scheduler.", status.running),
+            ("runtime_num_requests_waiting", "Requests queued in the scheduler.", status.waiting),
+            ("runtime_kv_cache_usage_ratio", "Share of KV slots not free (1 - free/total).", used),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=["model"])
+            family.add_metric([model], value)
+            yield family
+        restarts = CounterMetricFamily("runtime_worker_restarts", "Worker restarts since start-up.", labels=["model"])
+        restarts.add_metric([model], status.worker_restarts)
+        yield restarts
+
+
+class Metrics:
+    """The gateway's registry; ``record_*`` are called per choice, ``render`` per scrape."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.status: StatusReply | None = None
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model"]
+        self.ttft = Histogram("runtime_time_to_first_token_seconds", "Time from arrival to the first token.",
+                              labels, registry=r, buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("runtime_inter_token_latency_seconds", "Time between tokens of a request.",
+                             labels, registry=r, buckets=_ITL_BUCKETS)
+        self.e2e = Histogram("runtime_e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             labels, registry=r, buckets=_LATENCY_BUCKETS)
+        self.queue_time = Histogram("runtime_request_queue_time_seconds",
+                                    "Time before the first token (approximated as time to first token).",
+                                    labels, registry=r, buckets=_LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("runtime_prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r)
+        self.generation_tokens = Counter("runtime_generation_tokens", "Generated tokens.", labels, registry=r)
+        self.cached_tokens = Counter("runtime_cached_prompt_tokens", "Prompt tokens found in the prefix cache.",
+                                     labels, registry=r)
+        self.requests = Counter("runtime_requests", "Finished requests by finish reason.",
+                                ["model", "finish_reason"], registry=r)
+        self.hit_ratio = Gauge("runtime_prefix_cache_hit_ratio",
+                               "Cached prompt tokens / prompt tokens of requests seen by this gateway.",
+                               labels, registry=r)
+        self._prompt_seen = 0
+        self._cached_seen = 0
+        self.registry.register(_SchedulerCollector(self))
+
+    def record_first_token(self, seconds: float) -> None:
+        self.ttft.labels(self.model).observe(seconds)
+        self.queue_time.labels(self.model).observe(seconds)
+
+    def record_tokens(self, count: int, seconds: float) -> None:
+        """``count`` new tokens arrived ``seconds`` after the previous ones (one ITL sample each)."""
+        if count:
+            per_token = seconds / count
+            for _ in range(count):
+                self.itl.labels(self.model).observe(per_token)
+
+    def record_finish(self, finish_reason: str, seconds: float, prompt_tokens: int, cached_tokens: int,
+                      generated_tokens: int) -> None:
+        self.e2e.labels(self.model).observe(seconds)
+        self.generation_tokens.labels(self.model).inc(generated_tokens)
+        self.requests.labels(self.model, finish_reason).inc()
+        self.prompt_tokens.labels(self.model).inc(prompt_tokens)
+        self.cached_tokens.labels(self.model).inc(cached_tokens)
+        self._prompt_seen += prompt_tokens
+        self._cached_seen += cached_tokens
+        if self._prompt_seen:
+            self.hit_ratio.labels(self.model).set(self._cached_seen / self._prompt_seen)
+
+    def render(self, status: StatusReply | None) -> bytes:
+        """The text exposition; ``status`` None (scheduler silent) leaves its gauges out."""
+        self.status = status
+        return generate_latest(self.registry)
