@@ -73,11 +73,9 @@ async def test_departed_clients_have_their_requests_aborted_within_a_second(serv
                 items = msg.chunks if isinstance(msg, cp.ChunkBatch) else [msg]
                 got += sum(len(c.token_ids) for c in items if isinstance(c, cp.Chunk))
             sock.close(0)
-        closed = await client.status()
-        assert closed.running > 0
         after = await _until(client, _idle, 2.0)
         ctx.term()
-    assert after.steps - closed.steps < LONG // 2  # aborted, not run to their length
+    assert after.steps - idle.steps < LONG // 2  # aborted, not run to their length
     assert after.kv_slots_free + after.kv_slots_cached == idle.kv_slots_free + idle.kv_slots_cached
     assert after.clients == 0
 
