@@ -77,7 +77,7 @@ def test_sharded_weights_have_a_complete_index(tmp_path):
 
 def test_parser_lists():
     args = build_parser().parse_args(["--synthetic", "tiny", "--concurrency", "1,4", "--workloads", "all"])
-    assert args.concurrency == [1, 4] and args.workloads == ["single", "sweep", "prefix", "memory", "paired", "sampling"]
+    assert args.concurrency == [1, 4] and args.workloads == ["single", "sweep", "prefix", "memory", "paired", "sampling", "http"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--synthetic", "tiny", "--workloads", "nope"])
 
@@ -98,3 +98,16 @@ def test_sampling_workload_reports_the_median_of_per_round_ratios():
     outcome = plan.outcome()
     assert outcome.data["ratio_median"] == pytest.approx(0.5)
     assert "median" in outcome.tables[0] and "0.50" in outcome.tables[0]
+
+
+def test_http_workload_compares_the_gateway_with_the_client():
+    from runtime.bench.http import Http
+    from runtime.bench.workloads import Bench
+
+    plan = Http(Bench(Path("."), 100, {99}, 0, print), streams=4, prompt_len=4, gen_len=8, pairs=3)
+    plan.itl = {"zmq": [10.0, 10.0, 10.0], "http": [10.2, 10.8, 10.4]}
+    plan.tok_s = {"zmq": [100.0, 100.0], "http": [95.0, 91.0]}
+    outcome = plan.outcome()
+    assert outcome.data["itl_ratio_median"] == pytest.approx(1.04)
+    assert outcome.data["throughput_ratios"] == pytest.approx([0.91, 0.95])
+    assert "at most 1.05" in outcome.tables[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from runtime.bench.service import ServiceSpec
 
-WORKLOADS = ("single", "sweep", "prefix", "memory", "paired", "sampling")
+WORKLOADS = ("single", "sweep", "prefix", "memory", "paired", "sampling", "http")
 DEFAULT_WORKLOADS = "single,sweep,prefix"
 MEMORY_PROMPT = (8, 200)
 MEMORY_GEN = (1, 64)
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64, 256], help="sweep levels, e.g. 1,4,16")
     p.add_argument("--sampling-streams", type=int, default=64, help="sampling: concurrent streams")
     p.add_argument("--sampling-rounds", type=int, default=3, help="sampling: alternating greedy / sampled runs")
+    p.add_argument("--http-streams", type=int, default=64, help="http: concurrent streams")
+    p.add_argument("--http-port", type=int, default=18431, help="http: the gateway's loopback port")
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--prefix-unique", type=_ints, default=[16, 64], help="min,max unique tokens per request")
@@ -290,6 +293,21 @@ def run(args: argparse.Namespace) -> int:
             report("memory", prefix_memory.memory(
                 bench, svc.address, probe, args.memory_requests, args.memory_concurrency, MEMORY_PROMPT, MEMORY_GEN,
             ))
+    if "http" in chosen:
+        from runtime.bench.http import Http, wait_http
+
+        n = args.http_streams
+        seq = args.prompt_len + args.gen_len
+        spec = _service_spec(args, model, [], cache=True)
+        spec = dataclasses.replace(spec, max_running=max(spec.max_running, n), max_context=max(spec.max_context, seq + 16),
+                                   kv_slots=args.kv_slots or n * (seq + 16) + 4 * seq, http_port=args.http_port)
+        log("starting a runtime with the HTTP gateway")
+        with Service(spec, work / "configs" / "http.toml") as svc:
+            services["http"] = vars(spec) | {"model": str(model)}
+            url = f"http://127.0.0.1:{args.http_port}"
+            wait_http(url)
+            log(svc.banner)
+            report("http", Http(bench, n, args.prompt_len, args.gen_len).run(svc.address, url))
     results["warnings"] = warnings
     results["loadavg_end"] = loadavg()
     print(f"\nload average at the end: {results['loadavg_end']} (at start: {hdr['loadavg_start']})", flush=True)

@@ -31,6 +31,7 @@ class ServiceSpec:
     prefill_chunk: int = 512
     blas: str = "auto"
     fuse_projections: str = "auto"
+    http_port: int = 0  # > 0: also serve HTTP (the gateway) on 127.0.0.1:http_port
 
     def toml(self) -> str:
         """The config file text (keys as in runtime/config.py)."""
@@ -46,6 +47,7 @@ class ServiceSpec:
             f"enabled = {'true' if self.cache_enabled else 'false'}\n"
             f"kv_slots = {self.kv_slots}\n\n"
             f"[worker]\nblas = {self.blas!r}\nfuse_projections = {self.fuse_projections!r}\n"
+            + (f'\n[http]\naddress = "127.0.0.1:{self.http_port}"\n' if self.http_port else "")
         )
 
 

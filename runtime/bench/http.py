@@ -1,0 +1,129 @@
+"""The ``http`` workload: the same requests through the HTTP gateway and through the ZMQ client.
+
+One service with ``[http]``; runtime only (it compares the gateway with the client it wraps).
+Single stream: alternating pairs (ZMQ, then HTTP, then the other way round), inter-token
+latency p50 of each. Many streams: alternating rounds, total output tokens per second. HTTP
+requests are ``/v1/completions`` with token-id prompts, greedy, ``ignore_eos``, streamed as
+server-sent events; a token's arrival is its event's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+
+from runtime.bench import runtime_side
+from runtime.bench.measure import StreamTiming, percentile, ratio, summarize
+from runtime.bench.report import table
+from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome
+
+
+async def _http_one(client, url: str, prompt: list[int], gen_len: int, timing: StreamTiming) -> None:
+    body = {"prompt": prompt, "max_tokens": gen_len, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    total = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"HTTP stream error: {event['error']}")
+            if event.get("choices"):
+                timing.add([0])  # an event per scheduler chunk: one token each in steady decode
+            if event.get("usage"):
+                total = event["usage"]["completion_tokens"]
+    if total > timing.n_tokens and timing.arrivals:  # chunks that carried several tokens
+        timing.add([0] * (total - timing.n_tokens), at=timing.arrivals[-1][0])
+
+
+async def _http_together(url: str, prompts: Sequence[list[int]], gen_lens: Sequence[int]) -> list[StreamTiming]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+        start = time.perf_counter()
+        timings = [StreamTiming(start=start) for _ in prompts]
+        await asyncio.gather(*(_http_one(client, url, p, g, t) for p, g, t in zip(prompts, gen_lens, timings)))
+    return timings
+
+
+def http_together(url: str, prompts: Sequence[list[int]], gen_lens: Sequence[int]) -> list[StreamTiming]:
+    """Send all requests at once over HTTP (one connection each); the shared start is t=0."""
+    return asyncio.run(_http_together(url, prompts, gen_lens))
+
+
+def wait_http(url: str, timeout_s: float = 120.0) -> None:
+    """Until the gateway's /health says 200."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway at {url} did not answer /health within {timeout_s} s")
+        time.sleep(0.2)
+
+
+class Http:
+    """Single-stream pairs and ``streams`` concurrent requests, ZMQ client vs HTTP gateway."""
+
+    name = "http"
+
+    def __init__(self, bench: Bench, streams: int, prompt_len: int, gen_len: int, pairs: int = 5) -> None:
+        self.bench, self.streams, self.prompt_len, self.gen_len, self.pairs = bench, streams, prompt_len, gen_len, pairs
+        self.single = [bench.prompt(prompt_len) for _ in range(2 * pairs + 2)]
+        self.many = [bench.prompts(streams, prompt_len) for _ in range(6)]
+        self.itl: dict[str, list[float]] = {"zmq": [], "http": []}
+        self.tok_s: dict[str, list[float]] = {"zmq": [], "http": []}
+
+    def run(self, address: str, url: str) -> Outcome:
+        log = self.bench.log
+        sides = {
+            "zmq": lambda ps, gs: runtime_side.run_together(address, ps, gs),
+            "http": lambda ps, gs: http_together(url, ps, gs),
+        }
+        log("http: warm-up through both")
+        for side in sides.values():
+            side([self.single[0]], [WARMUP_GEN])
+            side(self.many[0], [WARMUP_GEN] * self.streams)
+        for i in range(self.pairs):
+            order = ("zmq", "http") if i % 2 == 0 else ("http", "zmq")
+            for k, name in enumerate(order):
+                timing = sides[name]([self.single[2 + 2 * i + k]], [self.gen_len])[0]
+                self.itl[name].append(1e3 * percentile(timing.itls(), 50))
+            log(f"http: pair {i + 1}: ITL p50 zmq {self.itl['zmq'][-1]:.2f} ms, http {self.itl['http'][-1]:.2f} ms")
+        for r in range(2):
+            order = ("zmq", "http") if r == 0 else ("http", "zmq")
+            for k, name in enumerate(order):
+                self.tok_s[name].append(summarize(sides[name](self.many[2 + 2 * r + k], [self.gen_len] * self.streams))
+                                        ["total_tok_s"])
+            log(f"http: {self.streams} streams round {r + 1}: zmq {self.tok_s['zmq'][-1]:.1f} tok/s, "
+                f"http {self.tok_s['http'][-1]:.1f} tok/s")
+        return self.outcome()
+
+    def outcome(self) -> Outcome:
+        itl_ratios = sorted(h / z for z, h in zip(self.itl["zmq"], self.itl["http"]))
+        thr_ratios = sorted(h / z for z, h in zip(self.tok_s["zmq"], self.tok_s["http"]))
+        med = itl_ratios[len(itl_ratios) // 2]
+        rows = [
+            ["single stream ITL p50, ms (median of pairs)", _median(self.itl["zmq"]), _median(self.itl["http"]),
+             f"{med:.3f}", "at most 1.05"],
+            [f"{self.streams} streams, tok/s (median of rounds)", _median(self.tok_s["zmq"]),
+             _median(self.tok_s["http"]), ratio(_median(self.tok_s["http"]), _median(self.tok_s["zmq"])), "at least 0.9"],
+        ]
+        data = {"itl_ms": self.itl, "tok_s": self.tok_s, "itl_ratio_median": med, "throughput_ratios": thr_ratios}
+        title = f"HTTP gateway vs ZMQ client (prompt {self.prompt_len}, {self.gen_len} new tokens, greedy)"
+        return Outcome(data, [table(title, ["measure", "zmq", "http", "http/zmq", "target"], rows)])
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else float("nan")
