@@ -47,6 +47,7 @@ import copy
 import functools
 import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Union
 
@@ -694,6 +695,18 @@ def reference_greedy(
     return greedy_tokens(model, prompt_ids, max_tokens)
 
 
+def with_chat_template(src: Union[str, Path], dst: Union[str, Path], template: str) -> Path:
+    """Copy the model folder ``src`` to ``dst`` with ``template`` as its chat template."""
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    (dst / "chat_template.jinja").unlink(missing_ok=True)
+    cfg_path = dst / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = template
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
 __all__ = [
     "ARCHS",
     "EOS_TOKEN",
@@ -705,4 +718,5 @@ __all__ = [
     "greedy_tokens",
     "load_cached",
     "tokenizer_eos_id",
+    "with_chat_template",
 ]

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.client import Client, GenerationResult, ServiceUnavailable
 from runtime.gateway import convert
+from runtime.gateway.chat import ChatReplies, open_think_end
 from runtime.gateway.errors import ApiError, failure
 from runtime.gateway.fanout import Fanout
 from runtime.gateway.metrics import Metrics
@@ -30,6 +31,7 @@ from runtime.gateway.openai_types import ChatCompletionRequest, CompletionReques
 from runtime.gateway.settings import GatewaySettings
 from runtime.gateway.streaming import ChoiceBody, FanoutResponse, LogprobsFormat, stream_events
 from runtime.gateway.tokens import TokenText
+from runtime.gateway.tool_calls import Markup, load_markup
 
 STATUS_TIMEOUT_S = 3.0
 
@@ -45,6 +47,13 @@ class Gateway:
     client: Client | None = None
     limits: convert.Limits | None = None
     created: int = 0
+    _markup: Markup | None = None
+
+    def markup(self) -> Markup:
+        """The model's reply markup (thinking and tool-call markers), from its tokenizer on first use."""
+        if self._markup is None:
+            self._markup = load_markup(self.tokens.tokenizer)
+        return self._markup
 
     def check(self, model: str | None) -> None:
         if model and model != self.model:
@@ -153,22 +162,28 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         requests = convert.chat_requests(body, gw.limits)
         envelope = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                     "created": int(time.time()), "model": gw.model}
+        markup = gw.markup()
+        think_end = open_think_end(markup, gw.tokens.tokenizer, body.messages, body.tools, body.chat_template_kwargs)
+        parsed_tools = None if body.tool_choice == "none" else body.tools  # "none": the reply is all text
+        replies = ChatReplies(markup, len(requests), parsed_tools, think_end)
 
         def logprobs(entries, offset: int = 0):
             return convert.chat_logprobs(entries, gw.tokens)
 
-        def choice(index: int, text: str, lp: dict | None, finish: str | None) -> dict:
-            delta = {"content": text} if text or finish is None else {}
-            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        def choice(index: int, text: str, lp: dict | None, finish: str | None) -> dict | None:
+            delta = replies.delta(index, text, finish)
+            if delta is None and lp is None:
+                return None
+            reason = None if finish is None else replies.finish_reason(index, finish)
+            return {"index": index, "delta": delta or {}, "logprobs": lp, "finish_reason": reason}
 
         def whole(results: list[GenerationResult]) -> dict:
-            return envelope | {
-                "object": "chat.completion",
-                "choices": [{"index": i, "message": {"role": "assistant", "content": r.text},
-                             "logprobs": logprobs(r.logprobs), "finish_reason": convert.finish_reason(r)}
-                            for i, r in enumerate(results)],
-                "usage": convert.usage(results, 1),
-            }
+            choices = []
+            for i, r in enumerate(results):
+                message, reason = replies.message(i, r, convert.finish_reason(r))
+                choices.append({"index": i, "message": message, "logprobs": logprobs(r.logprobs),
+                                "finish_reason": reason})
+            return envelope | {"object": "chat.completion", "choices": choices, "usage": convert.usage(results, 1)}
 
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for i in range(len(requests))]

@@ -20,8 +20,8 @@ from runtime.gateway.fanout import ChoiceEvent, Fanout
 LogprobsFormat = Callable[[list[TokenLogprob] | None, int], dict | None]
 """(entries, text offset) -> the endpoint's logprobs object."""
 
-ChoiceBody = Callable[[int, str, "dict | None", "str | None"], dict]
-"""(index, text, logprobs, finish_reason) -> one choice of a chunk."""
+ChoiceBody = Callable[[int, str, "dict | None", "str | None"], "dict | None"]
+"""(index, text, logprobs, finish_reason) -> one choice of a chunk, or None for nothing to send yet."""
 
 
 def sse(obj: dict | str) -> str:
@@ -80,8 +80,9 @@ async def stream_events(
             logprobs = logprobs_format(chunk.logprobs, len(state.text)) if chunk.logprobs is not None else None
             state.logprobs += len(chunk.logprobs or ())
             state.text += chunk.text
-            if chunk.text or logprobs:
-                yield sse(envelope | {"choices": [choice_body(event.index, chunk.text, logprobs, None)]} | extra)
+            body = choice_body(event.index, chunk.text, logprobs, None) if chunk.text or logprobs else None
+            if body is not None:
+                yield sse(envelope | {"choices": [body]} | extra)
         else:
             result = event.result
             assert result is not None
