@@ -422,6 +422,28 @@ def _cfg_gemma3_text() -> dict:
     }
 
 
+def _cfg_gemma2() -> dict:
+    # mlx-lm's gemma2 has no sliding-window cache (plain KVCache per layer) and computes
+    # attention by hand, with queries grouped 5-D as (B, n_kv_heads, n_rep, L, head_dim).
+    return {
+        "model_type": "gemma2",
+        "architectures": ["Gemma2ForCausalLM"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 2,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POS,
+        "rope_theta": 10000.0,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "query_pre_attn_scalar": HEAD_DIM,
+    }
+
+
 _CONFIGS: Dict[str, Callable[[], dict]] = {
     "llama": _cfg_llama,
     "qwen3": _cfg_qwen3,
@@ -430,6 +452,7 @@ _CONFIGS: Dict[str, Callable[[], dict]] = {
     "mamba2": _cfg_mamba2,
     "nemotron_h": _cfg_nemotron_h,
     "gemma3_text": _cfg_gemma3_text,
+    "gemma2": _cfg_gemma2,
 }
 
 ARCHS: tuple = tuple(_CONFIGS)

@@ -23,7 +23,7 @@ from runtime.worker.deferred_steps import DeferredSteps
 from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.paged_attention import PagedAttention, launch_shape
-from runtime.worker.pool_cache import ForwardBatch
+from runtime.worker.pool_cache import ForwardBatch, decode_mask
 from runtime.worker.row_cache import MAX_BYTES, RowCache, RowSpan
 
 TAIL_STEPS = 16  # decode steps a DecodeTail holds before it is flushed into the pool
@@ -49,6 +49,7 @@ class AttentionPaths:
         hybrid: bool,
     ) -> None:
         self.pool = pool
+        self.mask_rank = layout.mask_rank
         self.max_rows, self.max_context = max_rows, max_context
         self.slot_table = np.zeros((max_rows, max_context), dtype=np.int32)
         routed = layout.kv_shape is not None and attention_patch.install(model, layout.attn_attr)
@@ -117,7 +118,7 @@ class AttentionPaths:
         rows, positions, lockstep = plan.rows, plan.positions, plan.lockstep
         positions32 = positions.astype(np.int32)
         offsets: int | mx.array = int(positions[0]) if lockstep else mx.array(positions32)
-        mask = mx.array(plan.valid())[:, None, None, :] if self.masked and not lockstep else None
+        mask = decode_mask(mx.array(plan.valid()), self.mask_rank) if self.masked and not lockstep else None
         if self.row_cache is not None:
             self.defer_dense(decode, plan)
             span = RowSpan(

@@ -23,7 +23,7 @@ from runtime.worker.aux_pool import AuxPool
 from runtime.worker.decode_plan import bucket_lengths, round_length
 from runtime.worker.discovery import AttentionShape, CacheLayout
 from runtime.worker.parallel_attention import RowSplit
-from runtime.worker.pool_cache import CacheStandIn
+from runtime.worker.pool_cache import CacheStandIn, decode_mask
 from runtime.worker.row_cache import RowCache
 from runtime.worker.trace_cache import MAX_TRACES, TraceCache
 
@@ -71,15 +71,15 @@ class _StepArrays:
     """What every layer of one traced step shares: rows, positions, attended length, mask."""
 
     def __init__(self, rows: mx.array, positions: mx.array, heads: mx.array, compact: bool, length: int,
-                 fold: bool, split: RowSplit | None) -> None:
+                 fold: bool, split: RowSplit | None, mask_rank: int = 4) -> None:
         self.rows, self.positions, self.heads = rows, positions, heads
         self.compact, self.length, self.fold = compact, length, fold
         self.split = split
         self.parts = split.parts(rows.shape[0]) if split is not None else 1
         self.row_index, self.position_index = rows[:, None], positions[:, None]  # scatter (row, head, position)
         index = mx.arange(length)[None, :]
-        # (B, 1, 1, length) bool: each row sees the positions up to its own.
-        self.mask = (index <= positions[:, None])[:, None, None, :]
+        # (B, 1, 1, length) bool (rank 5 for 5-D grouped queries): each row sees the positions up to its own.
+        self.mask = decode_mask(index <= positions[:, None], mask_rank)
 
 
 def mlx_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
@@ -146,6 +146,7 @@ class CompiledDecode:
         assert (aux_pool is not None) == layout.has_aux, "a hybrid model's decode needs its aux-state pool"
         self.model = model
         self.kv_index = list(layout.kv_index)
+        self.mask_rank = layout.mask_rank
         self.row_cache = row_cache
         self.aux_pool = aux_pool
         self.length_bucket = length_bucket
@@ -177,7 +178,8 @@ class CompiledDecode:
     def _forward(self, tokens: mx.array, rows: mx.array, positions: mx.array, keys: list[mx.array],
                  values: list[mx.array], compact: bool, length: int, aux_slots: mx.array | None = None,
                  aux_states: list[list[mx.array]] | None = None):
-        step = _StepArrays(rows, positions, self.row_cache.heads, compact, length, self.fold_heads, self.split)
+        step = _StepArrays(rows, positions, self.row_cache.heads, compact, length, self.fold_heads, self.split,
+                           self.mask_rank)
         views = [_RowView(k, v, step) for k, v in zip(keys, values)]
         # A hybrid model's per-row states come from the traced aux-pool arrays and go back there.
         aux_pool = AuxPool(aux_states) if aux_states is not None else None

@@ -39,6 +39,7 @@ class CacheLayout:
     attn_attr: tuple[str | None, ...]
     kv_shape: AttentionShape | None
     kv_dtype: mx.Dtype
+    mask_rank: int = 4  # rank of the attention scores a decode mask is added to (``query_mask_rank``)
 
     @property
     def has_aux(self) -> bool:
@@ -103,6 +104,42 @@ def kv_dtype(module: nn.Module, fallback: mx.Dtype) -> mx.Dtype:
     return fallback
 
 
+def _attend(module: nn.Module, x: mx.array, mask: mx.array | None) -> mx.array | None:
+    """``module``'s output on ``x`` with ``mask`` and no cache, or None where it fails."""
+    try:
+        out = module(x, mask=mask, cache=None)
+        mx.eval(out)
+    except Exception:  # a module that cannot run alone, or a mask that does not broadcast
+        return None
+    return out
+
+
+def query_mask_rank(module: nn.Module, shape: AttentionShape, dtype: mx.Dtype) -> int | None:
+    """The rank a per-row decode mask must have to broadcast against ``module``'s scores:
+    4 for (B, heads, L, T), 5 for queries grouped by hand as (B, kv_heads, n_rep, L, T)
+    (gemma2). None when the module cannot be run alone on a plain input (left as 4).
+
+    Probed once at load with an all-true mask over a batch larger than every head count, so
+    a mask of the wrong rank cannot broadcast silently (batch against a head axis): it fails
+    or changes the output.
+    """
+    batch = shape.n_heads + 1
+    width = _out_features(module.o_proj)
+    x = mx.random.normal((batch, 2, width), key=mx.random.key(0)).astype(dtype)  # fixed key: RNG untouched
+    reference = _attend(module, x, None)
+    if reference is None:
+        return None
+    for rank in (4, 5):
+        out = _attend(module, x, mx.ones((batch,) + (1,) * (rank - 2) + (2,), dtype=mx.bool_))
+        # An all-true mask changes nothing but rounding (masked kernels may differ from unmasked
+        # ones in bf16); a mask of the wrong rank fails, or changes the shape or the values.
+        if out is not None and out.shape == reference.shape and mx.allclose(out, reference, rtol=1e-2, atol=1e-2).item():
+            return rank
+    raise UnsupportedModel(
+        f"{type(module).__name__} attention accepts no per-row decode mask of rank 4 or 5; "
+        "batched decode would be wrong, so this model is not served")
+
+
 def find_attention(layer: nn.Module) -> str | None:
     """The attribute name of a layer's softmax attention, or None."""
     for name in ATTENTION_ATTRS:
@@ -131,6 +168,7 @@ def discover(model: nn.Module) -> CacheLayout:
     attention, aux, kv_index = [], [], []
     shape: AttentionShape | None = None
     dtype = mx.float32
+    ranks: dict[type, int | None] = {}  # per attention class: one decode mask serves every layer
     for i, kind in enumerate(kinds):
         if kind in KV_CACHE_KINDS:
             if per_layer:
@@ -146,6 +184,8 @@ def discover(model: nn.Module) -> CacheLayout:
                 raise UnsupportedModel(f"attention layers have different K/V shapes ({shape} vs {this})")
             shape = this
             dtype = kv_dtype(module, dtype)
+            if type(module) not in ranks:
+                ranks[type(module)] = query_mask_rank(module, this, dtype)
             kv_index.append(len(attention))
             attention.append(i)
         elif kind in AUX_CACHE_KINDS:
@@ -155,6 +195,9 @@ def discover(model: nn.Module) -> CacheLayout:
             raise UnsupportedModel(
                 f"cache entry {i} is a {kind} (sliding-window, chunked or quantized cache), which this runtime does not serve"
             )
+    known = {r for r in ranks.values() if r is not None}
+    if len(known) > 1:
+        raise UnsupportedModel(f"attention layers group their queries differently (score ranks {sorted(known)})")
     return CacheLayout(
         num_layers=len(kinds),
         attention_layers=tuple(attention),
@@ -163,4 +206,5 @@ def discover(model: nn.Module) -> CacheLayout:
         attn_attr=tuple(attn_attr),
         kv_shape=shape,
         kv_dtype=dtype,
+        mask_rank=known.pop() if known else 4,
     )

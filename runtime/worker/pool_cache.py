@@ -13,6 +13,13 @@ from runtime.worker.paged_attention import PagedAttention
 from runtime.worker.row_cache import RowSpan
 
 
+def decode_mask(valid: mx.array, rank: int) -> mx.array:
+    """A (B, T) bool of the positions each row attends to, shaped to broadcast against the
+    model's attention scores: (B, 1, 1, T) for rank 4, (B, 1, 1, 1, T) for queries grouped
+    in 5-D (``CacheLayout.mask_rank``). The batch axis stays axis 0."""
+    return valid.reshape((valid.shape[0],) + (1,) * (rank - 2) + (valid.shape[-1],))
+
+
 @dataclass
 class ForwardBatch:
     """What one forward pass needs to address the pool.
@@ -22,7 +29,8 @@ class ForwardBatch:
     ``gather_index``: (B, T) slots of every position each row attends to, or None when
     the new tokens are the whole sequence (a prefill from position 0, single row).
     ``offset``: the position of the first new token (int for a prefill, (B,) array for decode).
-    ``mask``: the decode mask ((B, 1, 1, T) bool), or None for a prefill (causal) and for
+    ``mask``: the decode mask (``decode_mask``: (B, 1, 1, T) bool, one more singleton axis for a
+    model whose attention groups queries in 5-D), or None for a prefill (causal) and for
     a paged decode whose kernel takes ``lengths`` instead.
     ``rows``: where the new K/V also go in the row cache (and, for decode, what to attend to).
     ``lengths``/``attention``: set for a paged decode (the model's attention call is routed
