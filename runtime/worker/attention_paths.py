@@ -53,7 +53,9 @@ class AttentionPaths:
         self.max_rows, self.max_context = max_rows, max_context
         self.slot_table = np.zeros((max_rows, max_context), dtype=np.int32)
         routed = layout.kv_shape is not None and attention_patch.install(model, layout.attn_attr)
-        self.attention = PagedAttention(PagedAttention.kernel_available()) if routed else None
+        # The paged kernel attends to every valid position: not to a sliding window.
+        self.windowed = layout.windowed
+        self.attention = PagedAttention(PagedAttention.kernel_available()) if routed and not self.windowed else None
         kernel = self.attention is not None and self.attention.supports(pool.shape.head_dim)
         self.row_cache: RowCache | None = None
         if (not kernel if row_cache is None else row_cache) and layout.kv_shape is not None:
@@ -118,7 +120,9 @@ class AttentionPaths:
         rows, positions, lockstep = plan.rows, plan.positions, plan.lockstep
         positions32 = positions.astype(np.int32)
         offsets: int | mx.array = int(positions[0]) if lockstep else mx.array(positions32)
-        mask = decode_mask(mx.array(plan.valid()), self.mask_rank) if self.masked and not lockstep else None
+        # A lockstep batch attends to exactly its positions, unless a sliding window hides some.
+        masked = self.masked and (not lockstep or self.windowed)
+        mask = decode_mask(mx.array(plan.valid()), self.mask_rank) if masked else None
         if self.row_cache is not None:
             self.defer_dense(decode, plan)
             span = RowSpan(

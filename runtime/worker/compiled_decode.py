@@ -23,16 +23,17 @@ from runtime.worker.aux_pool import AuxPool
 from runtime.worker.decode_plan import bucket_lengths, round_length
 from runtime.worker.discovery import AttentionShape, CacheLayout
 from runtime.worker.parallel_attention import RowSplit
-from runtime.worker.pool_cache import CacheStandIn, decode_mask
+from runtime.worker.pool_cache import CacheStandIn, decode_mask, narrower, window_decode_mask
 from runtime.worker.row_cache import RowCache
 from runtime.worker.trace_cache import MAX_TRACES, TraceCache
 
 
 class _RowView(CacheStandIn):
-    """Stands in for mlx-lm's KVCache in one attention layer inside the traced forward."""
+    """Stands in for mlx-lm's KVCache (RotatingKVCache with a ``window``) in one attention
+    layer inside the traced forward."""
 
-    def __init__(self, keys: mx.array, values: mx.array, step: _StepArrays) -> None:
-        self.keys, self.values, self.step = keys, values, step
+    def __init__(self, keys: mx.array, values: mx.array, step: _StepArrays, window: int | None = None) -> None:
+        self.keys, self.values, self.step, self.window = keys, values, step, window
 
     @property
     def offset(self) -> mx.array:
@@ -63,8 +64,8 @@ class _RowView(CacheStandIn):
         return attend(queries, keys, values, scale, mask)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        assert window_size is None, "sliding-window models are refused at discovery"
-        return self.step.mask
+        window = narrower(window_size, self.window)
+        return self.step.mask if window is None else self.step.window_mask(window)
 
 
 class _StepArrays:
@@ -80,6 +81,13 @@ class _StepArrays:
         index = mx.arange(length)[None, :]
         # (B, 1, 1, length) bool (rank 5 for 5-D grouped queries): each row sees the positions up to its own.
         self.mask = decode_mask(index <= positions[:, None], mask_rank)
+        self.window_masks: dict[int, mx.array] = {}
+
+    def window_mask(self, window: int) -> mx.array:
+        """The mask of a layer with a sliding window (built once per window and trace)."""
+        if window not in self.window_masks:
+            self.window_masks[window] = window_decode_mask(self.mask, self.positions, window)
+        return self.window_masks[window]
 
 
 def mlx_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
@@ -146,6 +154,7 @@ class CompiledDecode:
         assert (aux_pool is not None) == layout.has_aux, "a hybrid model's decode needs its aux-state pool"
         self.model = model
         self.kv_index = list(layout.kv_index)
+        self.windows = [layout.window(entry) for entry, i in enumerate(layout.kv_index) if i >= 0]
         self.mask_rank = layout.mask_rank
         self.row_cache = row_cache
         self.aux_pool = aux_pool
@@ -180,7 +189,7 @@ class CompiledDecode:
                  aux_states: list[list[mx.array]] | None = None):
         step = _StepArrays(rows, positions, self.row_cache.heads, compact, length, self.fold_heads, self.split,
                            self.mask_rank)
-        views = [_RowView(k, v, step) for k, v in zip(keys, values)]
+        views = [_RowView(k, v, step, w) for k, v, w in zip(keys, values, self.windows)]
         # A hybrid model's per-row states come from the traced aux-pool arrays and go back there.
         aux_pool = AuxPool(aux_states) if aux_states is not None else None
         aux = aux_pool.caches(aux_slots) if aux_pool is not None else []

@@ -29,7 +29,10 @@ class CacheLayout:
 
     ``num_layers`` counts cache entries (one per layer for most models);
     ``kv_index[entry]`` is the entry's index into the KV pool, or -1;
-    ``attn_attr[layer]`` is the attribute holding a layer's attention, or None.
+    ``attn_attr[layer]`` is the attribute holding a layer's attention, or None;
+    ``windows[entry]`` is how many of the latest positions a sliding-window layer attends to
+    (mlx-lm's ``RotatingKVCache(max_size=window)``), or None for a full layer. The pool keeps
+    every position of every layer; a windowed layer's masks hide the older ones.
     """
 
     num_layers: int
@@ -40,10 +43,20 @@ class CacheLayout:
     kv_shape: AttentionShape | None
     kv_dtype: mx.Dtype
     mask_rank: int = 4  # rank of the attention scores a decode mask is added to (``query_mask_rank``)
+    windows: tuple[int | None, ...] = ()
 
     @property
     def has_aux(self) -> bool:
         return bool(self.aux_layers)
+
+    @property
+    def windowed(self) -> bool:
+        """Some layer attends to a sliding window only."""
+        return any(w is not None for w in self.windows)
+
+    def window(self, entry: int) -> int | None:
+        """The sliding window of cache entry ``entry``, or None."""
+        return self.windows[entry] if self.windows else None
 
 
 def model_layers(model: nn.Module) -> list[nn.Module]:
@@ -150,7 +163,21 @@ def find_attention(layer: nn.Module) -> str | None:
 
 
 AUX_CACHE_KINDS = ("ArraysCache", "MambaCache")
-KV_CACHE_KINDS = ("KVCache",)
+KV_CACHE_KINDS = ("KVCache", "RotatingKVCache")
+
+
+def cache_window(cache: object) -> int | None:
+    """The window of a sliding-window cache entry (None for a full one); refuses what
+    windowing alone cannot reproduce."""
+    if type(cache).__name__ != "RotatingKVCache":
+        return None
+    keep, window = getattr(cache, "keep", 0), getattr(cache, "max_size", None)
+    if keep:
+        # Decode would keep the first ``keep`` positions too, while mlx-lm's prefill mask does not.
+        raise UnsupportedModel(f"RotatingKVCache with keep={keep} (attention-sink positions) is not served")
+    if not isinstance(window, int) or window < 1:
+        raise UnsupportedModel(f"RotatingKVCache with max_size={window!r} is not served")
+    return window
 
 
 def discover(model: nn.Module) -> CacheLayout:
@@ -163,6 +190,10 @@ def discover(model: nn.Module) -> CacheLayout:
     attn_attr = [find_attention(layer) for layer in layers]
     caches = model.make_cache() if hasattr(model, "make_cache") else None
     kinds = [type(c).__name__ for c in caches] if caches is not None else ["KVCache"] * len(layers)
+    windows = tuple(cache_window(c) for c in caches) if caches is not None else (None,) * len(layers)
+    if len({w for w in windows if w is not None}) > 1:
+        # mlx-lm models build one sliding-window mask for all their local layers.
+        raise UnsupportedModel(f"sliding-window layers have different windows ({sorted({w for w in windows if w})})")
     per_layer = len(kinds) == len(layers)
     attention_modules = [getattr(layer, name) for layer, name in zip(layers, attn_attr) if name is not None]
     attention, aux, kv_index = [], [], []
@@ -193,7 +224,7 @@ def discover(model: nn.Module) -> CacheLayout:
             aux.append(i)
         else:
             raise UnsupportedModel(
-                f"cache entry {i} is a {kind} (sliding-window, chunked or quantized cache), which this runtime does not serve"
+                f"cache entry {i} is a {kind} (chunked or quantized cache), which this runtime does not serve"
             )
     known = {r for r in ranks.values() if r is not None}
     if len(known) > 1:
@@ -207,4 +238,5 @@ def discover(model: nn.Module) -> CacheLayout:
         kv_shape=shape,
         kv_dtype=dtype,
         mask_rank=known.pop() if known else 4,
+        windows=windows,
     )

@@ -96,8 +96,9 @@ class Engine:
         """One cache object per entry: pool views for attention, ArraysCache for auxiliary state."""
         caches: list = []
         aux_iter = iter(aux or [])
-        for kv_i in self.layout.kv_index:
-            caches.append(PoolLayerCache(self.pool, kv_i, batch) if kv_i >= 0 else next(aux_iter))
+        for entry, kv_i in enumerate(self.layout.kv_index):
+            caches.append(PoolLayerCache(self.pool, kv_i, batch, self.layout.window(entry)) if kv_i >= 0
+                          else next(aux_iter))
         return caches
 
     def _prefill(self, chunk: PrefillChunk) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -18,6 +18,19 @@ def decode_mask(valid: mx.array, rank: int) -> mx.array:
     model's attention scores: (B, 1, 1, T) for rank 4, (B, 1, 1, 1, T) for queries grouped
     in 5-D (``CacheLayout.mask_rank``). The batch axis stays axis 0."""
     return valid.reshape((valid.shape[0],) + (1,) * (rank - 2) + (valid.shape[-1],))
+
+
+def window_decode_mask(mask: mx.array, positions: int | mx.array, window: int) -> mx.array:
+    """``mask`` (a ``decode_mask``) also hiding the positions a sliding-window layer no longer
+    sees: a row at position p attends to p - window + 1 .. p, as mlx-lm's RotatingKVCache keeps."""
+    if not isinstance(positions, int):
+        positions = positions.reshape((positions.shape[0],) + (1,) * (mask.ndim - 1))
+    return mask & (mx.arange(mask.shape[-1]) > positions - window)
+
+
+def narrower(a: int | None, b: int | None) -> int | None:
+    """The smaller of two windows, None meaning no window."""
+    return b if a is None else a if b is None else min(a, b)
 
 
 @dataclass
@@ -52,6 +65,14 @@ class ForwardBatch:
     tail: DecodeTail | None = None
     rows: RowSpan | None = None
     launch: tuple[int, int] | None = None
+    window_masks: dict[int, mx.array] = field(default_factory=dict)
+
+    def window_mask(self, window: int) -> mx.array:
+        """The decode mask of a layer with a sliding window (built once per window and forward)."""
+        assert self.mask is not None, "a sliding-window decode is always masked"
+        if window not in self.window_masks:
+            self.window_masks[window] = window_decode_mask(self.mask, self.offset, window)
+        return self.window_masks[window]
 
 
 class CacheStandIn:
@@ -69,12 +90,14 @@ class CacheStandIn:
 
 
 class PoolLayerCache(CacheStandIn):
-    """Stands in for mlx-lm's KVCache in one attention layer during one forward pass."""
+    """Stands in for mlx-lm's KVCache (or, with a ``window``, its RotatingKVCache) in one
+    attention layer during one forward pass."""
 
-    def __init__(self, pool: KVPool, kv_layer: int, batch: ForwardBatch) -> None:
+    def __init__(self, pool: KVPool, kv_layer: int, batch: ForwardBatch, window: int | None = None) -> None:
         self.pool = pool
         self.kv_layer = kv_layer
         self.batch = batch
+        self.window = window
         self.new: tuple[mx.array, mx.array] | None = None  # this step's K/V
 
     @property
@@ -129,11 +152,17 @@ class PoolLayerCache(CacheStandIn):
         return out
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        # A RotatingKVCache windows its mask by its own size when the model names no window.
+        window = narrower(window_size, self.window)
         if self.batch.mask is not None:
-            return self.batch.mask
+            return self.batch.mask if window is None else self.batch.window_mask(window)
+        offset = self.batch.offset
+        if window is not None and (n > 1 or offset >= window):
+            assert isinstance(offset, int), "a sliding-window decode is always masked"
+            return create_causal_mask(n, offset, window_size=window)
         if n == 1:
             return None
-        if return_array or window_size is not None:
-            assert isinstance(self.batch.offset, int)
-            return create_causal_mask(n, self.batch.offset, window_size=window_size)
+        if return_array:
+            assert isinstance(offset, int)
+            return create_causal_mask(n, offset)
         return "causal"
