@@ -15,7 +15,7 @@ import pytest
 from harness import InProcessService
 from model_factory import ARCHS, HEADS, KV_HEADS, load_cached, reference_greedy
 
-from runtime.worker.discovery import discover
+from runtime.worker.discovery import UnsupportedModel, discover
 
 BATCH_SIZES = sorted({1, 2, KV_HEADS, HEADS, 5})
 
@@ -69,14 +69,7 @@ def test_batched_decode_after_prefix_hits_is_exact(compiled, model_dir):
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
 
 
-def _service_or_refusal(folder, **kwargs) -> InProcessService | None:
-    """The in-process service, or None where the runtime refuses the model at load."""
-    from runtime.worker.discovery import UnsupportedModel
-
-    try:
-        return InProcessService(folder, **kwargs)
-    except UnsupportedModel:
-        return None
+REFUSED = {"nemotron_h": "attention"}  # architectures refused at load, and what the message names
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
@@ -85,9 +78,11 @@ def test_every_family_batched_decode_at_head_count_batch_sizes(arch, compiled, m
     """Batch sizes 2, the KV-head count, the head count and 5, all decoding together, for
     every architecture the runtime serves (a refusal at load is allowed, a wrong token is not)."""
     folder = model_dir(arch)
-    svc = _service_or_refusal(folder, max_running=8, compile_decode=compiled, aux_slots=64)
-    if svc is None:
-        pytest.skip(f"{arch} is refused at load")
+    if arch in REFUSED:  # served nowhere: the refusal itself must be clear
+        with pytest.raises(UnsupportedModel, match=REFUSED[arch]):
+            InProcessService(folder, max_running=8, compile_decode=compiled, aux_slots=64)
+        return
+    svc = InProcessService(folder, max_running=8, compile_decode=compiled, aux_slots=64)
     for batch in sorted({2, KV_HEADS, HEADS, 5}):
         reqs = [svc.request(f"{batch}-{i}", p, 8) for i, p in enumerate(_prompts(10 + batch, batch))]
         svc.run({0: reqs})
