@@ -172,7 +172,6 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from runtime.client import RequestFailed, ServiceUnavailable, SyncClient
-
     from runtime.protocol.security import SecurityError
 
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)

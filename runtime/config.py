@@ -284,7 +284,10 @@ def _validate(config: Config) -> None:
     if config.server.curve_client_keys and not config.server.curve_secret_key:
         raise ConfigError("config key 'server.curve_client_keys' needs 'server.curve_secret_key' (`runtime keygen`)")
     if config.server.curve_secret_key:
-        from runtime.protocol.security import SecurityError, check_key  # zmq only when CURVE is on
+        from runtime.protocol.security import (  # zmq only when CURVE is on
+            SecurityError,
+            check_key,
+        )
 
         named = [("server.curve_secret_key", config.server.curve_secret_key)]
         named += [(f"server.curve_client_keys[{i}]", k) for i, k in enumerate(config.server.curve_client_keys)]

@@ -171,7 +171,6 @@ class Fuzzer:
         return good() if x < 0.6 else self.rng.choice(weird) if weird and x < 0.85 else self.value()
 
     def rid(self):
-        r = self.rng
         self._n += 1
         return self.pick(lambda: f"z{self._n}", "", "x" * 256, "x" * 257, "é" * 256, self.text(300))
 

@@ -8,7 +8,6 @@ import pytest
 from model_factory import load_cached
 
 from runtime.worker.discovery import (
-    UnsupportedModel,
     attention_shape,
     discover,
     find_attention,

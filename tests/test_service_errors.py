@@ -16,6 +16,7 @@ from model_factory import reference_greedy
 from runtime.client import Client
 from runtime.protocol import client as cp
 
+
 async def wait_worker_up(client: Client, timeout: float = 60.0):
     """Poll status until a worker serves again; the status then."""
     deadline = asyncio.get_running_loop().time() + timeout

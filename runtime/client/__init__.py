@@ -3,11 +3,11 @@
 from runtime.client.client import (
     Client,
     GenerationChunk,
-    TokenLogprob,
     GenerationResult,
     RequestFailed,
     ServiceUnavailable,
-    SyncClient,
+    TokenLogprob,
 )
+from runtime.client.sync_client import SyncClient
 
 __all__ = ["Client", "SyncClient", "GenerationResult", "GenerationChunk", "TokenLogprob", "RequestFailed", "ServiceUnavailable"]

@@ -29,7 +29,12 @@ from runtime.gateway.fanout import Fanout
 from runtime.gateway.metrics import Metrics
 from runtime.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from runtime.gateway.settings import GatewaySettings
-from runtime.gateway.streaming import ChoiceBody, FanoutResponse, LogprobsFormat, stream_events
+from runtime.gateway.streaming import (
+    ChoiceBody,
+    FanoutResponse,
+    LogprobsFormat,
+    stream_events,
+)
 from runtime.gateway.tokens import TokenText
 from runtime.gateway.tool_calls import Markup, load_markup
 

@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 from runtime.client import GenerationResult, TokenLogprob
 from runtime.gateway.errors import ApiError
-from runtime.gateway.openai_types import MAX_N, ChatCompletionRequest, CompletionRequest, SamplingFields
+from runtime.gateway.openai_types import (
+    MAX_N,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 from runtime.gateway.tokens import TokenText
 
 _PASSED_AS_IS = ("top_p", "presence_penalty", "frequency_penalty", "stop", "top_k", "min_p",

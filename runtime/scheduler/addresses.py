@@ -15,8 +15,12 @@ import socket
 import stat
 import tempfile
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
+
+if TYPE_CHECKING:
+    from runtime.config import ServerConfig
 
 PROBE_TIMEOUT_S = 0.5
 
@@ -121,3 +125,34 @@ def bind_client(sock: zmq.Socket, addresses: Addresses) -> None:
     if path is not None:
         st = os.stat(path)
         addresses.bound_ipc = (st.st_dev, st.st_ino)
+
+
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 10000
+
+
+def open_client_socket(ctx: zmq.Context, addresses: Addresses, server: ServerConfig) -> tuple[zmq.Socket, object | None]:
+    """The clients' ROUTER socket, secured and bound, and its CURVE authenticator (or None).
+
+    Full or departed peers raise on send instead of dropping (ROUTER_MANDATORY); a message over
+    ``server.max_message_mb`` closes its connection; ZMTP heartbeats drop vanished TCP hosts.
+    """
+    from runtime.protocol.security import check_bind_allowed, secure_server
+
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.MAXMSGSIZE, int(server.max_message_mb * 2**20))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    auth = None
+    try:
+        check_bind_allowed(addresses.client, server)
+        auth = secure_server(ctx, sock, server)
+        bind_client(sock, addresses)
+    except BaseException:
+        if auth is not None:
+            auth.stop()
+        sock.close(0)
+        raise
+    return sock, auth

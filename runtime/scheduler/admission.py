@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime.config import Config
+    from runtime.protocol.worker import Ready
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures in (0, MIN_TEMPERATURE) are greedy: 1/t would overflow the logits' dtype."""
@@ -24,6 +29,16 @@ class Limits:
     cache_enabled: bool = True
     aux_slots: int = 0
     track_chunk: int = 64
+
+    @classmethod
+    def for_worker(cls, ready: Ready, config: Config) -> Limits:
+        """What a worker reported it holds, with the config's batching knobs."""
+        s, c = config.scheduler, config.cache
+        return cls(
+            num_slots=ready.num_slots, max_rows=ready.max_rows, max_context=ready.max_context,
+            vocab_size=ready.vocab_size, max_step_tokens=s.max_step_tokens, prefill_chunk=s.prefill_chunk,
+            cache_enabled=c.enabled, aux_slots=ready.aux_slots, track_chunk=c.track_chunk,
+        )
 
 
 class RequestRejected(ValueError):

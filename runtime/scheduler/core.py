@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.protocol.worker import AUX_CONTINUE, DecodeBatch, PrefillChunk, RowSampling, Step
+from runtime.protocol.worker import AUX_CONTINUE, DecodeBatch, PrefillChunk, Step
 from runtime.scheduler.admission import Limits, validate_request
 from runtime.scheduler.aux_state import AuxTracker
 from runtime.scheduler.radix import InsertResult, RadixCache
-from runtime.scheduler.request import Request
+from runtime.scheduler.request import Request, row_sampling
 from runtime.scheduler.rows import RowAllocator
 from runtime.scheduler.slots import SlotAllocator
 from runtime.scheduler.waiting import WaitingQueue
@@ -113,16 +113,6 @@ class Scheduler:
         self._new_rows.append(req)
         return True
 
-    def _row_sampling(self, req: Request) -> RowSampling:
-        p = req.params
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
-        return RowSampling(
-            row=req.row, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty, logit_bias=list(p.logit_bias), seed=p.seed if p.seed is not None else 0,
-            stop_ids=sorted(stop_ids) if p.min_tokens else [], logprobs=p.logprobs, top_logprobs=p.top_logprobs,
-        )
-
     def _alloc(self, req: Request, n: int) -> list[int]:
         if self.slots.free_count < n and self.tree is not None:
             # Evict in batches: each eviction pass walks the tree's leaves, so doing it for
@@ -210,7 +200,7 @@ class Scheduler:
                 req.decodes_launched += 1
             aux_slots = [r.aux_slot for r in decode_reqs] if self.aux is not None else []
             decode = DecodeBatch(rows, tokens, positions, slot_ids, temps, aux_slots, ban_stop)
-        samplings = [self._row_sampling(r) for r in self._new_rows if r.row >= 0 and not r.finished]
+        samplings = [row_sampling(r, self.eos_ids) for r in self._new_rows if r.row >= 0 and not r.finished]
         self._new_rows = []
         step = Step(step_id=self._next_step_id, prefills=prefills, decode=decode, samplings=samplings)
         self._next_step_id += 1

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
+from runtime.protocol.client import MAX_RID_LEN
+
 
 @dataclass(frozen=True)
 class Incoming:
@@ -34,3 +38,19 @@ def split_frames(frames: list[bytes]) -> Incoming:
         f"expected one frame (a DEALER socket) or an empty delimiter and one frame (a REQ socket); "
         f"got {len(frames) - 1} frames"
     )
+
+
+class _RidOnly(msgspec.Struct):
+    rid: str = ""
+
+
+_rid_decoder = msgspec.msgpack.Decoder(_RidOnly)
+
+
+def guess_rid(payload: bytes) -> str:
+    """The rid of a message that failed to decode, when it has a short string one (else "")."""
+    try:
+        rid = _rid_decoder.decode(payload).rid
+    except Exception:
+        return ""
+    return rid if len(rid) <= MAX_RID_LEN else ""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -10,6 +12,8 @@ import msgspec
 from runtime.protocol import client as cp
 from runtime.scheduler.admission import RequestRejected
 from runtime.scheduler.chat import chat_prompt_ids
+from runtime.scheduler.params import check_sampling
+from runtime.scheduler.request import SamplingParams
 from runtime.scheduler.tokenizer import Tokenizer
 
 INLINE_TOKENIZE_BYTES = 4096
@@ -92,3 +96,27 @@ class Intake:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+
+
+def sampling_params(msg: cp.Generate, vocab_size: int) -> SamplingParams:
+    """The request's validated parameters; raises RequestRejected naming the bad one.
+
+    A request without a seed gets a random one: sampling is random per request, and each
+    row's draws still come from its own seed (batch-invariant).
+    """
+    choice = check_sampling(
+        temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty, presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty, logit_bias=msg.logit_bias, seed=msg.seed,
+        min_tokens=msg.min_tokens, stop=msg.stop, logprobs=msg.logprobs, top_logprobs=msg.top_logprobs,
+        vocab_size=vocab_size,
+    )
+    if any(not 0 <= t < vocab_size for t in msg.stop_token_ids):
+        raise RequestRejected(f"stop_token_ids must be token ids in 0..{vocab_size - 1}")
+    seed = choice.seed if choice.seed is not None else secrets.randbits(64)
+    return SamplingParams(
+        **{**dataclasses.asdict(choice), "seed": seed},
+        max_tokens=msg.max_tokens,
+        ignore_eos=msg.ignore_eos,
+        stop_token_ids=frozenset(msg.stop_token_ids),
+    )

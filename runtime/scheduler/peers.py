@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.protocol import client as cp
+
 OUTBOX_MAX_BYTES = 64 * 2**20
 """Unsent replies one client may hold in the scheduler before it counts as not reading."""
 
@@ -56,6 +58,23 @@ class PeerTable:
         self.slow_timeout_s = slow_timeout_s
         self.peers: dict[bytes, Peer] = {}
         self.backlogged: set[Peer] = set()
+        self._chunks: dict[Peer, list[cp.Chunk]] = {}  # this step's stream chunks, sent as one message per peer
+
+    def queue_chunk(self, peer: Peer, chunk: cp.Chunk) -> None:
+        self._chunks.setdefault(peer, []).append(chunk)
+
+    def flush_chunks(self, now: float, only: Peer | None = None) -> list[Peer]:
+        """Send queued chunks, one message per peer (or just ``only``'s); return the peers found gone."""
+        lost = []
+        for peer in [only] if only is not None else list(self._chunks):
+            chunks = self._chunks.pop(peer, None)
+            if chunks and not peer.gone:
+                msg = chunks[0] if len(chunks) == 1 else cp.ChunkBatch(chunks=chunks)
+                try:
+                    self.send(peer, [cp.client_encoder.encode(msg)], now)
+                except PeerGone:
+                    lost.append(peer)
+        return lost
 
     def get(self, identity: bytes) -> Peer:
         peer = self.peers.get(identity)

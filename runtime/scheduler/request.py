@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.protocol.worker import RowSampling
 from runtime.scheduler.params import SamplingChoice
 
 
@@ -83,3 +84,16 @@ class Request:
     @property
     def wants_decode(self) -> bool:
         return self.prefill_done and not self.finished and self.decodes_launched < self.max_new
+
+
+def row_sampling(req: Request, eos_ids: frozenset[int]) -> RowSampling:
+    """What the worker needs to choose ``req``'s tokens in its row (sent once, at admission)."""
+    p = req.params
+    stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+    return RowSampling(
+        row=req.row, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, logit_bias=list(p.logit_bias),
+        seed=p.seed if p.seed is not None else 0,
+        stop_ids=sorted(stop_ids) if p.min_tokens else [], logprobs=p.logprobs, top_logprobs=p.top_logprobs,
+    )

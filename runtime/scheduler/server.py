@@ -9,9 +9,7 @@ requests aborted. A dead or hung worker is replaced (``WorkerSupervisor``).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
-import secrets
 import time
 
 import msgspec
@@ -21,32 +19,27 @@ from runtime.config import Config
 from runtime.protocol import client as cp
 from runtime.protocol import worker as wp
 from runtime.protocol.loop_socket import LoopSocket
-from runtime.protocol.security import check_bind_allowed, secure_server
-from runtime.scheduler.addresses import Addresses, bind_client
+from runtime.scheduler.addresses import Addresses, open_client_socket
 from runtime.scheduler.admission import Limits, RequestRejected
 from runtime.scheduler.core import Scheduler, StepOutput
-from runtime.scheduler.frames import BadFrames, split_frames
-from runtime.scheduler.intake import Intake
-from runtime.scheduler.params import check_sampling
+from runtime.scheduler.frames import BadFrames, guess_rid, split_frames
+from runtime.scheduler.intake import Intake, sampling_params
 from runtime.scheduler.peers import Peer, PeerBusy, PeerGone, PeerTable, ReplyTo
-from runtime.scheduler.request import Request, SamplingParams
+from runtime.scheduler.replies import done_message, text_delta, wire_logprobs
+from runtime.scheduler.request import Request
+from runtime.scheduler.status import status_reply
 from runtime.scheduler.stop_strings import StopMatcher
-from runtime.scheduler.supervisor import WORKER_POLL_S, WorkerStartError, WorkerSupervisor
+from runtime.scheduler.supervisor import (
+    WORKER_POLL_S,
+    WorkerStartError,
+    WorkerSupervisor,
+)
 from runtime.scheduler.tokenizer import Detokenizer, Tokenizer
 
 __all__ = ["Server", "WorkerStartError"]
 
 MAINTENANCE_S = 0.05
 PROBE_EVERY = 5  # maintenance ticks between pings to clients with requests (0.25 s)
-HEARTBEAT_IVL_MS = 2000
-HEARTBEAT_TIMEOUT_MS = 10000
-
-
-class _RidOnly(msgspec.Struct):
-    rid: str = ""
-
-
-_rid_decoder = msgspec.msgpack.Decoder(_RidOnly)
 
 
 class Server:
@@ -56,15 +49,8 @@ class Server:
         self.config = config
         self.addresses = addresses
         self.ctx = zmq.Context()
-        sock = self._client_sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # full or departed peers raise instead of dropping
-        sock.setsockopt(zmq.MAXMSGSIZE, int(config.server.max_message_mb * 2**20))
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)  # vanished TCP hosts drop out
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        check_bind_allowed(addresses.client, config.server)
-        self._auth = secure_server(self.ctx, sock, config.server)
-        bind_client(sock, addresses)  # before the model loads: a busy address fails fast
+        # Bound before the model loads: a busy or refused address fails fast.
+        self._client_sock, self._auth = open_client_socket(self.ctx, addresses, config.server)
         self.clients: LoopSocket | None = None  # wraps the socket once the loop runs (start)
         self.supervisor = WorkerSupervisor(config, self.ctx, addresses.worker)
         self.tokenizer = Tokenizer(config.model.path)
@@ -76,7 +62,6 @@ class Server:
         self.last_step: wp.StepDone | None = None
         self.steps_done = 0
         self._ids = itertools.count()
-        self._pending_chunks: dict[Peer, list[cp.Chunk]] = {}
         self._tokenizing: set[Request] = set()
         self._lost: list[Peer] = []
         self._tasks: set[asyncio.Task] = set()
@@ -88,20 +73,9 @@ class Server:
 
     # ---- worker lifecycle ------------------------------------------------------------
     def _new_scheduler(self, ready: wp.Ready) -> Scheduler:
-        s, c = self.config.scheduler, self.config.cache
-        limits = Limits(
-            num_slots=ready.num_slots,
-            max_rows=ready.max_rows,
-            max_context=ready.max_context,
-            vocab_size=ready.vocab_size,
-            max_step_tokens=s.max_step_tokens,
-            prefill_chunk=s.prefill_chunk,
-            cache_enabled=c.enabled,
-            aux_slots=ready.aux_slots,
-            track_chunk=c.track_chunk,
-        )
+        limits = Limits.for_worker(ready, self.config)
         self.intake.set_max_context(ready.max_context)
-        return Scheduler(limits, self.tokenizer.eos_ids, debug_invariants=s.debug_invariants)
+        return Scheduler(limits, self.tokenizer.eos_ids, debug_invariants=self.config.scheduler.debug_invariants)
 
     async def start(self) -> None:
         self.ready = await self.supervisor.start()
@@ -157,24 +131,7 @@ class Server:
         self._forget(req)
         if to.peer.gone:
             return
-        if req.stop_matcher is not None:
-            text = req.text
-        elif req.detok is not None:
-            text = req.detok.text
-        else:
-            ids = req.output_ids[:-1] if req.finish_reason == "stop" else req.output_ids  # a stop token is not text
-            text = self.tokenizer.decode(ids) if ids else ""
-        done = cp.Done(
-            rid=to.rid,
-            finish_reason=req.finish_reason or "error",
-            token_ids=req.output_ids,
-            text=text,
-            prompt_tokens=req.prompt_len,
-            cached_tokens=req.prefix_len,
-            error=req.error,
-            logprobs=_wire_logprobs(req.logprobs) if req.params.logprobs else None,
-            stop_reason=req.stop_reason,
-        )
+        done = done_message(req, to.rid, self.tokenizer)
         self._reply(to, done)
 
     def _abort_peer(self, peer: Peer) -> None:
@@ -206,7 +163,7 @@ class Server:
         try:
             msg = cp.client_msg_decoder.decode(incoming.payload)
         except Exception as exc:  # DecodeError, ValidationError, RecursionError: any payload at all
-            rid = _guess_rid(incoming.payload)
+            rid = guess_rid(incoming.payload)
             self._reply_raw(incoming.identity, incoming.envelope, cp.ProtocolError(rid=rid, message=f"malformed message: {exc}"))
             return
         if isinstance(msg, cp.Generate):
@@ -235,24 +192,9 @@ class Server:
             return reject(f"overloaded: {queued} requests are waiting (scheduler.max_waiting); retry later")
         assert self.ready is not None
         try:
-            choice = check_sampling(
-                temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, min_p=msg.min_p,
-                repetition_penalty=msg.repetition_penalty, presence_penalty=msg.presence_penalty,
-                frequency_penalty=msg.frequency_penalty, logit_bias=msg.logit_bias, seed=msg.seed,
-                min_tokens=msg.min_tokens, stop=msg.stop, logprobs=msg.logprobs, top_logprobs=msg.top_logprobs,
-                vocab_size=self.ready.vocab_size,
-            )
-            if any(not 0 <= t < self.ready.vocab_size for t in msg.stop_token_ids):
-                raise RequestRejected(f"stop_token_ids must be token ids in 0..{self.ready.vocab_size - 1}")
+            params = sampling_params(msg, self.ready.vocab_size)
         except RequestRejected as exc:
             return reject(str(exc))
-        seed = choice.seed if choice.seed is not None else secrets.randbits(64)  # unseeded: random per request
-        params = SamplingParams(
-            **{**dataclasses.asdict(choice), "seed": seed},
-            max_tokens=msg.max_tokens,
-            ignore_eos=msg.ignore_eos,
-            stop_token_ids=frozenset(msg.stop_token_ids),
-        )
         req = Request(rid=f"r{next(self._ids)}", prompt_ids=[], params=params, max_new=0)
         req.stream = msg.stream and not envelope  # a REQ socket takes one reply per request
         req.client = to
@@ -317,56 +259,23 @@ class Server:
             self._send_completed()
 
     def _status(self, rid: str) -> cp.StatusReply:
-        s = self.scheduler
-        assert s is not None and self.ready is not None
-        return cp.StatusReply(
-            rid=rid,
-            model=self.config.model.path,
-            model_type=self.ready.model_type,
-            waiting=len(s.waiting) + len(self._tokenizing),
-            running=len(s.running),
-            kv_slots_total=s.slots.capacity,
-            kv_slots_free=s.slots.free_count,
-            kv_slots_cached=s.tree.total_size if s.tree is not None else 0,
-            worker_restarts=self.restarts,
-            max_context=self.ready.max_context,
-            worker_pid=self.supervisor.pid,
-            aux_slots_total=s.aux.slots.capacity if s.aux is not None else 0,
-            aux_slots_free=s.aux.slots.free_count if s.aux is not None else 0,
-            aux_slots_cached=len(s.tree.owned_aux_slots()) if s.aux is not None and s.tree is not None else 0,
-            steps=self.steps_done,
-            worker_idle_s=self.last_step.idle_s if self.last_step is not None else 0.0,
-            worker_uptime_s=self.last_step.uptime_s if self.last_step is not None else 0.0,
-            worker_state=self.supervisor.state,
-            max_waiting=self.config.scheduler.max_waiting,
-            max_message_bytes=int(self.config.server.max_message_mb * 2**20),
-            clients=len(self.peers.peers),
-            replies_queued=sum(len(p.outbox) for p in self.peers.backlogged),
-        )
+        assert self.scheduler is not None and self.ready is not None
+        return status_reply(rid, self.config, self.ready, self.scheduler, self.supervisor, self.peers,
+                            tokenizing=len(self._tokenizing), steps=self.steps_done, last_step=self.last_step)
 
     # ---- results to clients ----------------------------------------------------------
     def _emit(self, out: StepOutput) -> None:
         req = out.req
-        if req.detok is None:
-            return
-        stop_token = out.finished and req.finish_reason == "stop"  # EOS or a stop token: not text
-        delta = "" if stop_token else req.detok.add(out.new_ids)
-        if out.finished:
-            delta += req.detok.flush()
-        if req.stop_matcher is not None:
-            delta, matched = req.stop_matcher.feed(delta)
-            if matched is not None:
-                req.stop_reason = matched
-                assert self.scheduler is not None
-                self.scheduler.finish(req, "stop")
-            elif out.finished:
-                delta += req.stop_matcher.flush()
-            req.text += delta
+        delta, matched = text_delta(out)
+        if matched is not None:
+            req.stop_reason = matched
+            assert self.scheduler is not None
+            self.scheduler.finish(req, "stop")
         to: ReplyTo = req.client
         if req.stream and to is not None and not to.peer.gone:
-            logprobs = _wire_logprobs(out.logprobs) if out.logprobs is not None else None
+            logprobs = wire_logprobs(out.logprobs) if out.logprobs is not None else None
             chunk = cp.Chunk(rid=to.rid, token_ids=out.new_ids, text=delta, logprobs=logprobs)
-            self._pending_chunks.setdefault(to.peer, []).append(chunk)
+            self.peers.queue_chunk(to.peer, chunk)
 
     def _send_completed(self) -> None:
         """Final results, only once each request's state is cached and released (SPEC 5.2)."""
@@ -378,16 +287,7 @@ class Server:
             self._reply_done(req)
 
     def _flush_chunks(self, only: Peer | None = None) -> None:
-        """Send buffered chunks: one message per client (or just ``only``'s)."""
-        targets = [only] if only is not None else list(self._pending_chunks)
-        for peer in targets:
-            chunks = self._pending_chunks.pop(peer, None)
-            if chunks and not peer.gone:
-                msg = chunks[0] if len(chunks) == 1 else cp.ChunkBatch(chunks=chunks)
-                try:
-                    self.peers.send(peer, [cp.client_encoder.encode(msg)], time.monotonic())
-                except PeerGone:
-                    self._lost.append(peer)
+        self._lost += self.peers.flush_chunks(time.monotonic(), only)
 
     async def maintenance_loop(self) -> None:
         """Retry unsent replies, ping clients with requests, abort those gone or not reading."""
@@ -493,16 +393,3 @@ class Server:
         if self._auth is not None:
             self._auth.stop()
         self.ctx.term()
-
-
-def _wire_logprobs(entries: list[tuple[int, float, list[tuple[int, float]]]]) -> list[cp.TokenLogprob]:
-    return [cp.TokenLogprob(token_id=t, logprob=lp, top=top) for t, lp, top in entries]
-
-
-def _guess_rid(payload: bytes) -> str:
-    """The rid of a message that failed to decode, when it has a short string one (else "")."""
-    try:
-        rid = _rid_decoder.decode(payload).rid
-    except Exception:
-        return ""
-    return rid if len(rid) <= cp.MAX_RID_LEN else ""

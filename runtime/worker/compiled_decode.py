@@ -23,7 +23,12 @@ from runtime.worker.aux_pool import AuxPool
 from runtime.worker.decode_plan import bucket_lengths, round_length
 from runtime.worker.discovery import AttentionShape, CacheLayout
 from runtime.worker.parallel_attention import RowSplit
-from runtime.worker.pool_cache import CacheStandIn, decode_mask, narrower, window_decode_mask
+from runtime.worker.pool_cache import (
+    CacheStandIn,
+    decode_mask,
+    narrower,
+    window_decode_mask,
+)
 from runtime.worker.row_cache import RowCache
 from runtime.worker.trace_cache import MAX_TRACES, TraceCache
 
