@@ -101,7 +101,9 @@ class RowSampler:
 
     def plain(self, decode: DecodeBatch) -> bool:
         """Whether every row of the batch is plain greedy (the fast path)."""
-        return not decode.ban_stop and not any(r in self.specs for r in decode.rows) and max(decode.temperatures) <= 0
+        if decode.ban_stop or max(decode.temperatures) > 0:
+            return False
+        return not self.specs or not any(r in self.specs for r in decode.rows)
 
     def sample(self, logits: mx.array, decode: DecodeBatch) -> StepDraws:
         """The batch's tokens (lazy). ``logits``: [rows, vocab] for the rows of ``decode``."""
