@@ -87,7 +87,6 @@ class Engine:
         self._prev_tokens: mx.array | None = None
         self._prev_rows: list[int] = []
         self.sampler = RowSampler(max_rows)
-        self._last_draws: StepDraws | None = None
         # Share of padding a batched prefill may carry: on a GPU, where a step costs its launch
         # overhead more than its arithmetic, batching pays for some; on the CPU it does not.
         self.max_padding = 0.25 if mx.default_device().type == mx.DeviceType.gpu else 0.0
@@ -122,8 +121,8 @@ class Engine:
         prev_idx = mx.array([prev_index[r] if t < 0 else 0 for r, t in zip(rows, token_ids)], dtype=mx.int32)
         return mx.where(mx.array(chained), self._prev_tokens[prev_idx], explicit)
 
-    def _decode(self, decode: DecodeBatch) -> tuple[mx.array, bool]:
-        """Sampled tokens of a decode batch (lazy), and whether the step updates pools in place."""
+    def _decode(self, decode: DecodeBatch) -> tuple[StepDraws, bool]:
+        """Sampled tokens (and logprobs) of a decode batch, lazy, and whether the step updates pools in place."""
         plan = plan_decode(decode, dense=self.paths.dense, length_bucket=self.LENGTH_BUCKET,
                            max_context=self.max_context, padding_row=len(self.paths.slot_table))
         inputs = self._decode_inputs(decode)
@@ -148,12 +147,11 @@ class Engine:
             logits = logits[: len(decode.rows)]
         return self._sampled(decode, self.sampler.sample(logits, decode)), in_place
 
-    def _sampled(self, decode: DecodeBatch, draws: StepDraws) -> mx.array:
+    def _sampled(self, decode: DecodeBatch, draws: StepDraws) -> StepDraws:
         """Keep a decode batch's sampled tokens: the next chained batch takes them as input."""
         self._prev_tokens = draws.tokens
         self._prev_rows = decode.rows
-        self._last_draws = draws
-        return draws.tokens
+        return draws
 
     def build(self, step: Step) -> LaunchedStep:
         """Build a decode-only step's lazy graph, chained on the previous step's lazy tokens.
@@ -219,8 +217,8 @@ class Engine:
         assert step is not None
         launched.tokens, in_place = None, True
         if step.decode is not None and step.decode.rows:
-            launched.tokens, in_place = self._decode(step.decode)
-            launched.draws = self._last_draws
+            launched.draws, in_place = self._decode(step.decode)
+            launched.tokens = launched.draws.tokens
         launched.in_place = bool(step.prefills) or in_place
         if launched.tokens is not None and not step.prefills:
             # Decode attention reads what the step writes (pool, row cache, tail), so the
