@@ -44,7 +44,11 @@ def test_service_toml_is_a_valid_config(tmp_path):
     config = parse_config(tomllib.loads(spec.toml()))
     assert config.scheduler.max_running == 8 and config.scheduler.max_context == 600
     assert config.cache.kv_slots == 5000 and config.cache.enabled is False
-    assert config.scheduler.max_step_tokens == 2048 and config.scheduler.prefill_chunk == 512
+    assert "max_step_tokens" not in spec.toml() and "prefill_chunk" not in spec.toml()  # 0: the service's default
+    chosen = ServiceSpec(model=tmp_path, max_running=8, max_context=600, kv_slots=0, max_step_tokens=1024,
+                         prefill_chunk=128)
+    assert parse_config(tomllib.loads(chosen.toml())).scheduler.max_step_tokens == 1024
+    assert parse_config(tomllib.loads(chosen.toml())).scheduler.prefill_chunk == 128
     assert config.worker.fuse_projections == "auto"
     off = ServiceSpec(model=tmp_path, max_running=1, max_context=64, kv_slots=100, fuse_projections="off")
     assert parse_config(tomllib.loads(off.toml())).worker.fuse_projections == "off"
@@ -77,7 +81,8 @@ def test_sharded_weights_have_a_complete_index(tmp_path):
 
 def test_parser_lists():
     args = build_parser().parse_args(["--synthetic", "tiny", "--concurrency", "1,4", "--workloads", "all"])
-    assert args.concurrency == [1, 4] and args.workloads == ["single", "sweep", "prefix", "memory", "paired", "sampling", "http"]
+    assert args.concurrency == [1, 4]
+    assert args.workloads == ["single", "sweep", "prefix", "memory", "paired", "sampling", "http", "long", "mixed"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--synthetic", "tiny", "--workloads", "nope"])
 

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from runtime.bench.service import ServiceSpec
 
-WORKLOADS = ("single", "sweep", "prefix", "memory", "paired", "sampling", "http")
+WORKLOADS = ("single", "sweep", "prefix", "memory", "paired", "sampling", "http", "long", "mixed")
 DEFAULT_WORKLOADS = "single,sweep,prefix"
 MEMORY_PROMPT = (8, 200)
 MEMORY_GEN = (1, 64)
+MIXED_MAX_RUNNING = 256
 
 
 def _ints(text: str) -> list[int]:
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling-streams", type=int, default=64, help="sampling: concurrent streams")
     p.add_argument("--sampling-rounds", type=int, default=3, help="sampling: alternating greedy / sampled runs")
     p.add_argument("--http-streams", type=int, default=64, help="http: concurrent streams")
-    p.add_argument("--http-port", type=int, default=18431, help="http: the gateway's loopback port")
+    p.add_argument("--http-port", type=int, default=18431, help="http and mixed: the gateway's loopback port")
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--prefix-unique", type=_ints, default=[16, 64], help="min,max unique tokens per request")
@@ -68,8 +69,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="paired: alternating single-stream runs per side (service and mlx-lm loaded together)")
     p.add_argument("--memory-requests", type=int, default=2000)
     p.add_argument("--memory-concurrency", type=int, default=16)
-    p.add_argument("--max-step-tokens", type=int, default=2048, help="runtime [scheduler] max_step_tokens")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="runtime [scheduler] prefill_chunk")
+    p.add_argument("--long-lens", type=_ints, default=[8192, 32768], help="long: prompt lengths, one at a time")
+    p.add_argument("--long-gen", type=int, default=128, help="long: new tokens per prompt")
+    p.add_argument("--mixed-requests", type=int, default=300, help="mixed: requests of the main part")
+    p.add_argument("--mixed-rate", type=float, default=30.0, help="mixed: Poisson arrival rate, requests/s")
+    p.add_argument("--mixed-prompt-median", type=int, default=400, help="mixed: lognormal prompt length median")
+    p.add_argument("--mixed-prompt-max", type=int, default=3000, help="mixed: longest prompt (shortest: 16)")
+    p.add_argument("--mixed-gen", type=_ints, default=[32, 384], help="mixed: min,max new tokens (uniform)")
+    p.add_argument("--mixed-prefix-requests", type=int, default=64,
+                   help="mixed: requests of the shared-prefix wave after the main part")
+    p.add_argument("--mixed-prefix-len", type=int, default=2000, help="mixed: shared system prompt tokens")
+    p.add_argument("--goodput-ttft-ms", type=float, default=1000.0, help="mixed: goodput's TTFT target")
+    p.add_argument("--goodput-tpot-ms", type=float, default=50.0, help="mixed: goodput's time-per-output-token target")
+    p.add_argument("--mlx-server-concurrency", type=int, default=128,
+                   help="mixed: mlx_lm.server --decode-concurrency")
+    p.add_argument("--max-step-tokens", type=int, default=0,
+                   help="runtime [scheduler] max_step_tokens (0: the service's default)")
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="runtime [scheduler] prefill_chunk (0: the service's default)")
     p.add_argument("--kv-slots", type=int, default=0,
                    help="runtime [cache] kv_slots; 0: just enough for the workloads (a service's default pool is "
                         "a share of device memory, far larger)")
@@ -103,6 +120,9 @@ def _service_spec(args: argparse.Namespace, model: Path, workloads: list[str], c
         seq = MEMORY_PROMPT[1] + MEMORY_GEN[1]
         n = args.memory_concurrency
         running, context, slots = max(running, n), max(context, seq), max(slots, n * seq)
+    if "long" in workloads:
+        seq = max(args.long_lens) + args.long_gen
+        context, slots = max(context, seq), max(slots, seq)
     return ServiceSpec(
         model=model,
         max_running=running,
@@ -171,6 +191,41 @@ def _paired_phase(args: argparse.Namespace, model: Path, bench: Any, services: d
         finally:
             mlx.release()
     return paired.outcome()
+
+
+def _mixed_phase(args: argparse.Namespace, model: Path, bench: Any, services: dict[str, Any], log: Any) -> Any:
+    """The ``mixed`` workload: the runtime's gateway, then (with the service gone) ``mlx_lm.server``."""
+    from runtime.bench.http import wait_http
+    from runtime.bench.mixed import Mixed, MixedShape
+    from runtime.bench.mlx_server import MlxServer
+    from runtime.bench.service import Service, ServiceSpec
+
+    shape = MixedShape(
+        requests=args.mixed_requests, rate=args.mixed_rate, prompt_median=args.mixed_prompt_median,
+        prompt_max=args.mixed_prompt_max, gen=(args.mixed_gen[0], args.mixed_gen[-1]),
+        prefix_requests=args.mixed_prefix_requests, prefix_len=args.mixed_prefix_len,
+        ttft_slo_ms=args.goodput_ttft_ms, tpot_slo_ms=args.goodput_tpot_ms,
+    )
+    plan = Mixed(bench, shape)
+    # Step budget and prefill chunk stay the service's own (0 unless the flags say otherwise);
+    # the pool is the service's default (kv_slots 0) unless --kv-slots sets one.
+    spec = ServiceSpec(
+        model=model, max_running=min(MIXED_MAX_RUNNING, plan.count), max_context=plan.max_context(),
+        kv_slots=args.kv_slots, max_step_tokens=args.max_step_tokens, prefill_chunk=args.prefill_chunk,
+        blas=args.blas, fuse_projections=args.fuse_projections, http_port=args.http_port,
+    )
+    log(f"starting a runtime with the HTTP gateway for the mixed workload: {spec}")
+    with Service(spec, args.work_dir / "configs" / "mixed.toml") as svc:
+        services["mixed"] = vars(spec) | {"model": str(model)}
+        url = f"http://127.0.0.1:{args.http_port}"
+        wait_http(url)
+        log(svc.banner)
+        plan.run("runtime", url)
+    log(f"starting mlx_lm.server (--decode-concurrency {args.mlx_server_concurrency})")
+    with MlxServer(model, args.mlx_server_concurrency) as server:
+        services["mixed_mlx_server"] = {"command": server.command()}
+        plan.run("mlx_lm", server.url)
+    return plan.outcome()
 
 
 def _log_gpu(log: Any, pids: dict[str, int | None]) -> None:
@@ -256,6 +311,10 @@ def run(args: argparse.Namespace) -> int:
         from runtime.bench.sampling import Sampling
 
         plans.append(Sampling(bench, args.sampling_streams, args.prompt_len, args.gen_len, args.sampling_rounds))
+    if "long" in chosen:
+        from runtime.bench.long_prompt import LongPrompt
+
+        plans.append(LongPrompt(bench, args.long_lens, args.long_gen, args.repeats))
     if "prefix" in chosen:
         unique = (args.prefix_unique[0], args.prefix_unique[-1])
         plans.append(prefix_memory.Prefix(bench, args.prefix_requests, args.prefix_len, unique, args.prefix_gen,
@@ -308,6 +367,8 @@ def run(args: argparse.Namespace) -> int:
             wait_http(url)
             log(svc.banner)
             report("http", Http(bench, n, args.prompt_len, args.gen_len).run(svc.address, url))
+    if "mixed" in chosen:
+        report("mixed", _mixed_phase(args, model, bench, services, log))
     results["warnings"] = warnings
     results["loadavg_end"] = loadavg()
     print(f"\nload average at the end: {results['loadavg_end']} (at start: {hdr['loadavg_start']})", flush=True)

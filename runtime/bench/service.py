@@ -27,22 +27,24 @@ class ServiceSpec:
     max_context: int
     kv_slots: int
     cache_enabled: bool = True
-    max_step_tokens: int = 2048
-    prefill_chunk: int = 512
+    max_step_tokens: int = 0  # 0: left out of the config, so the service picks its own default
+    prefill_chunk: int = 0  # 0: likewise
     blas: str = "auto"
     fuse_projections: str = "auto"
     http_port: int = 0  # > 0: also serve HTTP (the gateway) on 127.0.0.1:http_port
 
     def toml(self) -> str:
-        """The config file text (keys as in runtime/config.py)."""
+        """The config file text (keys as in runtime/config.py); a 0 step budget or chunk is left out."""
+        scheduler = [f"max_running = {self.max_running}", f"max_context = {self.max_context}"]
+        # Left out, not written as 0: the service then picks the value measured best on its device.
+        if self.max_step_tokens:
+            scheduler.append(f"max_step_tokens = {self.max_step_tokens}")
+        if self.prefill_chunk:
+            scheduler.append(f"prefill_chunk = {self.prefill_chunk}")
         return (
             f"[model]\npath = {str(self.model)!r}\n\n"
             '[server]\naddress = "ipc://"\n\n'
-            "[scheduler]\n"
-            f"max_running = {self.max_running}\n"
-            f"max_context = {self.max_context}\n"
-            f"max_step_tokens = {self.max_step_tokens}\n"
-            f"prefill_chunk = {self.prefill_chunk}\n\n"
+            "[scheduler]\n" + "".join(line + "\n" for line in scheduler) + "\n"
             "[cache]\n"
             f"enabled = {'true' if self.cache_enabled else 'false'}\n"
             f"kv_slots = {self.kv_slots}\n\n"

@@ -1,0 +1,84 @@
+"""The ``long`` workload: one long prompt at a time, runtime (ZMQ client) vs mlx-lm's ``generate_step``.
+
+Per prompt length: the time to the first token (prefill of the whole prompt) and the
+single-stream decode rate after it, at that context, plus whether the greedy tokens agree.
+Each side is warmed up with a short prompt first, so neither pays its one-time start-up costs
+inside the timed prefill.
+"""
+
+from __future__ import annotations
+
+from runtime.bench import runtime_side
+from runtime.bench.measure import StreamTiming, median_summary, ratio
+from runtime.bench.mlx_side import MlxLm
+from runtime.bench.report import table
+from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome, single_view
+
+WARM_LEN = 64
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first output position where two token lists differ (a length difference counts); None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+class LongPrompt:
+    """A plan like ``Single``: ``run_runtime`` while the service is up, ``run_mlx`` in-process, ``outcome``."""
+
+    name = "long"
+
+    def __init__(self, bench: Bench, lens: list[int], gen_len: int, repeats: int = 1) -> None:
+        self.bench, self.lens, self.gen_len = bench, list(lens), gen_len
+        self.warm = bench.prompt(WARM_LEN)
+        self.prompts = {n: [bench.prompt(n) for _ in range(repeats)] for n in self.lens}
+        self.rt: dict[int, list[StreamTiming]] = {n: [] for n in self.lens}
+        self.ml: dict[int, list[StreamTiming]] = {n: [] for n in self.lens}
+
+    def run_runtime(self, addresses: dict[str, str], rep: int) -> None:
+        log = self.bench.log
+        log(f"long/runtime: warm-up ({WARM_LEN} tokens), then prompts of {', '.join(map(str, self.lens))}")
+        runtime_side.run_together(addresses["on"], [self.warm], [WARMUP_GEN])
+        for n in self.lens:
+            timing = runtime_side.run_together(addresses["on"], [self.prompts[n][rep]], [self.gen_len])[0]
+            self.rt[n].append(timing)
+            log(f"long/runtime: prompt {n}: TTFT {1e3 * timing.ttft:.0f} ms")
+
+    def run_mlx(self, mlx: MlxLm, rep: int) -> None:
+        log = self.bench.log
+        log(f"long/mlx-lm: warm-up ({WARM_LEN} tokens), then generate_step")
+        mlx.single(self.warm, WARMUP_GEN)
+        for n in self.lens:
+            timing = mlx.single(self.prompts[n][rep], self.gen_len)
+            self.ml[n].append(timing)
+            log(f"long/mlx-lm: prompt {n}: TTFT {1e3 * timing.ttft:.0f} ms")
+
+    def outcome(self) -> Outcome:
+        results, rows, warnings = [], [], []
+        for n in self.lens:
+            rt = median_summary([single_view(t) for t in self.rt[n]])
+            ml = median_summary([single_view(t) for t in self.ml[n]])
+            diffs = [first_difference(a.token_ids, b.token_ids) for a, b in zip(self.rt[n], self.ml[n])]
+            first = next((d for d in diffs if d is not None), None)
+            ratios = {"ttft_runtime_over_mlx": ratio(rt["ttft_ms"], ml["ttft_ms"]),
+                      "decode_runtime_over_mlx": ratio(rt["decode_tok_s"], ml["decode_tok_s"])}
+            results.append({"prompt_len": n, "runtime": rt, "mlx_lm": ml, "ratios": ratios,
+                            "tokens_match": first is None, "first_difference": first,
+                            "repeats": {"runtime": [single_view(t) for t in self.rt[n]],
+                                        "mlx_lm": [single_view(t) for t in self.ml[n]]}})
+            rows.append([n, rt["ttft_ms"], ml["ttft_ms"], ratios["ttft_runtime_over_mlx"], rt["decode_tok_s"],
+                         ml["decode_tok_s"], ratios["decode_runtime_over_mlx"],
+                         "yes" if first is None else f"NO, from token {first}"])
+            if first is not None:
+                warnings.append(
+                    f"WARNING: long: prompt {n}: runtime greedy tokens differ from mlx-lm's in "
+                    f"{sum(d is not None for d in diffs)} of {len(diffs)} runs, first at output position {first} "
+                    "(a long context adds up rounding differences: check whether it is a near-tie)"
+                )
+        reps = len(self.rt[self.lens[0]]) if self.lens else 0
+        title = (f"long prompts, one at a time: {self.gen_len} new tokens each, greedy"
+                 + (f", median of {reps} runs" if reps > 1 else ""))
+        tab = table(title, ["prompt tokens", "rt TTFT ms", "mlx TTFT ms", "TTFT rt/mlx", "rt decode tok/s",
+                            "mlx decode tok/s", "decode rt/mlx", "same tokens"], rows)
+        return Outcome({"gen_len": self.gen_len, "lens": self.lens, "results": results}, [tab], warnings)

@@ -1,0 +1,151 @@
+"""The ``mixed`` (open-loop HTTP, runtime gateway vs mlx_lm.server) and ``long`` bench workloads."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+
+from runtime.bench.long_prompt import first_difference
+from runtime.bench.main import build_parser, run
+from runtime.bench.mixed import (
+    PROMPT_MIN,
+    SUFFIX,
+    MixedShape,
+    arrivals,
+    prompt_lengths,
+    schedule,
+)
+from runtime.bench.mlx_server import MlxServer, free_port
+from runtime.bench.open_loop import Request, RequestTiming, run_schedule, summarize_open
+from runtime.bench.service import ServiceError
+
+SHAPE = MixedShape(requests=40, rate=30.0, prompt_median=100, prompt_max=300, gen=(4, 9), prefix_requests=6,
+                   prefix_len=200)
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that contain ``text`` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd:
+                found.append(cmd)
+    return found
+
+
+def test_same_seed_same_schedule_and_another_seed_another():
+    a, b = schedule(random.Random(7), SHAPE), schedule(random.Random(7), SHAPE)
+    assert a == b
+    assert schedule(random.Random(8), SHAPE) != a
+
+
+def test_schedule_shape_and_bounds():
+    draws = schedule(random.Random(0), SHAPE)
+    main, wave = draws[: SHAPE.requests], draws[SHAPE.requests:]
+    assert len(main) == SHAPE.requests and len(wave) == SHAPE.prefix_requests
+    assert {d.wave for d in main} == {"main"} and {d.wave for d in wave} == {"prefix"}
+    times = [d.at for d in draws]
+    assert times == sorted(times) and times[0] > 0  # the wave continues the same arrival process
+    assert all(PROMPT_MIN <= d.prompt_len <= SHAPE.prompt_max for d in main)
+    assert all(SHAPE.prefix_len + SUFFIX[0] <= d.prompt_len <= SHAPE.prefix_len + SUFFIX[1] for d in wave)
+    assert all(SHAPE.gen[0] <= d.max_tokens <= SHAPE.gen[1] for d in draws)
+
+
+def test_poisson_rate_and_lognormal_median():
+    rng = random.Random(1)
+    times = arrivals(rng, 6000, rate=30.0)
+    assert times[-1] / 6000 == pytest.approx(1 / 30, rel=0.05)  # mean gap 1/rate
+    lens = prompt_lengths(rng, 4001, median=400, lo=16, hi=3000)
+    assert min(lens) >= 16 and max(lens) <= 3000
+    assert statistics.median(lens) == pytest.approx(400, rel=0.08)
+    clipped = prompt_lengths(rng, 500, median=400, lo=300, hi=500)
+    assert min(clipped) == 300 and max(clipped) == 500  # both ends clip
+
+
+def _timing(due: float, send: float, first: float, last: float, tokens: int, cached: int | None = None,
+            error: str | None = None) -> RequestTiming:
+    return RequestTiming(due=due, send=send, first=first, last=last, tokens=tokens, cached_tokens=cached, error=error)
+
+
+def test_open_loop_summary_math():
+    timings = [
+        _timing(0.0, 0.0, 0.1, 0.5, 5, cached=3),  # TTFT 0.1 s, TPOT 0.1 s: too slow per token
+        _timing(1.0, 1.0, 2.5, 2.6, 3, cached=0),  # TTFT 1.5 s: too late; TPOT 0.05 s
+        _timing(0.2, 0.21, 0.3, 0.3, 1),  # one token: no TPOT, judged on TTFT alone: good
+        _timing(0.4, 0.4, math.nan, math.nan, 0, error="HTTP 500: boom"),
+    ]
+    assert timings[0].tpot == pytest.approx(0.1) and timings[2].tpot is None
+    s = summarize_open(timings, start=0.0, ttft_slo_s=1.0, tpot_slo_s=0.08)
+    assert (s["requests"], s["completed"], s["failed"], s["errors"]) == (4, 3, 1, ["HTTP 500: boom"])
+    assert s["output_tokens"] == 9 and s["wall_s"] == pytest.approx(2.6)
+    assert s["throughput_tok_s"] == pytest.approx(9 / 2.6)
+    assert s["ttft_p50_ms"] == pytest.approx(100.0) and s["ttft_p99_ms"] == pytest.approx(1e3 * (0.1 + 1.4 * 0.98))
+    assert s["tpot_p50_ms"] == pytest.approx(75.0) and s["tpot_p99_ms"] == pytest.approx(99.5)
+    assert s["goodput"] == pytest.approx(1 / 4)  # the failed request counts against it
+    assert s["cached_tokens"] == 3 and s["send_lag_max_ms"] == pytest.approx(10.0)
+    assert summarize_open(timings, 0.0, ttft_slo_s=2.0, tpot_slo_s=0.2)["goodput"] == pytest.approx(3 / 4)
+
+
+def test_requests_that_fail_are_counted_and_reported():
+    url = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+    start, timings = run_schedule(url, [Request(0.0, "t1 t2", 4), Request(0.05, "t3", 4)])
+    assert all(t.error and "Connect" in t.error for t in timings)
+    assert timings[1].send - timings[0].send >= 0.04  # sent on schedule, not together
+    s = summarize_open(timings, start, ttft_slo_s=1.0, tpot_slo_s=0.05)
+    assert (s["completed"], s["failed"], s["goodput"], s["output_tokens"]) == (0, 2, 0.0, 0)
+    assert s["errors"] and math.isnan(s["throughput_tok_s"])
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_mlx_server_that_cannot_load_reports_its_output_and_leaves_nothing(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no weights
+    with pytest.raises(ServiceError, match="No safetensors"), MlxServer(tmp_path, 4, startup_timeout_s=60):
+        pass
+    assert _processes_mentioning(str(tmp_path)) == []
+
+
+def test_mixed_and_long_workloads_run_both_sides(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = build_parser().parse_args([
+        "--synthetic", "tiny", "--work-dir", str(tmp_path), "--workloads", "mixed,long", "--blas", "bundled",
+        "--mixed-requests", "8", "--mixed-rate", "20", "--mixed-prompt-median", "32", "--mixed-prompt-max", "64",
+        "--mixed-gen", "4,8", "--mixed-prefix-requests", "3", "--mixed-prefix-len", "48",
+        "--long-lens", "256", "--long-gen", "8", "--http-port", str(free_port()), "--json", str(out),
+    ])
+    assert args.max_step_tokens == 0 and args.prefill_chunk == 0  # the service's own defaults
+    assert run(args) == 0
+    data = json.loads(out.read_text())
+    mixed = data["workloads"]["mixed"]
+    assert mixed["requests"] == 11 and mixed["waves"] == {"main": 8, "prefix": 3}
+    for side in ("runtime", "mlx_lm"):
+        st = mixed[side]
+        assert (st["requests"], st["completed"], st["failed"]) == (11, 11, 0), st["errors"]
+        assert st["throughput_tok_s"] > 0 and st["output_tokens"] >= 11
+        assert st["ttft_p50_ms"] > 0 and st["ttft_p99_ms"] >= st["ttft_p50_ms"]
+        assert 0 <= st["goodput"] <= 1 and st["prefix_wave"]["requests"] == 3
+    assert mixed["runtime"]["prefix_wave"]["cached_tokens"] > 0
+    assert mixed["ratios"]["throughput_tok_s_runtime_over_mlx"] > 0
+    assert mixed["ratios"]["ttft_p99_ms_runtime_over_mlx"] > 0
+    assert data["services"]["mixed"]["max_step_tokens"] == 0 and data["services"]["mixed"]["prefill_chunk"] == 0
+    long = data["workloads"]["long"]["results"]
+    assert [r["prompt_len"] for r in long] == [256]
+    for side in ("runtime", "mlx_lm"):
+        assert long[0][side]["output_tokens"] == 8 and long[0][side]["decode_tok_s"] > 0
+    assert long[0]["tokens_match"] is True and long[0]["first_difference"] is None
+    text = capsys.readouterr().out
+    assert "mixed load over HTTP" in text and "long prompts, one at a time" in text
+    assert _processes_mentioning(str(tmp_path)) == []  # the service and mlx_lm.server are gone
