@@ -88,6 +88,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             f"on {addresses.client}",
             flush=True,
         )
+        if ready.limits:
+            print(f"runtime: limits: {ready.limits}", flush=True)
         serve = asyncio.create_task(server.serve_forever())
         stopper = asyncio.create_task(stop.wait())
         gateway = None

@@ -57,11 +57,15 @@ class SchedulerConfig:
 
     ``max_waiting``: requests queued beyond the running batch; past it a request is refused
     at once with an "overloaded, retry later" error.
+
+    ``max_running``, ``max_step_tokens``, ``prefill_chunk`` and ``max_context``: 0 (the
+    default) lets the worker choose them for its device and model
+    (``runtime/worker/defaults.py``); the start-up line says what was chosen.
     """
 
-    max_running: int = 64
-    max_step_tokens: int = 512
-    prefill_chunk: int = 256
+    max_running: int = 0
+    max_step_tokens: int = 0
+    prefill_chunk: int = 0
     max_context: int = 0
     admit_window_ms: float = 1.0
     max_waiting: int = 4096
@@ -252,10 +256,11 @@ def parse_config(table: dict, base_dir: Path | None = None) -> Config:
 
 def _validate(config: Config) -> None:
     s, c = config.scheduler, config.cache
-    if s.max_running < 1:
-        raise ConfigError("config key 'scheduler.max_running' must be at least 1")
-    if s.max_step_tokens < 1 or s.prefill_chunk < 1:
-        raise ConfigError("config keys 'scheduler.max_step_tokens' and 'scheduler.prefill_chunk' must be at least 1")
+    if s.max_running < 0:
+        raise ConfigError("config key 'scheduler.max_running' must not be negative (0: chosen for the device)")
+    if s.max_step_tokens < 0 or s.prefill_chunk < 0:
+        raise ConfigError("config keys 'scheduler.max_step_tokens' and 'scheduler.prefill_chunk' must not be "
+                          "negative (0: chosen for the device)")
     if not 0.0 <= s.admit_window_ms <= 1000.0:
         raise ConfigError("config key 'scheduler.admit_window_ms' must be between 0 and 1000")
     if s.max_context < 0 or c.kv_slots < 0:

@@ -114,3 +114,13 @@ def test_prefill_groups_run_dependencies_first():
     saved = PrefillChunk(4, 8, [1] * 8, list(range(8)), aux_slot=2, aux_source=AUX_CONTINUE)
     groups = prefill_groups([fresh, saved], True, 0.25, recurrent=True)
     assert [[c.row for c in g] for g in groups] == [[3], [4]]  # empty and saved states never share a batch
+
+
+def test_prefill_lengths_recur():
+    from runtime.worker.prefill_groups import prefill_length
+
+    assert [prefill_length(n) for n in (1, 16, 17, 128, 129, 300, 513, 2047, 2048)] == [
+        16, 16, 32, 128, 144, 320, 576, 2048, 2048]
+    lengths = {prefill_length(n) for n in range(1, 2049)}
+    assert len(lengths) == 40 and all(prefill_length(n) >= n for n in range(1, 5000))
+    assert all(prefill_length(n) <= n * 1.125 for n in range(128, 5000))

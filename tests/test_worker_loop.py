@@ -24,6 +24,7 @@ class FakeEngine:
     """Records ``submit N`` / ``finalize N``; every step updates the pools in place (the CPU)."""
 
     events: list[str] = field(default_factory=list)
+    shapes_built: tuple[int, int] = (0, 0)
 
     def build(self, step: Step) -> LaunchedStep:
         return LaunchedStep(step.step_id, step=step if step.prefills else None, first_tokens=bool(step.prefills))

@@ -109,7 +109,10 @@ class StatusReply(msgspec.Struct, tag="status_reply"):
     """Model and queue facts for ``runtime status``.
 
     ``worker_state``: "up", or "restarting" while no worker is serving (new requests are
-    refused then; waiting ones run once it is back).
+    refused then; waiting ones run once it is back). ``max_running``, ``max_step_tokens``,
+    ``prefill_chunk`` and ``max_context``: the limits the worker runs with (the config's, or
+    chosen for the device). ``worker_prefill_shapes``/``worker_decode_traces``: distinct
+    prefill shapes run and decode traces compiled by the worker so far (as of its last step).
     """
 
     rid: str
@@ -134,6 +137,11 @@ class StatusReply(msgspec.Struct, tag="status_reply"):
     max_message_bytes: int = 0
     clients: int = 0
     replies_queued: int = 0
+    max_running: int = 0
+    max_step_tokens: int = 0
+    prefill_chunk: int = 0
+    worker_prefill_shapes: int = 0
+    worker_decode_traces: int = 0
 
 
 class ProtocolError(msgspec.Struct, tag="protocol_error"):

@@ -94,7 +94,11 @@ WorkerCmd = Union[Step, Shutdown]
 
 
 class Ready(msgspec.Struct, tag="ready"):
-    """The model is loaded and the pools are allocated."""
+    """The model is loaded and the pools are allocated.
+
+    The limits are those the worker runs with: the config's, or chosen for the device where
+    the config leaves them unset (``limits`` describes them in one line for the log).
+    """
 
     model_type: str
     num_slots: int
@@ -105,6 +109,9 @@ class Ready(msgspec.Struct, tag="ready"):
     pool_bytes: int
     aux_slots: int = 0
     aux_bytes: int = 0
+    max_step_tokens: int = 512
+    prefill_chunk: int = 256
+    limits: str = ""
 
 
 class LoadFailed(msgspec.Struct, tag="load_failed"):
@@ -122,6 +129,8 @@ class StepDone(msgspec.Struct, tag="step_done"):
 
     ``idle_s``: total time so far the worker had no step launched on the device;
     ``uptime_s``: time since the worker became ready (so idle share = idle_s / uptime_s).
+    ``prefill_shapes``/``decode_traces``: distinct prefill forward shapes run and compiled
+    decode traces made so far (warm-up included): what costs kernel builds on a GPU.
     """
 
     step_id: int
@@ -131,6 +140,8 @@ class StepDone(msgspec.Struct, tag="step_done"):
     logprobs: list[float] = []
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
+    prefill_shapes: int = 0
+    decode_traces: int = 0
 
 
 class StepFailed(msgspec.Struct, tag="step_failed"):

@@ -32,11 +32,11 @@ class Limits:
 
     @classmethod
     def for_worker(cls, ready: Ready, config: Config) -> Limits:
-        """What a worker reported it holds, with the config's batching knobs."""
-        s, c = config.scheduler, config.cache
+        """What a worker reported it holds and runs with, with the config's cache knobs."""
+        c = config.cache
         return cls(
             num_slots=ready.num_slots, max_rows=ready.max_rows, max_context=ready.max_context,
-            vocab_size=ready.vocab_size, max_step_tokens=s.max_step_tokens, prefill_chunk=s.prefill_chunk,
+            vocab_size=ready.vocab_size, max_step_tokens=ready.max_step_tokens, prefill_chunk=ready.prefill_chunk,
             cache_enabled=c.enabled, aux_slots=ready.aux_slots, track_chunk=c.track_chunk,
         )
 

@@ -130,7 +130,11 @@ class Scheduler:
     def next_step(self) -> PlannedStep | None:
         """Plan the next worker step, or None when there is nothing to run."""
         lim = self.limits
-        budget = lim.max_step_tokens - sum(1 for r in self.running if r.wants_decode)
+        decoding = sum(1 for r in self.running if r.wants_decode)
+        budget = lim.max_step_tokens - decoding
+        # Chunks bound how long decoding rows wait for a step; with none decoding, a prompt
+        # may take the whole step (a lone long prompt prefills in fewer, larger steps).
+        chunk = lim.prefill_chunk if decoding else lim.max_step_tokens
         prefills: list[PrefillChunk] = []
         prefill_reqs: list[Request] = []
         candidates = [r for r in self.running if not r.prefill_done]
@@ -138,7 +142,7 @@ class Scheduler:
             for req in candidates:
                 while budget > 0 and not req.prefill_done:
                     start = req.prefilled
-                    whole = min(req.prefill_target - start, lim.prefill_chunk)
+                    whole = min(req.prefill_target - start, chunk)
                     if budget < whole and prefills:
                         # Cutting this chunk just to fill the budget makes odd shapes (a new
                         # kernel build each on a GPU) and splits equal-length batches: close

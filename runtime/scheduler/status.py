@@ -46,4 +46,9 @@ def status_reply(
         max_message_bytes=int(config.server.max_message_mb * 2**20),
         clients=len(peers.peers),
         replies_queued=sum(len(p.outbox) for p in peers.backlogged),
+        max_running=ready.max_rows,
+        max_step_tokens=ready.max_step_tokens,
+        prefill_chunk=ready.prefill_chunk,
+        worker_prefill_shapes=last_step.prefill_shapes if last_step is not None else 0,
+        worker_decode_traces=last_step.decode_traces if last_step is not None else 0,
     )

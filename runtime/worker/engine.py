@@ -23,7 +23,7 @@ from runtime.worker.decode_plan import bucket_lengths, plan_decode
 from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.pool_cache import ForwardBatch, PoolLayerCache
-from runtime.worker.prefill_groups import prefill_groups
+from runtime.worker.prefill_groups import prefill_groups, prefill_length
 from runtime.worker.sampler import RowSampler, StepDraws
 
 
@@ -53,7 +53,6 @@ class Engine:
 
     LENGTH_BUCKET = 128
     COMPILED_LENGTH_BUCKET = 32  # finer: a compiled step's attention costs its whole bucket, and a new trace is cheap
-    PREFILL_PAD = 16  # a padded prefill batch's length is rounded up to this, so shapes recur
 
     def __init__(
         self,
@@ -90,6 +89,7 @@ class Engine:
         # Share of padding a batched prefill may carry: on a GPU, where a step costs its launch
         # overhead more than its arithmetic, batching pays for some; on the CPU it does not.
         self.max_padding = 0.25 if mx.default_device().type == mx.DeviceType.gpu else 0.0
+        self.prefill_shapes: set[tuple[int, int, int]] = set()  # (rows, length, start) of every prefill forward run
 
     def _caches(self, batch: ForwardBatch, aux: list | None = None) -> list:
         """One cache object per entry: pool views for attention, ArraysCache for auxiliary state."""
@@ -189,8 +189,10 @@ class Engine:
         """Run chunks of one start as one forward (shorter ones padded at the end)."""
         start = group[0].start
         n = max(len(c.token_ids) for c in group)
-        if len(group) > 1 and self.max_padding > 0 and self.aux_pool is None:
-            n = min(-(-n // self.PREFILL_PAD) * self.PREFILL_PAD, self.max_context - start)
+        if self.max_padding > 0 and self.aux_pool is None:
+            # Padded even alone: every new (rows, length) shape costs kernel builds on a GPU.
+            n = min(prefill_length(n), self.max_context - start)
+        self.prefill_shapes.add((len(group), n, start))
         for chunk in group:
             self.paths.admit_chunk(chunk)
         batch = self.paths.prefill_batch(group, n)
@@ -316,6 +318,13 @@ class Engine:
         mx.eval(self._state_arrays())
         self.reset_chain()
         return variants
+
+    @property
+    def shapes_built(self) -> tuple[int, int]:
+        """(prefill shapes run, compiled decode traces made) so far: each new one costs a
+        trace, and on a GPU kernel builds."""
+        traces = sum(c.traces.built for c in (self.compiled, self.compiled_paged) if c is not None)
+        return len(self.prefill_shapes), traces
 
     def reset_chain(self) -> None:
         self._prev_tokens = None

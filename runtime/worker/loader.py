@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from runtime.config import Config
+from runtime.worker import defaults
 from runtime.worker.aux_pool import AuxPool
 from runtime.worker.discovery import (
     AttentionShape,
@@ -21,7 +22,7 @@ from runtime.worker.discovery import (
 from runtime.worker.fused_projections import fuse_projections, fusion_wanted
 from runtime.worker.kv_pool import KVPool
 
-DEFAULT_MAX_CONTEXT = 4096
+DEFAULT_MAX_CONTEXT = 4096  # for a model folder whose config names no context length
 
 
 @dataclass
@@ -32,11 +33,18 @@ class LoadedModel:
     model_type: str
     layout: CacheLayout
     vocab_size: int
-    max_context: int
-    num_slots: int
+    limits: defaults.Limits
     aux_templates: list | None = None
     aux_slots: int = 0
     fused_groups: int = 0
+
+    @property
+    def max_context(self) -> int:
+        return self.limits.max_context
+
+    @property
+    def num_slots(self) -> int:
+        return self.limits.num_slots
 
     def make_pools(self) -> tuple[KVPool, AuxPool | None]:
         kv = KVPool(len(self.layout.attention_layers), self.num_slots, _kv_shape(self.layout), self.layout.kv_dtype)
@@ -47,6 +55,15 @@ class LoadedModel:
 def _kv_shape(layout: CacheLayout) -> AttentionShape:
     """K/V geometry; a placeholder for models without attention (the pool then has no layers)."""
     return layout.kv_shape or AttentionShape(1, 1, 1)
+
+
+def device() -> defaults.Device:
+    """The default device's kind and memory (what ``defaults.choose`` decides from)."""
+    if mx.default_device().type != mx.DeviceType.gpu:
+        kind = "cpu"
+    else:
+        kind = "cuda" if mx.cuda.is_available() else "metal"
+    return defaults.Device(kind, _total_memory())
 
 
 def _total_memory() -> int:
@@ -92,25 +109,20 @@ def load(config: Config) -> LoadedModel:
         fused_groups = fuse_projections(model)
     mx.eval(model.parameters())
     aux_templates = AuxPool.probe(model, layout) if layout.has_aux else None
-    aux_slots = (config.cache.aux_slots or 8 * config.scheduler.max_running) + 1 if layout.has_aux else 0
     text_config = model_config.get("text_config", model_config)
-    model_max = text_config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT
-    max_context = config.scheduler.max_context or min(int(model_max), DEFAULT_MAX_CONTEXT)
+    model_context = int(text_config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT)
+    per_slot = KVPool.bytes_per_slot(len(layout.attention_layers), _kv_shape(layout), layout.kv_dtype)
+    limits = defaults.choose(config, device(), model_context, per_slot if layout.kv_shape is not None else 0)
+    aux_slots = (config.cache.aux_slots or 8 * limits.max_running) + 1 if layout.has_aux else 0
     vocab_size = int(text_config.get("vocab_size", 0))
-    num_slots = config.cache.kv_slots
-    if not num_slots:
-        per_slot = KVPool.bytes_per_slot(len(layout.attention_layers), _kv_shape(layout), layout.kv_dtype)
-        budget = int(_total_memory() * config.cache.kv_memory_fraction) // max(per_slot, 1)
-        num_slots = min(budget, config.scheduler.max_running * max_context + 1)
-    if num_slots < 2:
-        raise ValueError(f"KV pool of {num_slots} slots is too small; raise cache.kv_slots")
+    if limits.num_slots < 2:
+        raise ValueError(f"KV pool of {limits.num_slots} slots is too small; raise cache.kv_slots")
     return LoadedModel(
         model=model,
         model_type=str(model_config.get("model_type", "unknown")),
         layout=layout,
         vocab_size=vocab_size,
-        max_context=max_context,
-        num_slots=num_slots,
+        limits=limits,
         aux_templates=aux_templates,
         aux_slots=aux_slots,
         fused_groups=fused_groups,

@@ -61,7 +61,7 @@ def serve(config: Config, address: str, trace_path: str | None = None) -> int:
         pool_bytes = pool.nbytes + (aux_pool.nbytes if aux_pool is not None else 0)
         default_cache = mx.set_cache_limit(0)
         mx.set_cache_limit(buffer_cache_bytes(config.worker.buffer_cache_mb, default_cache, pool_bytes))
-        engine = Engine(loaded.model, layout, pool, config.scheduler.max_running, loaded.max_context, aux_pool,
+        engine = Engine(loaded.model, layout, pool, loaded.limits.max_running, loaded.max_context, aux_pool,
                         compile_decode=config.worker.compile_decode,
                         attention_streams=config.worker.attention_threads or default_streams(os.cpu_count()))
         started = time.perf_counter()
@@ -78,8 +78,11 @@ def serve(config: Config, address: str, trace_path: str | None = None) -> int:
             Ready(
                 model_type=loaded.model_type,
                 num_slots=loaded.num_slots,
-                max_rows=config.scheduler.max_running,
+                max_rows=loaded.limits.max_running,
                 max_context=loaded.max_context,
+                max_step_tokens=loaded.limits.max_step_tokens,
+                prefill_chunk=loaded.limits.prefill_chunk,
+                limits=loaded.limits.describe(),
                 vocab_size=loaded.vocab_size,
                 dtype=str(layout.kv_dtype).replace("mlx.core.", ""),
                 pool_bytes=pool.nbytes,
@@ -192,6 +195,7 @@ def _read_back(engine, launched, clock: IdleClock) -> StepDone | StepFailed:
         return StepFailed(step_id=launched.step_id, error=f"{type(exc).__name__}: {exc}")
     now = time.perf_counter()
     done = StepDone(step_id=launched.step_id, tokens=tokens, idle_s=clock.idle_so_far(now), uptime_s=now - clock.started)
+    done.prefill_shapes, done.decode_traces = engine.shapes_built
     if launched.logprobs is not None:
         done.logprobs, done.top_ids, done.top_logprobs = launched.logprobs
     return done

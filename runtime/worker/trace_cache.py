@@ -26,6 +26,7 @@ class TraceCache:
     def __init__(self, fn: Callable[..., Any], capacity: int) -> None:
         assert capacity > 0
         self.fn, self.capacity = fn, capacity
+        self.built = 0  # traces made so far, dropped ones included
         self._compiled: OrderedDict[Hashable, Callable[..., Any]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -37,6 +38,7 @@ class TraceCache:
             # A new function object per key: MLX keys its trace cache by the compiled Python
             # object and erases that whole entry when a compiled function is dropped.
             compiled = mx.compile(functools.partial(self.fn))
+            self.built += 1
             while len(self._compiled) >= self.capacity:
                 self._compiled.popitem(last=False)
         self._compiled[key] = compiled

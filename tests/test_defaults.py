@@ -1,0 +1,111 @@
+"""Limits chosen for the device where the config leaves them unset, and the chunk policy."""
+
+from __future__ import annotations
+
+from runtime.config import parse_config
+from runtime.scheduler.admission import Limits as SchedLimits
+from runtime.scheduler.core import Scheduler
+from runtime.scheduler.request import Request, SamplingParams
+from runtime.worker.defaults import GIB, Device, choose
+
+KIB = 1024
+
+
+def _config(**scheduler) -> object:
+    return parse_config({"model": {"path": "/m"}, "scheduler": scheduler})
+
+
+def test_cpu_defaults_keep_the_row_cache_sized_context():
+    lim = choose(_config(), Device("cpu", 24 * GIB), model_context=32768, bytes_per_slot=8 * KIB)
+    assert (lim.max_running, lim.max_step_tokens, lim.prefill_chunk, lim.max_context) == (64, 512, 256, 4096)
+    assert lim.num_slots == 64 * 4096 + 1  # the pool budget (6 GiB / 8 KiB) is larger than that
+    assert set(lim.auto) == {"max_running", "max_step_tokens", "prefill_chunk", "max_context", "num_slots"}
+    assert "max_running 64 (auto)" in lim.describe()
+
+
+def test_large_gpu_gets_big_steps_many_rows_and_the_models_context():
+    # An 8B Llama shape: 32 layers x 8 KV heads x 128 dims x K and V x bf16 = 128 KiB a token.
+    lim = choose(_config(), Device("cuda", 139 * GIB), model_context=131072, bytes_per_slot=128 * KIB)
+    assert (lim.max_running, lim.max_step_tokens, lim.prefill_chunk) == (256, 2048, 512)
+    assert lim.num_slots == int(139 * GIB * 0.25) // (128 * KIB)
+    assert lim.max_context == 131072
+
+
+def test_small_gpu_context_is_bounded_by_the_pool():
+    lim = choose(_config(), Device("metal", 16 * GIB), model_context=131072, bytes_per_slot=128 * KIB)
+    assert lim.max_running == 64
+    assert lim.num_slots == 4 * GIB // (128 * KIB)
+    assert lim.max_context == lim.num_slots - 1
+
+
+def test_mid_gpu_rows():
+    lim = choose(_config(), Device("cuda", 32 * GIB), model_context=8192, bytes_per_slot=32 * KIB)
+    assert lim.max_running == 128 and lim.max_context == 8192
+
+
+def test_config_values_win_and_are_not_marked_auto():
+    config = parse_config({"model": {"path": "/m"}, "cache": {"kv_slots": 1000},
+                           "scheduler": {"max_running": 3, "max_step_tokens": 100, "prefill_chunk": 50,
+                                         "max_context": 700}})
+    lim = choose(config, Device("cuda", 139 * GIB), model_context=131072, bytes_per_slot=128 * KIB)
+    assert (lim.max_running, lim.max_step_tokens, lim.prefill_chunk, lim.max_context, lim.num_slots) == (
+        3, 100, 50, 700, 1000)
+    assert lim.auto == ()
+    assert "(auto)" not in lim.describe()
+
+
+def test_unset_context_is_bounded_by_a_configured_pool():
+    config = parse_config({"model": {"path": "/m"}, "cache": {"kv_slots": 300}})
+    lim = choose(config, Device("cpu", 24 * GIB), model_context=2048, bytes_per_slot=KIB)
+    assert lim.max_context == 299 and "num_slots" not in lim.auto
+
+
+def _scheduler(budget: int, chunk: int) -> Scheduler:
+    limits = SchedLimits(4096, 4, 4096, 100, max_step_tokens=budget, prefill_chunk=chunk)
+    return Scheduler(limits, frozenset({0}), debug_invariants=True)
+
+
+def _add(s: Scheduler, rid: str, prompt: list[int], max_tokens: int) -> Request:
+    r = Request(rid=rid, prompt_ids=prompt, params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                max_new=s.validate(prompt, max_tokens, 0.0))
+    s.add(r)
+    return r
+
+
+def test_a_lone_prompt_takes_the_whole_step_budget():
+    s = _scheduler(budget=64, chunk=16)
+    _add(s, "long", [5] * 150, 2)
+    sizes = []
+    while (planned := s.next_step()) is not None and planned.step.prefills:
+        sizes.extend(len(c.token_ids) for c in planned.step.prefills)  # one forward per step
+        s.on_step_done(planned.step.step_id, [7] * len(planned.decode_reqs))
+    assert sizes == [64, 64, 21]  # the last prompt token is the first decode's input
+    s.check_invariants()
+
+
+def test_with_rows_decoding_a_prompt_is_chunked():
+    s = _scheduler(budget=64, chunk=16)
+    _add(s, "short", [1, 2], 50)
+    first = s.next_step()
+    s.on_step_done(first.step.step_id, [7] * len(first.decode_reqs))
+    _add(s, "long", [5] * 150, 2)
+    planned = s.next_step()
+    # Chunks of prefill_chunk, whole ones only, within what the decoding row leaves of the budget.
+    assert [len(c.token_ids) for c in planned.step.prefills] == [16, 16, 16]
+    assert len(planned.decode_reqs) == 1
+
+
+def test_service_without_limits_reports_what_it_chose(model_dir, service_factory):
+    from runtime.client import SyncClient
+
+    with service_factory(model_dir("llama")) as svc:
+        line = next(ln for ln in svc.lines if "runtime: limits:" in ln)
+        assert "max_running 64 (auto)" in line and "max_step_tokens 512 (auto)" in line
+        with SyncClient(svc.address) as client:
+            status = client.status(timeout=15.0)
+            assert (status.max_running, status.max_step_tokens, status.prefill_chunk) == (64, 512, 256)
+            assert f"max_context {status.max_context} (auto)" in line
+            assert len(client.generate(token_ids=[1, 2, 3], max_tokens=4, ignore_eos=True).token_ids) == 4
+            after = client.status(timeout=15.0)
+            # Warm-up ran a prefill and traced the compiled decode step; the request added a shape.
+            assert after.worker_prefill_shapes >= 2 and after.worker_decode_traces >= 1
