@@ -138,6 +138,8 @@ def test_mixed_and_long_workloads_run_both_sides(tmp_path, capsys):
         assert st["ttft_p50_ms"] > 0 and st["ttft_p99_ms"] >= st["ttft_p50_ms"]
         assert 0 <= st["goodput"] <= 1 and st["prefix_wave"]["requests"] == 3
     assert mixed["runtime"]["prefix_wave"]["cached_tokens"] > 0
+    shapes = mixed["runtime_shapes"]
+    assert shapes["prefill_shapes_warm"] >= 1 and shapes["prefill_shapes_new"] >= 1  # CPU: no length buckets
     assert mixed["ratios"]["throughput_tok_s_runtime_over_mlx"] > 0
     assert mixed["ratios"]["ttft_p99_ms_runtime_over_mlx"] > 0
     assert data["services"]["mixed"]["max_step_tokens"] == 0 and data["services"]["mixed"]["prefill_chunk"] == 0
@@ -147,5 +149,6 @@ def test_mixed_and_long_workloads_run_both_sides(tmp_path, capsys):
         assert long[0][side]["output_tokens"] == 8 and long[0][side]["decode_tok_s"] > 0
     assert long[0]["tokens_match"] is True and long[0]["first_difference"] is None
     text = capsys.readouterr().out
+    assert "new prefill shapes / decode traces per 1,000 requests" in text
     assert "mixed load over HTTP" in text and "long prompts, one at a time" in text
     assert _processes_mentioning(str(tmp_path)) == []  # the service and mlx_lm.server are gone

@@ -220,7 +220,15 @@ def _mixed_phase(args: argparse.Namespace, model: Path, bench: Any, services: di
         url = f"http://127.0.0.1:{args.http_port}"
         wait_http(url)
         log(svc.banner)
-        plan.run("runtime", url)
+
+        def shapes() -> tuple[int, int]:
+            from runtime.client import SyncClient
+
+            with SyncClient(svc.address) as client:
+                status = client.status(timeout=30.0)
+            return status.worker_prefill_shapes, status.worker_decode_traces
+
+        plan.run("runtime", url, shapes)
     log(f"starting mlx_lm.server (--decode-concurrency {args.mlx_server_concurrency})")
     with MlxServer(model, args.mlx_server_concurrency) as server:
         services["mixed_mlx_server"] = {"command": server.command()}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 from runtime.bench.measure import ratio
 from runtime.bench.open_loop import Request, RequestTiming, run_schedule, summarize_open
@@ -92,6 +93,7 @@ class Mixed:
         if shape.requests + shape.prefix_requests < 1 or shape.rate <= 0:
             raise ValueError(f"mixed: needs at least one request and a positive rate, got {shape}")
         self.bench, self.shape = bench, shape
+        self.shapes: dict[str, int] = {}
         self.tokenizer = AutoTokenizer.from_pretrained(str(bench.model))
         self.draws = schedule(bench.rng, shape)
         prefix = bench.prompt(shape.prefix_len)
@@ -121,8 +123,10 @@ class Mixed:
         """A service context that holds the longest prompt and the largest reply, with slack."""
         return max(self.prompt_tokens) + self.shape.gen[1] + 16
 
-    def run(self, side: str, url: str) -> None:
-        """Warm ``url`` up with other texts, then send the whole schedule."""
+    def run(self, side: str, url: str, shapes: Callable[[], tuple[int, int]] | None = None) -> None:
+        """Warm ``url`` up with other texts, then send the whole schedule. ``shapes``: the
+        service's (prefill shapes, decode traces) built so far, read after the warm-up and
+        after the run (runtime side only)."""
         log = self.bench.log
         log(f"mixed/{SIDES[side]}: warm-up ({len(self.warm)} requests)")
         _, warm = run_schedule(url, self.warm)
@@ -130,12 +134,17 @@ class Mixed:
         if failed:
             raise ServiceError(f"mixed/{SIDES[side]}: warm-up requests failed at {url}: {failed[0]}")
         log(f"mixed/{SIDES[side]}: {self.count} requests over ~{self.requests[-1].at:.1f} s")
+        before = shapes() if shapes is not None else None
 
         def on_done(done: int) -> None:
             if done % PROGRESS_EVERY == 0 or done == self.count:
                 log(f"mixed/{SIDES[side]}: {done}/{self.count} requests done")
 
         self.runs[side] = run_schedule(url, self.requests, on_done)
+        if shapes is not None and before is not None:
+            after = shapes()
+            self.shapes = {"prefill_shapes_warm": before[0], "decode_traces_warm": before[1],
+                           "prefill_shapes_new": after[0] - before[0], "decode_traces_new": after[1] - before[1]}
 
     def summary(self, side: str) -> dict:
         """Every number of one side: the whole run, and the shared-prefix wave on its own."""
@@ -177,6 +186,12 @@ class Mixed:
             row("prefix wave: TTFT p50 ms", lambda st: st["prefix_wave"]["ttft_p50_ms"]),
             row("latest send after its arrival time, ms", lambda st: st["send_lag_max_ms"], False),
         ]
+        if self.shapes:
+            per_k = 1000 / max(self.count, 1)
+            rows.append([f"new prefill shapes / decode traces per 1,000 requests (after warm-up: "
+                         f"{self.shapes['prefill_shapes_warm']} / {self.shapes['decode_traces_warm']})",
+                         f"{self.shapes['prefill_shapes_new'] * per_k:.0f} / {self.shapes['decode_traces_new'] * per_k:.0f}",
+                         "-", "-"])
         title = (
             f"mixed load over HTTP: {s.requests} requests at {s.rate:g}/s (Poisson; prompt lognormal, median "
             f"{s.prompt_median}, {PROMPT_MIN}-{s.prompt_max} tokens; {s.gen[0]}-{s.gen[1]} new tokens), then "
@@ -194,6 +209,7 @@ class Mixed:
             "runtime": rt,
             "mlx_lm": ml,
             "ratios": ratios,
+            "runtime_shapes": self.shapes,
         }
         return Outcome(data, [tab], warnings)
 
