@@ -152,3 +152,28 @@ def test_top_candidates_equal_a_full_sort(n, k):
     expected = np.argsort(-np.array(x), axis=-1)[:, :k]
     assert ids.tolist() == expected.tolist()
     assert np.allclose(np.array(values), np.take_along_axis(np.array(x), expected, axis=-1))
+
+
+def test_padding_rows_change_nothing_for_the_batch_rows():
+    """A batch padded to its row bucket (extra logits rows at the end) draws the same tokens,
+    logprobs and penalty counts for its rows as the exact batch."""
+    specs = [
+        dict(temperature=0.9, top_k=5, seed=1, frequency_penalty=0.5, logprobs=True, top_logprobs=2),
+        dict(),
+        dict(temperature=0.7, top_p=0.8, seed=2, presence_penalty=0.3),
+    ]
+    rows = [_logits(10 + i) for i in range(3)]
+    padding = [_logits(99)] * 5
+
+    def run(extra: list[mx.array]):
+        sampler = RowSampler(max_rows=8)
+        sampler.configure([RowSampling(row=r, **spec) for r, spec in enumerate(specs)])
+        out = []
+        for step in range(3):
+            draws = sampler.sample(mx.stack(rows + extra), _batch(3, [20 + step] * 3))
+            out.append((draws.tokens.tolist(), draws.token_logprobs.tolist(), draws.top_ids.tolist()))
+        return out, sampler.counts[:3].tolist()
+
+    exact, padded = run([]), run(padding)
+    assert padded == exact
+    assert len(padded[0][0][0]) == 3  # padding rows are dropped from every output

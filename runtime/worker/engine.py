@@ -143,8 +143,7 @@ class Engine:
             logits = self.model(inputs[:, None], cache=self._caches(batch, aux))[:, -1, :]
             if self.aux_pool is not None:
                 self.aux_pool.store(aux, aux_slots)
-        if plan.pad:
-            logits = logits[: len(decode.rows)]
+        # Padding rows stay: the sampler drops them, after drawing at the bucket's shape.
         return self._sampled(decode, self.sampler.sample(logits, decode)), in_place
 
     def _sampled(self, decode: DecodeBatch, draws: StepDraws) -> StepDraws:

@@ -106,14 +106,20 @@ class RowSampler:
         return not self.specs or not any(r in self.specs for r in decode.rows)
 
     def sample(self, logits: mx.array, decode: DecodeBatch) -> StepDraws:
-        """The batch's tokens (lazy). ``logits``: [rows, vocab] for the rows of ``decode``."""
+        """The batch's tokens (lazy). ``logits``: [rows, vocab] for the rows of ``decode``, or
+        more: rows past the batch's are padding (a batch padded to its row bucket), drawn as
+        plain greedy rows and dropped. Padding keeps the compiled draw's shapes to the few
+        bucket sizes: each new shape is a kernel build on a GPU."""
+        n = len(decode.rows)
         self._prepare_counts(logits.shape[-1])
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if self.plain(decode):
+            logits = logits[:n] if logits.shape[0] > n else logits
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             draws = StepDraws(mx.argmax(logprobs, axis=-1).astype(mx.int32))
             self._count(decode, draws.tokens)
             return draws
-        params = self._params(decode, logits.shape[-1])
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        params = self._params(decode, logits.shape[-1], logits.shape[0])
         x = logits
         if params.bias is not None or params.penalties or decode.ban_stop:
             x = self._processed(x, decode, params)
@@ -121,18 +127,19 @@ class RowSampler:
         greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
         tokens = greedy
         if params.any_sampled:
-            positions = mx.array(decode.positions, dtype=mx.uint32)
+            positions = mx.array(list(decode.positions) + [0] * (logits.shape[0] - n), dtype=mx.uint32)
             tokens = mx.where(params.sampled, self._draw(logprobs, positions, params), greedy)
-        draws = StepDraws(tokens)
+        draws = StepDraws(tokens[:n] if tokens.shape[0] > n else tokens)
         if params.logprobs:
             fn = self._draws.get(("logprobs", params.top_n))
             if fn is None:
                 fn = self._draws[("logprobs", params.top_n)] = _maybe_compile(partial(_logprobs, params.top_n),
                                                                               self.compiled)
-            draws.token_logprobs, draws.top_ids, draws.top_logprobs = fn(logits, tokens)
+            chosen, top_ids, top_values = (a[:n] for a in fn(logits, tokens))
+            draws.token_logprobs, draws.top_ids, draws.top_logprobs = chosen, top_ids, top_values
             if not params.top_n:
                 draws.top_ids = draws.top_logprobs = None
-        self._count(decode, tokens)
+        self._count(decode, draws.tokens)
         return draws
 
     def _count(self, decode: DecodeBatch, tokens: mx.array) -> None:
@@ -183,12 +190,15 @@ class RowSampler:
                   params.top_p if params.top_p is not None else unused,
                   params.log_min_p if params.log_min_p is not None else unused)
 
-    def _params(self, decode: DecodeBatch, vocab: int) -> _BatchParams:
-        key = (tuple(decode.rows), tuple(id(self.specs.get(r, _PLAIN)) for r in decode.rows))
+    def _params(self, decode: DecodeBatch, vocab: int, padded: int) -> _BatchParams:
+        """The batch's parameters as arrays of ``padded`` rows (padding rows plain greedy)."""
+        key = (tuple(decode.rows), tuple(id(self.specs.get(r, _PLAIN)) for r in decode.rows), padded)
         if self._cached is not None and self._cached[0] == key:
             return self._cached[1]
-        specs = tuple(self.specs.get(r, _PLAIN) for r in decode.rows)
-        temps = [s.temperature if s is not _PLAIN else max(t, 0.0) for s, t in zip(specs, decode.temperatures)]
+        pad = padded - len(decode.rows)
+        specs = tuple(self.specs.get(r, _PLAIN) for r in decode.rows) + (_PLAIN,) * pad
+        temps = [s.temperature if s is not _PLAIN else max(t, 0.0)
+                 for s, t in zip(specs, list(decode.temperatures) + [0.0] * pad)]
         sampled = [t > 0 for t in temps]
         top_k = [s.top_k if 0 < s.top_k < vocab else vocab for s in specs]
         top_p = [s.top_p for s in specs]
@@ -205,7 +215,7 @@ class RowSampler:
         penalties = any(r != 1.0 for r in rep) or any(pres) or any(freq)
         params = _BatchParams(
             specs=specs,
-            rows=mx.array(decode.rows, dtype=mx.int32),
+            rows=mx.array(list(decode.rows) + [decode.rows[0]] * pad, dtype=mx.int32),
             inv_temp=mx.array([1.0 / t if t > 0 else 1.0 for t in temps], dtype=mx.float32),
             sampled=mx.array(sampled),
             any_sampled=any(sampled),
