@@ -143,6 +143,7 @@ def test_mixed_and_long_workloads_run_both_sides(tmp_path, capsys):
     assert mixed["ratios"]["throughput_tok_s_runtime_over_mlx"] > 0
     assert mixed["ratios"]["ttft_p99_ms_runtime_over_mlx"] > 0
     assert data["services"]["mixed"]["max_step_tokens"] == 0 and data["services"]["mixed"]["prefill_chunk"] == 0
+    assert data["services"]["mixed"]["max_running"] == 0  # the service's own default for its device
     long = data["workloads"]["long"]["results"]
     assert [r["prompt_len"] for r in long] == [256]
     for side in ("runtime", "mlx_lm"):

@@ -17,7 +17,6 @@ WORKLOADS = ("single", "sweep", "prefix", "memory", "paired", "sampling", "http"
 DEFAULT_WORKLOADS = "single,sweep,prefix"
 MEMORY_PROMPT = (8, 200)
 MEMORY_GEN = (1, 64)
-MIXED_MAX_RUNNING = 256
 
 
 def _ints(text: str) -> list[int]:
@@ -210,7 +209,7 @@ def _mixed_phase(args: argparse.Namespace, model: Path, bench: Any, services: di
     # Step budget and prefill chunk stay the service's own (0 unless the flags say otherwise);
     # the pool is the service's default (kv_slots 0) unless --kv-slots sets one.
     spec = ServiceSpec(
-        model=model, max_running=min(MIXED_MAX_RUNNING, plan.count), max_context=plan.max_context(),
+        model=model, max_running=0, max_context=plan.max_context(),
         kv_slots=args.kv_slots, max_step_tokens=args.max_step_tokens, prefill_chunk=args.prefill_chunk,
         blas=args.blas, fuse_projections=args.fuse_projections, http_port=args.http_port,
     )

@@ -23,7 +23,7 @@ class ServiceSpec:
     """The config knobs the bench sets; everything else keeps the runtime's defaults."""
 
     model: Path
-    max_running: int
+    max_running: int  # 0: left out of the config (the service's default for its device)
     max_context: int
     kv_slots: int
     cache_enabled: bool = True
@@ -34,8 +34,10 @@ class ServiceSpec:
     http_port: int = 0  # > 0: also serve HTTP (the gateway) on 127.0.0.1:http_port
 
     def toml(self) -> str:
-        """The config file text (keys as in runtime/config.py); a 0 step budget or chunk is left out."""
-        scheduler = [f"max_running = {self.max_running}", f"max_context = {self.max_context}"]
+        """The config file text (keys as in runtime/config.py); a 0 row count, step budget or chunk is left out."""
+        scheduler = [f"max_context = {self.max_context}"]
+        if self.max_running:
+            scheduler.append(f"max_running = {self.max_running}")
         # Left out, not written as 0: the service then picks the value measured best on its device.
         if self.max_step_tokens:
             scheduler.append(f"max_step_tokens = {self.max_step_tokens}")

@@ -30,6 +30,7 @@ SAMPLING_KEYWORDS = frozenset(
     {
         "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
         "logit_bias", "seed", "min_tokens", "stop", "logprobs", "top_logprobs",
+        "json_schema", "regex", "grammar", "json_object",
     }
 )
 """Keywords ``generate``/``stream``/``chat`` take besides the named ones (see the README's table)."""

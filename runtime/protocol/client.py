@@ -20,6 +20,8 @@ class Generate(msgspec.Struct, tag="generate", omit_defaults=True, forbid_unknow
     reply per request, so its requests never stream. ``messages`` (OpenAI chat messages) go
     through the model folder's chat template, with ``chat_template_kwargs`` and ``tools``.
     Sampling parameters follow OpenAI's and vLLM's names; the scheduler checks their ranges.
+    At most one of ``json_schema``, ``regex``, ``grammar`` (Lark or GBNF text) and
+    ``json_object`` constrains the output (``runtime/scheduler/grammar.py``).
     """
 
     rid: Rid
@@ -45,6 +47,10 @@ class Generate(msgspec.Struct, tag="generate", omit_defaults=True, forbid_unknow
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
     stream: bool = False
+    json_schema: dict[str, Any] | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
 
 
 class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):

@@ -65,6 +65,8 @@ class DecodeBatch(msgspec.Struct, array_like=True):
     ``positions[i]`` is the token's position; ``slot_ids[i]`` receives its K/V;
     ``aux_slots[i]`` (hybrid models) is the row's live auxiliary-state slot.
     ``ban_stop`` lists the batch indices whose stop ids are masked in this step (min_tokens).
+    ``mask_rows[j]`` is a batch index whose next token is constrained to ``masks[j]``: bit i
+    of little-endian uint32 word i // 32 allows token i (structured output).
     """
 
     rows: list[int]
@@ -74,6 +76,8 @@ class DecodeBatch(msgspec.Struct, array_like=True):
     temperatures: list[float]
     aux_slots: list[int] = []
     ban_stop: list[int] = []
+    mask_rows: list[int] = []
+    masks: list[bytes] = []
 
 
 class Step(msgspec.Struct, tag="step"):

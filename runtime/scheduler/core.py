@@ -192,18 +192,24 @@ class Scheduler:
         decode = None
         if decode_reqs:
             rows, tokens, positions, slot_ids, temps, ban_stop = [], [], [], [], [], []
+            mask_rows, masks = [], []
             for i, req in enumerate(decode_reqs):
                 k = req.decodes_launched
                 if k < req.params.min_tokens:
                     ban_stop.append(i)
                 rows.append(req.row)
-                tokens.append(req.prompt_ids[-1] if k == 0 else -1)
+                if req.constraint is not None:  # its last token is back (wants_decode): no chaining
+                    tokens.append(req.prompt_ids[-1] if k == 0 else req.output_ids[-1])
+                    mask_rows.append(i)
+                    masks.append(req.constraint.mask())
+                else:
+                    tokens.append(req.prompt_ids[-1] if k == 0 else -1)
                 positions.append(req.prompt_len - 1 + k)
                 slot_ids.append(self._alloc(req, 1)[0])
                 temps.append(req.params.temperature)
                 req.decodes_launched += 1
             aux_slots = [r.aux_slot for r in decode_reqs] if self.aux is not None else []
-            decode = DecodeBatch(rows, tokens, positions, slot_ids, temps, aux_slots, ban_stop)
+            decode = DecodeBatch(rows, tokens, positions, slot_ids, temps, aux_slots, ban_stop, mask_rows, masks)
         samplings = [row_sampling(r, self.eos_ids) for r in self._new_rows if r.row >= 0 and not r.finished]
         self._new_rows = []
         step = Step(step_id=self._next_step_id, prefills=prefills, decode=decode, samplings=samplings)
@@ -271,9 +277,13 @@ class Scheduler:
                 req.logprobs.extend(entry)
             reason = None
             if token in req.params.stop_token_ids:
-                reason, req.stop_reason = "stop", token
+                reason, req.stop_reason, req.ended_by_token = "stop", token, True
             elif token in self.eos_ids and not req.params.ignore_eos:
-                reason = "stop"
+                reason, req.ended_by_token = "stop", True
+            elif req.constraint is not None and (error := req.constraint.advance(token)) is not None:
+                reason, req.error = "error", error
+            elif req.constraint is not None and req.constraint.done:
+                reason = "stop"  # the grammar is complete
             elif len(req.output_ids) >= req.max_new:
                 reason = "length"
             if reason is not None:

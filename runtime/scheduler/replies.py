@@ -17,7 +17,7 @@ def text_delta(out: StepOutput) -> tuple[str, str | None]:
     req = out.req
     if req.detok is None:
         return "", None
-    stop_token = out.finished and req.finish_reason == "stop"  # EOS or a stop token: not text
+    stop_token = out.finished and req.ended_by_token  # EOS or a stop token: not text
     delta = "" if stop_token else req.detok.add(out.new_ids)
     if out.finished:
         delta += req.detok.flush()
@@ -37,7 +37,7 @@ def done_message(req: Request, rid: str, tokenizer: Tokenizer) -> cp.Done:
     elif req.detok is not None:
         text = req.detok.text
     else:
-        ids = req.output_ids[:-1] if req.finish_reason == "stop" else req.output_ids  # a stop token is not text
+        ids = req.output_ids[:-1] if req.ended_by_token else req.output_ids  # a stop token is not text
         text = tokenizer.decode(ids) if ids else ""
     return cp.Done(
         rid=rid,

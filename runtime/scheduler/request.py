@@ -53,8 +53,10 @@ class Request:
     stop_matcher: Any = None
     text: str = ""  # text returned so far, when stop strings are matched
     stop_reason: str | int | None = None
+    ended_by_token: bool = False  # the last output token is EOS or a stop token: not text
     logprobs: list[Any] = field(default_factory=list)  # (token id, logprob, top) per output token
     arrived_at: float = 0.0
+    constraint: Any = None  # grammar.Constraint of a structured-output request
     # Hybrid models: live aux slot, where its state starts, snapshot points and slots.
     aux_slot: int = -1
     aux_source: int = -2
@@ -83,7 +85,10 @@ class Request:
 
     @property
     def wants_decode(self) -> bool:
-        return self.prefill_done and not self.finished and self.decodes_launched < self.max_new
+        if not self.prefill_done or self.finished or self.decodes_launched >= self.max_new:
+            return False
+        # A constrained row's next mask needs its last token back: no chained decode.
+        return self.constraint is None or self.decodes_launched == len(self.output_ids)
 
 
 def row_sampling(req: Request, eos_ids: frozenset[int]) -> RowSampling:

@@ -23,6 +23,7 @@ from runtime.scheduler.addresses import Addresses, open_client_socket
 from runtime.scheduler.admission import Limits, RequestRejected
 from runtime.scheduler.core import Scheduler, StepOutput
 from runtime.scheduler.frames import BadFrames, guess_rid, split_frames
+from runtime.scheduler.grammar import Grammars, grammar_spec
 from runtime.scheduler.intake import Intake, sampling_params
 from runtime.scheduler.peers import Peer, PeerBusy, PeerGone, PeerTable, ReplyTo
 from runtime.scheduler.replies import done_message, text_delta, wire_logprobs
@@ -58,6 +59,7 @@ class Server:
         self.peers = PeerTable(self._send_frames, config.server.slow_client_timeout_s)
         self.scheduler: Scheduler | None = None
         self.ready: wp.Ready | None = None
+        self.grammars: Grammars | None = None  # structured output, once the vocabulary is known
         self.wakeup = asyncio.Event()
         self.last_step: wp.StepDone | None = None
         self.steps_done = 0
@@ -75,6 +77,8 @@ class Server:
     def _new_scheduler(self, ready: wp.Ready) -> Scheduler:
         limits = Limits.for_worker(ready, self.config)
         self.intake.set_max_context(ready.max_context)
+        if self.grammars is None or self.grammars.vocab_size != ready.vocab_size:
+            self.grammars = Grammars(self.tokenizer, ready.vocab_size)
         return Scheduler(limits, self.tokenizer.eos_ids, debug_invariants=self.config.scheduler.debug_invariants)
 
     async def start(self) -> None:
@@ -193,9 +197,12 @@ class Server:
         assert self.ready is not None
         try:
             params = sampling_params(msg, self.ready.vocab_size)
+            spec = grammar_spec(msg)
+            assert self.grammars is not None
+            constraint = self.grammars.constraint(spec) if spec is not None else None
         except RequestRejected as exc:
             return reject(str(exc))
-        req = Request(rid=f"r{next(self._ids)}", prompt_ids=[], params=params, max_new=0)
+        req = Request(rid=f"r{next(self._ids)}", prompt_ids=[], params=params, max_new=0, constraint=constraint)
         req.stream = msg.stream and not envelope  # a REQ socket takes one reply per request
         req.client = to
         req.arrived_at = time.monotonic()

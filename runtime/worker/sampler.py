@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import mlx.core as mx
+import numpy as np
 
 from runtime.protocol.worker import DecodeBatch, RowSampling
 
@@ -101,7 +102,7 @@ class RowSampler:
 
     def plain(self, decode: DecodeBatch) -> bool:
         """Whether every row of the batch is plain greedy (the fast path)."""
-        if decode.ban_stop or max(decode.temperatures) > 0:
+        if decode.ban_stop or decode.mask_rows or max(decode.temperatures) > 0:
             return False
         return not self.specs or not any(r in self.specs for r in decode.rows)
 
@@ -121,7 +122,7 @@ class RowSampler:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         params = self._params(decode, logits.shape[-1], logits.shape[0])
         x = logits
-        if params.bias is not None or params.penalties or decode.ban_stop:
+        if params.bias is not None or params.penalties or decode.ban_stop or decode.mask_rows:
             x = self._processed(x, decode, params)
             logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
         greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
@@ -173,6 +174,10 @@ class RowSampler:
                 ti.extend(ids)
             if ri:
                 x = x.at[mx.array(ri), mx.array(ti)].add(mx.array(-float("inf"), dtype=x.dtype))
+        if decode.mask_rows:
+            index = mx.array(decode.mask_rows, dtype=mx.int32)
+            allowed = grammar_allowed(decode.masks, x.shape[-1])
+            x[index] = mx.where(allowed, x[index], mx.array(-float("inf"), dtype=x.dtype))
         return x
 
     def _draw(self, logprobs: mx.array, positions: mx.array, params: _BatchParams) -> mx.array:
@@ -307,6 +312,17 @@ def top_candidates(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
     values = mx.take_along_axis(x, ids, axis=-1)
     order = mx.argsort(-values, axis=-1)
     return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+
+
+def grammar_allowed(masks: list[bytes], vocab: int) -> mx.array:
+    """(len(masks), vocab) bool from structured-output bitmasks: bit i of little-endian uint32
+    word i // 32 allows token i; tokens past a mask's end are not allowed."""
+    words = mx.array(np.frombuffer(b"".join(masks), dtype="<u4").reshape(len(masks), -1))
+    bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
+    allowed = bits.reshape(len(masks), -1).astype(mx.bool_)
+    if allowed.shape[1] < vocab:
+        allowed = mx.concatenate([allowed, mx.zeros((len(masks), vocab - allowed.shape[1]), dtype=mx.bool_)], axis=1)
+    return allowed[:, :vocab]
 
 
 def _maybe_compile(fn, compiled: bool):
