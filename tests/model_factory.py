@@ -28,7 +28,8 @@ Notes
   ``qwen3_5`` they go into ``text_config``).  ``vocab_size`` is also used for
   the tokenizer.  gemma3_text is always saved with an untied ``lm_head``.
 * Init: fan-in normal matrices, equal-norm embedding rows, q/k gain 3 (sharp
-  attention) and, for tied embeddings, small embeddings + a scaled final norm.
+  attention; a fused qkv projection takes it whole) and, for tied embeddings,
+  small embeddings + a scaled final norm.
   Without these, tiny random attention models decode greedily into 1-2 token
   loops.  ``make_model`` also checks (and if needed re-draws, deterministically)
   that greedy decoding of a few prompts is varied.
@@ -444,6 +445,101 @@ def _cfg_gemma2() -> dict:
     }
 
 
+def _cfg_phi3() -> dict:
+    # One fused qkv_proj (and gate_up_proj); head_dim = hidden_size // heads.
+    return {
+        "model_type": "phi3",
+        "architectures": ["Phi3ForCausalLM"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 2,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POS,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+
+
+def _cfg_bailing_moe() -> dict:
+    # Attention in `attention`: fused query_key_value, output `dense`, q/k norms. Every layer
+    # below first_k_dense_replace has a dense MLP: no experts in this tiny model.
+    return {
+        "model_type": "bailing_moe",
+        "architectures": ["BailingMoeForCausalLM"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 2,
+        "intermediate_size": INTERMEDIATE,
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "first_k_dense_replace": 2,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "use_qk_norm": True,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POS,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+
+
+def _cfg_lfm2() -> dict:
+    # Short-conv layers (ArraysCache) and attention layers whose output projection is out_proj.
+    return {
+        "model_type": "lfm2",
+        "architectures": ["Lfm2ForCausalLM"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 4,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "max_position_embeddings": MAX_POS,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": HIDDEN,
+        "block_ff_dim": INTERMEDIATE,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+        "vocab_size": VOCAB,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    }
+
+
+def _cfg_falcon_h1() -> dict:
+    # Every layer runs a Mamba mixer and attention side by side: CacheList(ArraysCache, KVCache).
+    return {
+        "model_type": "falcon_h1",
+        "architectures": ["FalconH1ForCausalLM"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 2,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "mamba_d_conv": 4,
+        "mamba_d_head": 16,
+        "mamba_d_ssm": 64,
+        "mamba_d_state": 16,
+        "mamba_n_groups": 1,
+        "mamba_n_heads": 4,
+        "mamba_chunk_size": 16,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POS,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+
+
 _CONFIGS: Dict[str, Callable[[], dict]] = {
     "llama": _cfg_llama,
     "qwen3": _cfg_qwen3,
@@ -453,6 +549,10 @@ _CONFIGS: Dict[str, Callable[[], dict]] = {
     "nemotron_h": _cfg_nemotron_h,
     "gemma3_text": _cfg_gemma3_text,
     "gemma2": _cfg_gemma2,
+    "phi3": _cfg_phi3,
+    "bailing_moe": _cfg_bailing_moe,
+    "lfm2": _cfg_lfm2,
+    "falcon_h1": _cfg_falcon_h1,
 }
 
 ARCHS: tuple = tuple(_CONFIGS)
@@ -509,9 +609,13 @@ def _vocab_size(cfg: dict) -> int:
 
 
 # Names of the final (pre-lm_head) norm scale, per weight layout.
-_FINAL_NORMS = ("model.norm.weight", "backbone.norm_f.weight", "language_model.model.norm.weight")
+_FINAL_NORMS = ("model.norm.weight", "backbone.norm_f.weight", "language_model.model.norm.weight",
+                "model.embedding_norm.weight")
 
-_QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+_QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.q_layernorm.weight",
+             "self_attn.k_layernorm.weight", "attention.query_layernorm.weight", "attention.key_layernorm.weight")
+# Projections that make queries and keys (fused ones make values too: they get the gain as well).
+_QK_WEIGHTS = ("q_proj.weight", "k_proj.weight", "qkv_proj.weight", "query_key_value.weight")
 
 
 def _init_weights(
@@ -546,7 +650,7 @@ def _init_weights(
             std = 0.5  # depthwise conv over the kernel taps
         else:
             std = 1.0 / (p.shape[-1] ** 0.5)  # fan-in scaling
-            if name.endswith(("q_proj.weight", "k_proj.weight")) and not qk_norm:
+            if name.endswith(_QK_WEIGHTS) and not qk_norm:
                 std *= _QK_GAIN
         new.append((name, (w * std).astype(p.dtype)))
     if qk_norm:

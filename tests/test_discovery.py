@@ -5,14 +5,17 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
 from model_factory import load_cached
 
+from runtime.worker.attention_probe import compute_dtype, probe_attention
 from runtime.worker.discovery import (
+    UnsupportedModel,
     attention_shape,
     discover,
     find_attention,
     is_softmax_attention,
-    kv_dtype,
 )
 
 
@@ -70,18 +73,60 @@ class _AttnSpelledHF(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = _Proj(64), _Proj(32), _Proj(32), _Proj(8)
 
 
-class _ProjectionsOnly(nn.Module):
-    """A linear mixer that merely has q/k/v/o projections."""
+class _FusedAttention(nn.Module):
+    """Attention under names discovery never knew: one fused projection, no RoPE, no head
+    attributes; it stores K/V through its cache and attends through this module's
+    ``scaled_dot_product_attention``. ``by_hand`` attends without that call instead."""
+
+    def __init__(self, by_hand: bool = False) -> None:
+        super().__init__()
+        self.wqkv = nn.Linear(8, 4 * 4 + 2 * 2 * 4, bias=False)
+        self.wo = nn.Linear(4 * 4, 8, bias=False)
+        self.by_hand = by_hand
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        b, n, _ = x.shape
+        q, k, v = mx.split(self.wqkv(x), [16, 24], axis=-1)
+        q = q.reshape(b, n, 4, 4).transpose(0, 2, 1, 3)
+        k, v = (t.reshape(b, n, 2, 4).transpose(0, 2, 1, 3) for t in (k, v))
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        if self.by_hand:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask=mask)
+        else:
+            out = scaled_dot_product_attention(q, k, v, cache=cache, scale=0.5, mask=mask)
+        return self.wo(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+class _StateMixer(nn.Module):
+    """A recurrent mixer with q/k/v/o projections and a cache: it keeps a state in it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = _Proj(64), _Proj(32), _Proj(32), _Proj(8)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(8, 8, bias=False) for _ in range(4))
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        state = self.k_proj(x) * self.v_proj(x)
+        if cache is not None:
+            state = state + (cache[0] if cache[0] is not None else 0)
+            cache[0] = state
+        return self.o_proj(self.q_proj(x) * state)
 
 
 class _Layer(nn.Module):
     def __init__(self, mixer: nn.Module, name: str) -> None:
         super().__init__()
         setattr(self, name, mixer)
+        self.mlp = nn.Linear(8, 8)
+
+
+class _Model(nn.Module):
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def make_cache(self) -> list:
+        return [KVCache() for _ in self.layers]
 
 
 def test_head_count_spellings_and_head_dim_from_k_proj():
@@ -89,20 +134,72 @@ def test_head_count_spellings_and_head_dim_from_k_proj():
     assert (shape.n_heads, shape.n_kv_heads, shape.head_dim) == (4, 2, 16)
 
 
-def test_projection_only_mixer_is_not_attention():
-    assert is_softmax_attention(_AttnSpelledHF())
-    assert not is_softmax_attention(_ProjectionsOnly())
-    assert find_attention(_Layer(_ProjectionsOnly(), "self_attn")) is None
-    assert find_attention(_Layer(_AttnSpelledHF(), "attention")) == "attention"
+def test_attention_is_what_stores_kv_through_its_cache():
+    """Names and projections do not make attention; storing K/V through the cache does."""
+    assert is_softmax_attention(_FusedAttention())
+    assert not is_softmax_attention(_StateMixer())
+    assert not is_softmax_attention(_AttnSpelledHF())  # projections, RoPE, heads, but no call
+    assert find_attention(_Layer(_StateMixer(), "self_attn")) is None
+    assert find_attention(_Layer(_FusedAttention(), "block_mixer")) == "block_mixer"
+    probe = probe_attention(_FusedAttention())
+    assert (probe.width, probe.kv_heads, probe.head_dim, probe.query_heads) == (8, 2, 4, 4) and probe.routed
 
 
-def test_quantized_projections_give_float_kv_dtype():
-    linear = nn.Linear(64, 32, bias=False)
-    quant = nn.QuantizedLinear.from_linear(linear, group_size=32, bits=4)
-    holder = _AttnSpelledHF()
-    holder.k_proj = quant
-    assert quant.weight.dtype == mx.uint32
-    assert kv_dtype(holder, mx.bfloat16) == mx.float32  # from the scales
+def test_unnamed_attention_is_served_and_its_geometry_probed():
+    layout = discover(_Model([_Layer(_FusedAttention(), "block_mixer") for _ in range(2)]))
+    assert layout.attention_layers == (0, 1) and layout.attn_attr == ("block_mixer", "block_mixer")
+    assert (layout.kv_shape.n_heads, layout.kv_shape.n_kv_heads, layout.kv_shape.head_dim) == (4, 2, 4)
+
+
+def test_refusals_name_what_is_not_served():
+    with pytest.raises(UnsupportedModel, match="cache entry 0 is a KV cache, but no module of layer 0"):
+        discover(_Model([_Layer(_StateMixer(), "self_attn")]))
+    # Routed decode would answer this module's attention call from the pool; it never makes one.
+    with pytest.raises(UnsupportedModel, match="does not attend through its module's scaled_dot_product_attention"):
+        discover(_Model([_Layer(_FusedAttention(by_hand=True), "attn")]))
+
+
+def test_quantized_projections_give_float_kv_dtype(model_dir):
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(model_dir("phi3"))  # a private copy: quantized in place
+    nn.quantize(model, group_size=32, bits=4)
+    attn = model.layers[0].self_attn
+    assert attn.qkv_proj.weight.dtype == mx.uint32
+    assert compute_dtype(attn, mx.bfloat16) == mx.float32  # from the scales
+    assert discover(model).kv_dtype == mx.float32
+
+
+@pytest.mark.parametrize("arch, attr", [("phi3", "self_attn"), ("bailing_moe", "attention")])
+def test_fused_qkv_projections_are_attention(model_dir, arch, attr):
+    model, _ = load_cached(model_dir(arch))
+    layout = discover(model)
+    assert layout.attention_layers == (0, 1) and layout.attn_attr == (attr, attr)
+    assert not hasattr(getattr(model.layers[0], attr), "k_proj")
+
+
+def test_lfm2_attention_between_conv_layers(model_dir):
+    model, _ = load_cached(model_dir("lfm2"))
+    layout = discover(model)
+    assert layout.attention_layers == (1, 3) and layout.aux_layers == (0, 2)
+    assert layout.attn_attr == (None, "self_attn", None, "self_attn")
+    assert not is_softmax_attention(model.layers[0].conv)  # a short-conv mixer with a cache
+
+
+def test_nemotron_h_attention_without_rope(model_dir):
+    """Mamba, attention, Mamba, MLP: three cache entries for four layers; no RoPE."""
+    model, _ = load_cached(model_dir("nemotron_h"))
+    layout = discover(model)
+    assert layout.num_layers == 3 and layout.kv_index == (-1, 0, -1) and layout.aux_layers == (0, 2)
+    assert layout.attn_attr == (None, "mixer", None, None)
+    assert not hasattr(model.layers[1].mixer, "rope")
+    assert not is_softmax_attention(model.layers[0].mixer)
+
+
+def test_nested_cache_lists_are_refused_by_name(model_dir):
+    model, _ = load_cached(model_dir("falcon_h1"))  # CacheList(Mamba state, KV cache) per layer
+    with pytest.raises(UnsupportedModel, match="cache entry 0 is a CacheList.*nested CacheList layers are not served"):
+        discover(model)
 
 
 def test_sliding_window_layers_are_served_with_their_windows(model_dir):

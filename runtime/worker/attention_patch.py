@@ -37,8 +37,10 @@ def _dispatcher(original: Callable) -> Callable:
 def install(model: nn.Module, attn_attr: tuple[str | None, ...]) -> bool:
     """Patch the attention call of every attention layer's module; True if all are covered.
 
-    False means some attention module does not call a module-level
-    ``scaled_dot_product_attention``: the worker then keeps gathering K/V for it.
+    False means some attention module's Python module has no module-level
+    ``scaled_dot_product_attention``: the worker then keeps gathering K/V for it. Discovery
+    refuses a module whose Python module has one but attends another way
+    (``attention_probe``), so True means every attention call reaches the dispatcher.
     """
     layers = model_layers(model)
     modules = []

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-ATTENTION_ATTRS = ("self_attn", "attention", "attn", "mixer", "self_attention")
+from runtime.worker.attention_probe import ProbedAttention, probe_attention
 
 
 class UnsupportedModel(ValueError):
@@ -78,43 +78,63 @@ def _int_attr(module: nn.Module, *names: str) -> int | None:
     return None
 
 
-def _out_features(proj: nn.Module) -> int:
-    weight = proj["weight"] if isinstance(proj, dict) else proj.weight
-    width = weight.shape[0]
-    return width
-
-
-def is_softmax_attention(module: nn.Module) -> bool:
-    """True for q/k/v/o attention with RoPE, a scale and head counts (not a linear mixer)."""
-    has_proj = all(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    has_heads = _int_attr(module, "n_heads", "num_attention_heads", "num_heads") is not None
-    has_scale = isinstance(getattr(module, "scale", None), float)
-    has_rope = hasattr(module, "rope") or hasattr(module, "rotary_emb")
-    return has_proj and has_heads and has_scale and has_rope
-
-
 def attention_shape(module: nn.Module) -> AttentionShape:
-    """Head counts from either spelling; head_dim from the module or the k projection."""
+    """Head counts from the module's attributes, in either spelling; head_dim from the module or
+    the k projection (a fallback: ``discover`` takes K/V geometry from the probe)."""
     n_heads = _int_attr(module, "n_heads", "num_attention_heads", "num_heads")
     n_kv = _int_attr(module, "n_kv_heads", "num_key_value_heads", "num_kv_heads") or n_heads
     head_dim = _int_attr(module, "head_dim")
     if head_dim is None:
-        k_width = _out_features(module.k_proj)
-        if hasattr(module.k_proj, "bits"):  # quantized: packed uint32 columns
-            k_width = module.k_proj.weight.shape[0]
+        k_width = module.k_proj.weight.shape[0]  # quantized too: one packed row per output
         head_dim = k_width // n_kv
     assert n_heads is not None
     return AttentionShape(n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim)
 
 
-def kv_dtype(module: nn.Module, fallback: mx.Dtype) -> mx.Dtype:
-    """A float dtype for K/V even when the projections are quantized."""
-    proj = module.k_proj
-    for name in ("weight", "scales"):
-        arr = getattr(proj, name, None)
-        if isinstance(arr, mx.array) and mx.issubdtype(arr.dtype, mx.floating):
-            return arr.dtype
-    return fallback
+@dataclass(frozen=True)
+class LayerAttention:
+    """A layer's attention module: the attribute holding it and what its probe showed."""
+
+    attr: str
+    module: nn.Module
+    probe: ProbedAttention
+
+    @property
+    def shape(self) -> AttentionShape:
+        """K/V geometry from the probe; the query head count from the attention call, or, for a
+        module that attends by hand, from its attributes."""
+        probe, name = self.probe, type(self.module).__name__
+        if probe.value_dim != probe.head_dim:
+            raise UnsupportedModel(f"{name} stores keys of width {probe.head_dim} and values of width "
+                                   f"{probe.value_dim} (latent attention); the KV pool holds one width")
+        n_heads = probe.query_heads or _int_attr(self.module, "n_heads", "num_attention_heads", "num_heads")
+        if n_heads is None or n_heads % probe.kv_heads:
+            raise UnsupportedModel(f"{name}: cannot tell its query head count ({n_heads!r} for "
+                                   f"{probe.kv_heads} KV heads)")
+        return AttentionShape(n_heads=n_heads, n_kv_heads=probe.kv_heads, head_dim=probe.head_dim)
+
+
+def layer_attention(layer: nn.Module) -> LayerAttention | None:
+    """The one direct submodule of ``layer`` that stores K/V through its cache, or None: any
+    attribute name (``self_attn``, ``attention``, ``mixer``...) and any projections."""
+    children = [(name, child) for name, child in layer.items() if isinstance(child, nn.Module)]
+    found = [(name, child, p) for name, child in children if (p := probe_attention(child)) is not None]
+    if len(found) > 1:
+        raise UnsupportedModel(f"{type(layer).__name__} has several modules storing K/V "
+                               f"({', '.join(n for n, _, _ in found)}); one KV cache per layer is served")
+    return LayerAttention(*found[0]) if found else None
+
+
+def find_attention(layer: nn.Module) -> str | None:
+    """The attribute name of a layer's softmax attention, or None."""
+    found = layer_attention(layer)
+    return found.attr if found is not None else None
+
+
+def is_softmax_attention(module: nn.Module) -> bool:
+    """True for a module that stores K/V through a KV cache and attends to them (the probe);
+    a linear-attention or state-space mixer is not one, whatever projections it has."""
+    return probe_attention(module) is not None
 
 
 def _attend(module: nn.Module, x: mx.array, mask: mx.array | None) -> mx.array | None:
@@ -127,17 +147,16 @@ def _attend(module: nn.Module, x: mx.array, mask: mx.array | None) -> mx.array |
     return out
 
 
-def query_mask_rank(module: nn.Module, shape: AttentionShape, dtype: mx.Dtype) -> int | None:
+def query_mask_rank(module: nn.Module, shape: AttentionShape, dtype: mx.Dtype, width: int) -> int | None:
     """The rank a per-row decode mask must have to broadcast against ``module``'s scores:
     4 for (B, heads, L, T), 5 for queries grouped by hand as (B, kv_heads, n_rep, L, T)
     (gemma2). None when the module cannot be run alone on a plain input (left as 4).
 
     Probed once at load with an all-true mask over a batch larger than every head count, so
     a mask of the wrong rank cannot broadcast silently (batch against a head axis): it fails
-    or changes the output.
+    or changes the output. ``width`` is the module's input width.
     """
     batch = shape.n_heads + 1
-    width = _out_features(module.o_proj)
     x = mx.random.normal((batch, 2, width), key=mx.random.key(0)).astype(dtype)  # fixed key: RNG untouched
     reference = _attend(module, x, None)
     if reference is None:
@@ -153,17 +172,21 @@ def query_mask_rank(module: nn.Module, shape: AttentionShape, dtype: mx.Dtype) -
         "batched decode would be wrong, so this model is not served")
 
 
-def find_attention(layer: nn.Module) -> str | None:
-    """The attribute name of a layer's softmax attention, or None."""
-    for name in ATTENTION_ATTRS:
-        module = getattr(layer, name, None)
-        if module is not None and is_softmax_attention(module):
-            return name
-    return None
-
-
 AUX_CACHE_KINDS = ("ArraysCache", "MambaCache")
 KV_CACHE_KINDS = ("KVCache", "RotatingKVCache")
+# Cache kinds refused at load, and why (named in the message).
+REFUSED_CACHE_KINDS = {
+    "CacheList": "a CacheList (several caches nested in one layer, e.g. a recurrent state and a KV cache): "
+                 "nested CacheList layers are not served",
+    "ChunkedKVCache": "a ChunkedKVCache: chunked attention is not served",
+    "QuantizedKVCache": "a QuantizedKVCache: quantized K/V are not served",
+}
+
+
+def _check_kind(entry: int, kind: str) -> None:
+    if kind not in KV_CACHE_KINDS and kind not in AUX_CACHE_KINDS:
+        why = REFUSED_CACHE_KINDS.get(kind, f"a {kind}, a cache kind this runtime does not serve")
+        raise UnsupportedModel(f"cache entry {entry} is {why}")
 
 
 def cache_window(cache: object) -> int | None:
@@ -180,52 +203,79 @@ def cache_window(cache: object) -> int | None:
     return window
 
 
+def _attention_owners(layers: list[nn.Module], kinds: list[str]) -> dict[int, tuple[int, LayerAttention]]:
+    """Each KV cache entry's (layer index, attention module). One entry per layer: entry i is
+    layer i's; a cache list that skips layers (MLP-only blocks): the k-th KV entry is the k-th
+    layer with attention."""
+    kv_entries = [i for i, kind in enumerate(kinds) if kind in KV_CACHE_KINDS]
+    if len(kinds) == len(layers):
+        owners = {}
+        for i in kv_entries:
+            found = layer_attention(layers[i])
+            if found is None:
+                raise UnsupportedModel(
+                    f"cache entry {i} is a KV cache, but no module of layer {i} stores K/V through it "
+                    "(called as module(x, mask=..., cache=...), cache.update_and_fetch then attention)")
+            owners[i] = (i, found)
+        return owners
+    found_all = [(j, f) for j, layer in enumerate(layers) if (f := layer_attention(layer)) is not None]
+    if len(found_all) != len(kv_entries):
+        raise UnsupportedModel(f"{len(kv_entries)} KV cache entries for {len(found_all)} layers whose module "
+                               "stores K/V; cannot tell which layer owns which entry")
+    return dict(zip(kv_entries, found_all))
+
+
+def _checked(found: LayerAttention) -> AttentionShape:
+    """The module's K/V geometry; refuses attention the pool's routed decode would get wrong."""
+    if found.probe.defines_call and not found.probe.routed:
+        # attention_patch would answer this module's attention call from the pool, but the
+        # module attends another way (or to other K/V than its cache returned).
+        raise UnsupportedModel(
+            f"{type(found.module).__name__} does not attend through its module's scaled_dot_product_attention "
+            "to the K/V its cache returned; decode attention cannot be routed to the pool for it")
+    return found.shape
+
+
 def discover(model: nn.Module) -> CacheLayout:
     """Build the cache layout over the model's cache entries; refuse what cannot be served.
 
     Entries come from ``model.make_cache()`` when the model has it (hybrids, and models
-    whose cache list skips MLP-only blocks), else one KV entry per layer.
+    whose cache list skips MLP-only blocks), else one KV entry per layer. A KV entry's
+    attention is the module that stores K/V through it (``attention_probe``).
     """
     layers = model_layers(model)
-    attn_attr = [find_attention(layer) for layer in layers]
     caches = model.make_cache() if hasattr(model, "make_cache") else None
     kinds = [type(c).__name__ for c in caches] if caches is not None else ["KVCache"] * len(layers)
+    for i, kind in enumerate(kinds):
+        _check_kind(i, kind)
     windows = tuple(cache_window(c) for c in caches) if caches is not None else (None,) * len(layers)
     if len({w for w in windows if w is not None}) > 1:
         # mlx-lm models build one sliding-window mask for all their local layers.
         raise UnsupportedModel(f"sliding-window layers have different windows ({sorted({w for w in windows if w})})")
-    per_layer = len(kinds) == len(layers)
-    attention_modules = [getattr(layer, name) for layer, name in zip(layers, attn_attr) if name is not None]
+    owners = _attention_owners(layers, kinds)
+    attn_attr: list[str | None] = [None] * len(layers)
+    for j, found in owners.values():
+        attn_attr[j] = found.attr
     attention, aux, kv_index = [], [], []
     shape: AttentionShape | None = None
-    dtype = mx.float32
+    dtype: mx.Dtype | None = None
     ranks: dict[type, int | None] = {}  # per attention class: one decode mask serves every layer
     for i, kind in enumerate(kinds):
-        if kind in KV_CACHE_KINDS:
-            if per_layer:
-                name = attn_attr[i]
-                module = getattr(layers[i], name) if name is not None else None
-            else:
-                j = len(attention)
-                module = attention_modules[j] if j < len(attention_modules) else None
-            if module is None:
-                raise UnsupportedModel(f"cache entry {i} is a KV cache but no attention module the runtime recognises")
-            this = attention_shape(module)
-            if shape is not None and this != shape:
-                raise UnsupportedModel(f"attention layers have different K/V shapes ({shape} vs {this})")
-            shape = this
-            dtype = kv_dtype(module, dtype)
-            if type(module) not in ranks:
-                ranks[type(module)] = query_mask_rank(module, this, dtype)
-            kv_index.append(len(attention))
-            attention.append(i)
-        elif kind in AUX_CACHE_KINDS:
+        if kind in AUX_CACHE_KINDS:
             kv_index.append(-1)
             aux.append(i)
-        else:
-            raise UnsupportedModel(
-                f"cache entry {i} is a {kind} (chunked or quantized cache), which this runtime does not serve"
-            )
+            continue
+        found = owners[i][1]
+        this = _checked(found)
+        if shape is not None and this != shape:
+            raise UnsupportedModel(f"attention layers have different K/V shapes ({shape} vs {this})")
+        if dtype is not None and found.probe.dtype != dtype:
+            raise UnsupportedModel(f"attention layers store K/V of different dtypes ({dtype} vs {found.probe.dtype})")
+        shape, dtype = this, found.probe.dtype
+        if type(found.module) not in ranks:
+            ranks[type(found.module)] = query_mask_rank(found.module, this, dtype, found.probe.width)
+        kv_index.append(len(attention))
+        attention.append(i)
     known = {r for r in ranks.values() if r is not None}
     if len(known) > 1:
         raise UnsupportedModel(f"attention layers group their queries differently (score ranks {sorted(known)})")
@@ -236,7 +286,7 @@ def discover(model: nn.Module) -> CacheLayout:
         kv_index=tuple(kv_index),
         attn_attr=tuple(attn_attr),
         kv_shape=shape,
-        kv_dtype=dtype,
+        kv_dtype=dtype or mx.float32,
         mask_rank=known.pop() if known else 4,
         windows=windows,
     )
