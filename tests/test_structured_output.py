@@ -130,3 +130,15 @@ def test_masked_greedy_takes_the_best_allowed_token():
     batch = DecodeBatch(rows=[0, 1], token_ids=[1, 1], positions=[3, 3], slot_ids=[0, 0], temperatures=[0.0, 0.0],
                         mask_rows=[1], masks=[words.tobytes()])
     assert RowSampler(max_rows=2).sample(logits, batch).tokens.tolist() == [63, 9]
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_refused_clearly(tmp_path):
+    from runtime.bench.models import write_tokenizer
+    from runtime.scheduler.grammar import Grammars
+    from runtime.scheduler.tokenizer import Tokenizer
+
+    write_tokenizer(tmp_path, 50)  # word-level, no decoder: no token has known bytes
+    grammars = Grammars(Tokenizer(str(tmp_path)), 50)
+    spec = grammar_spec(Generate(rid="a", prompt="x", regex="[a-z]+"))
+    with pytest.raises(RequestRejected, match="llguidance cannot read its tokenizer"):
+        grammars.constraint(spec)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from runtime.bench.service import ServiceSpec
 
-WORKLOADS = ("single", "sweep", "prefix", "memory", "paired", "sampling", "http", "long", "mixed")
+WORKLOADS = ("single", "sweep", "prefix", "memory", "paired", "sampling", "http", "long", "mixed", "structured")
 DEFAULT_WORKLOADS = "single,sweep,prefix"
 MEMORY_PROMPT = (8, 200)
 MEMORY_GEN = (1, 64)
@@ -56,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=256, help="single and sweep prompt tokens")
     p.add_argument("--gen-len", type=int, default=256, help="single and sweep new tokens")
     p.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64, 256], help="sweep levels, e.g. 1,4,16")
-    p.add_argument("--sampling-streams", type=int, default=64, help="sampling: concurrent streams")
-    p.add_argument("--sampling-rounds", type=int, default=3, help="sampling: alternating greedy / sampled runs")
+    p.add_argument("--sampling-streams", type=int, default=64, help="sampling and structured: concurrent streams")
+    p.add_argument("--sampling-rounds", type=int, default=3, help="sampling and structured: alternating runs of each kind")
     p.add_argument("--http-streams", type=int, default=64, help="http: concurrent streams")
     p.add_argument("--http-port", type=int, default=18431, help="http and mixed: the gateway's loopback port")
     p.add_argument("--prefix-requests", type=int, default=32)
@@ -106,9 +106,9 @@ def _service_spec(args: argparse.Namespace, model: Path, workloads: list[str], c
     from runtime.bench.service import ServiceSpec
 
     running, context, slots = 1, 64, 0
-    if "single" in workloads or "sweep" in workloads or "paired" in workloads or "sampling" in workloads:
+    if any(w in workloads for w in ("single", "sweep", "paired", "sampling", "structured")):
         n = max(args.concurrency) if "sweep" in workloads else 1
-        n = max(n, args.sampling_streams) if "sampling" in workloads else n
+        n = max(n, args.sampling_streams) if "sampling" in workloads or "structured" in workloads else n
         seq = args.prompt_len + args.gen_len
         running, context, slots = max(running, n), max(context, seq), max(slots, n * seq)
     if "prefix" in workloads:
@@ -318,6 +318,10 @@ def run(args: argparse.Namespace) -> int:
         from runtime.bench.sampling import Sampling
 
         plans.append(Sampling(bench, args.sampling_streams, args.prompt_len, args.gen_len, args.sampling_rounds))
+    if "structured" in chosen:
+        from runtime.bench.structured import Structured
+
+        plans.append(Structured(bench, args.sampling_streams, args.prompt_len, args.gen_len, args.sampling_rounds))
     if "long" in chosen:
         from runtime.bench.long_prompt import LongPrompt
 
@@ -333,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
             if args.repeats > 1:
                 log(f"repeat {rep + 1} of {args.repeats}")
             _runtime_phase(args, model, plans, services, rep, log)
-            if any(plan.name != "sampling" for plan in plans):  # sampling compares the runtime with itself
+            if any(plan.name not in ("sampling", "structured") for plan in plans):  # these compare the runtime with itself
                 _mlx_phase(model, plans, rep, log)
         for plan in plans:
             report(plan.name, plan.outcome())

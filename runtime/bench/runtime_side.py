@@ -26,13 +26,14 @@ async def _stream_one(
 
 
 async def _together(
-    address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int], params: dict | None = None
+    address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int], params: dict | Sequence[dict] | None = None
 ) -> list[StreamTiming]:
     async with Client(address, timeout_s=REPLY_TIMEOUT_S) as client:
         before = await client.status()
         start = time.perf_counter()
         timings = [StreamTiming(start=start) for _ in prompts]
-        await asyncio.gather(*(_stream_one(client, p, g, t, params) for p, g, t in zip(prompts, gen_lens, timings)))
+        each = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        await asyncio.gather(*(_stream_one(client, p, g, t, q) for p, g, t, q in zip(prompts, gen_lens, timings, each)))
         after = await client.status()
     # The worker's own clock: time with no step launched on the device, over its uptime.
     span = after.worker_uptime_s - before.worker_uptime_s
@@ -44,9 +45,10 @@ async def _together(
 
 
 def run_together(
-    address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int], params: dict | None = None
+    address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int], params: dict | Sequence[dict] | None = None
 ) -> list[StreamTiming]:
-    """Send all requests at once (one client, concurrent streams); the shared start is t=0 for TTFT."""
+    """Send all requests at once (one client, concurrent streams); the shared start is t=0 for TTFT.
+    ``params``: extra generate keywords for every request, or a list of them, one per request."""
     return asyncio.run(_together(address, prompts, gen_lens, params))
 
 

@@ -95,7 +95,11 @@ class Grammars:
 
             hf = self.tokenizer.hf
             n_vocab = max(self.vocab_size, len(hf))
-            self._ll = llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=sorted(self.tokenizer.eos_ids))
+            try:
+                self._ll = llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=sorted(self.tokenizer.eos_ids))
+            except Exception as exc:  # e.g. a tokenizer without a byte-level or sentencepiece decoder
+                raise RequestRejected(f"structured output is not available for this model: llguidance cannot "
+                                      f"read its tokenizer ({exc})") from None
         return self._ll
 
     def constraint(self, spec: GrammarSpec) -> Constraint:
@@ -106,7 +110,10 @@ class Grammars:
         problem = LLMatcher.validate_grammar(spec.grammar, ll)
         if problem:
             raise RequestRejected(f"invalid {spec.kind}: {problem.strip()}")
-        matcher = LLMatcher(ll, spec.grammar)
+        try:
+            matcher = LLMatcher(ll, spec.grammar)
+        except Exception as exc:
+            raise RequestRejected(f"invalid {spec.kind}: {exc}") from None
         if matcher.is_error():
             raise RequestRejected(f"invalid {spec.kind}: {matcher.get_error()}")
         return Constraint(matcher, self.vocab_size)
