@@ -97,7 +97,6 @@ def test_with_rows_decoding_a_prompt_is_chunked():
 
 def test_service_without_limits_reports_what_it_chose(model_dir, service_factory):
     from runtime.client import SyncClient
-
     from runtime.worker.loader import device
 
     with service_factory(model_dir("llama")) as svc:
