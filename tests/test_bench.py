@@ -82,7 +82,8 @@ def test_sharded_weights_have_a_complete_index(tmp_path):
 def test_parser_lists():
     args = build_parser().parse_args(["--synthetic", "tiny", "--concurrency", "1,4", "--workloads", "all"])
     assert args.concurrency == [1, 4]
-    assert args.workloads == ["single", "sweep", "prefix", "memory", "paired", "sampling", "http", "long", "mixed"]
+    assert args.workloads == ["single", "sweep", "prefix", "memory", "paired", "sampling", "http", "long", "mixed",
+                              "structured"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--synthetic", "tiny", "--workloads", "nope"])
 
@@ -116,3 +117,21 @@ def test_http_workload_compares_the_gateway_with_the_client():
     assert outcome.data["itl_ratio_median"] == pytest.approx(1.04)
     assert outcome.data["throughput_ratios"] == pytest.approx([0.91, 0.95])
     assert "at most 1.05" in outcome.tables[0]
+
+
+def test_structured_workload_runs_half_constrained_rounds(model_dir, tmp_path, capsys):
+    import json
+
+    from runtime.bench.main import run
+
+    out = tmp_path / "structured.json"
+    args = build_parser().parse_args([
+        "--model", str(model_dir("llama")), "--workloads", "structured", "--sampling-streams", "4",
+        "--sampling-rounds", "1", "--prompt-len", "8", "--gen-len", "12", "--work-dir", str(tmp_path), "--json", str(out),
+    ])
+    assert run(args) == 0
+    data = json.loads(out.read_text())["workloads"]["structured"]
+    assert data["streams"] == 4 and len(data["free_tok_s"]) == len(data["half_constrained_tok_s"]) == 1
+    assert data["constrained_tokens"] == [2 * 12]  # two constrained streams ran to max_tokens
+    assert data["ratio_median"] > 0
+    assert "structured output cost" in capsys.readouterr().out

@@ -11,12 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runtime.bench.service import ServiceSpec
+    pass
 
 WORKLOADS = ("single", "sweep", "prefix", "memory", "paired", "sampling", "http", "long", "mixed", "structured")
 DEFAULT_WORKLOADS = "single,sweep,prefix"
-MEMORY_PROMPT = (8, 200)
-MEMORY_GEN = (1, 64)
 
 
 def _ints(text: str) -> list[int]:
@@ -101,150 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _service_spec(args: argparse.Namespace, model: Path, workloads: list[str], cache: bool) -> ServiceSpec:
-    """Limits that fit every request of the chosen workloads, with a little slack."""
-    from runtime.bench.service import ServiceSpec
-
-    running, context, slots = 1, 64, 0
-    if any(w in workloads for w in ("single", "sweep", "paired", "sampling", "structured")):
-        n = max(args.concurrency) if "sweep" in workloads else 1
-        n = max(n, args.sampling_streams) if "sampling" in workloads or "structured" in workloads else n
-        seq = args.prompt_len + args.gen_len
-        running, context, slots = max(running, n), max(context, seq), max(slots, n * seq)
-    if "prefix" in workloads:
-        seq = args.prefix_len + args.prefix_unique[-1] + args.prefix_gen
-        n = args.prefix_requests
-        running, context, slots = max(running, n), max(context, seq), max(slots, n * seq)
-    if "memory" in workloads:
-        seq = MEMORY_PROMPT[1] + MEMORY_GEN[1]
-        n = args.memory_concurrency
-        running, context, slots = max(running, n), max(context, seq), max(slots, n * seq)
-    if "long" in workloads:
-        seq = max(args.long_lens) + args.long_gen
-        context, slots = max(context, seq), max(slots, seq)
-    return ServiceSpec(
-        model=model,
-        max_running=running,
-        max_context=context + 16,
-        kv_slots=args.kv_slots or slots + 2 * context + 64,
-        cache_enabled=cache,
-        max_step_tokens=args.max_step_tokens,
-        prefill_chunk=args.prefill_chunk,
-        blas=args.blas,
-        fuse_projections=args.fuse_projections,
-    )
-
-
-def _runtime_phase(args: argparse.Namespace, model: Path, plans: list[Any], services: dict[str, Any], rep: int,
-                   log: Any) -> None:
-    """Every plan's runtime side, with fresh services that are gone when this returns."""
-    from runtime.bench.service import Service
-
-    work = args.work_dir
-    spec = _service_spec(args, model, [p.name for p in plans], cache=True)
-    log(f"starting the runtime (cache on): {spec}")
-    with Service(spec, work / "configs" / "cache-on.toml") as on:
-        log(on.banner)
-        services["cache_on"] = vars(spec) | {"model": str(model)}
-        pids = {"worker": on.worker_pid()}
-        for plan in plans:
-            if plan.name != "prefix":
-                plan.run_runtime({"on": on.address}, rep)
-            else:
-                off_spec = _service_spec(args, model, ["prefix"], cache=False)
-                log("starting the runtime (cache off)")
-                with Service(off_spec, work / "configs" / "cache-off.toml") as off:
-                    services["cache_off"] = vars(off_spec) | {"model": str(model)}
-                    plan.run_runtime({"on": on.address, "off": off.address}, rep)
-            _log_gpu(log, pids)
-
-
-def _mlx_phase(model: Path, plans: list[Any], rep: int, log: Any) -> None:
-    """Every plan's mlx-lm side, in this process, with the device to itself."""
-    from runtime.bench.mlx_side import MlxLm
-
-    log("loading the model in-process for mlx-lm")
-    mlx = MlxLm(model)
-    for plan in plans:
-        plan.run_mlx(mlx, rep)
-        _log_gpu(log, {"bench": os.getpid()})
-    mlx.release()
-
-
-def _paired_phase(args: argparse.Namespace, model: Path, bench: Any, services: dict[str, Any], log: Any) -> Any:
-    """The ``paired`` workload: a service and mlx-lm loaded together, single streams alternated."""
-    from runtime.bench.mlx_side import MlxLm
-    from runtime.bench.paired import PairedSingle
-    from runtime.bench.service import Service
-
-    spec = _service_spec(args, model, ["paired"], cache=True)
-    paired = PairedSingle(bench, args.prompt_len, args.gen_len, args.pairs)
-    log(f"starting the runtime for the paired workload: {spec}")
-    with Service(spec, args.work_dir / "configs" / "paired.toml") as svc:
-        log(svc.banner)
-        services["paired"] = vars(spec) | {"model": str(model)}
-        log("loading the model in-process for mlx-lm (the service stays up, idle while mlx-lm runs)")
-        mlx = MlxLm(model)
-        try:
-            paired.run(svc.address, mlx)
-        finally:
-            mlx.release()
-    return paired.outcome()
-
-
-def _mixed_phase(args: argparse.Namespace, model: Path, bench: Any, services: dict[str, Any], log: Any) -> Any:
-    """The ``mixed`` workload: the runtime's gateway, then (with the service gone) ``mlx_lm.server``."""
-    from runtime.bench.http import wait_http
-    from runtime.bench.mixed import Mixed, MixedShape
-    from runtime.bench.mlx_server import MlxServer
-    from runtime.bench.service import Service, ServiceSpec
-
-    shape = MixedShape(
-        requests=args.mixed_requests, rate=args.mixed_rate, prompt_median=args.mixed_prompt_median,
-        prompt_max=args.mixed_prompt_max, gen=(args.mixed_gen[0], args.mixed_gen[-1]),
-        prefix_requests=args.mixed_prefix_requests, prefix_len=args.mixed_prefix_len,
-        ttft_slo_ms=args.goodput_ttft_ms, tpot_slo_ms=args.goodput_tpot_ms,
-    )
-    plan = Mixed(bench, shape)
-    # Step budget and prefill chunk stay the service's own (0 unless the flags say otherwise);
-    # the pool is the service's default (kv_slots 0) unless --kv-slots sets one.
-    spec = ServiceSpec(
-        model=model, max_running=0, max_context=plan.max_context(),
-        kv_slots=args.kv_slots, max_step_tokens=args.max_step_tokens, prefill_chunk=args.prefill_chunk,
-        blas=args.blas, fuse_projections=args.fuse_projections, http_port=args.http_port,
-    )
-    log(f"starting a runtime with the HTTP gateway for the mixed workload: {spec}")
-    with Service(spec, args.work_dir / "configs" / "mixed.toml") as svc:
-        services["mixed"] = vars(spec) | {"model": str(model)}
-        url = f"http://127.0.0.1:{args.http_port}"
-        wait_http(url)
-        log(svc.banner)
-
-        def shapes() -> tuple[int, int]:
-            from runtime.client import SyncClient
-
-            with SyncClient(svc.address) as client:
-                status = client.status(timeout=30.0)
-            return status.worker_prefill_shapes, status.worker_decode_traces
-
-        plan.run("runtime", url, shapes)
-    log(f"starting mlx_lm.server (--decode-concurrency {args.mlx_server_concurrency})")
-    with MlxServer(model, args.mlx_server_concurrency) as server:
-        services["mixed_mlx_server"] = {"command": server.command()}
-        plan.run("mlx_lm", server.url)
-    return plan.outcome()
-
-
-def _log_gpu(log: Any, pids: dict[str, int | None]) -> None:
-    """A progress line with the device memory of the named processes, where nvidia-smi answers."""
-    from runtime.bench.service import gpu_memory_bytes
-
-    gpu = gpu_memory_bytes()
-    if gpu:
-        held = ", ".join(f"{name} {gpu.get(pid, 0) / 2**30:.1f} GiB" for name, pid in pids.items() if pid)
-        log(f"GPU memory: {held} (all processes: {sum(gpu.values()) / 2**30:.1f} GiB)")
-
-
 def _same_blas_as_worker(argv: list[str], mode: str) -> None:
     """Re-exec this process with the environment the runtime gives its worker.
 
@@ -275,7 +129,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen workloads; services are always torn down on the way out."""
-    from runtime.bench import prefix_memory, workloads
+    from runtime.bench import phases, prefix_memory, workloads
     from runtime.bench.measure import Progress
     from runtime.bench.models import model_vocab, synthetic_model
     from runtime.bench.report import format_header, header, loadavg, write_json
@@ -336,15 +190,15 @@ def run(args: argparse.Namespace) -> int:
         for rep in range(args.repeats):
             if args.repeats > 1:
                 log(f"repeat {rep + 1} of {args.repeats}")
-            _runtime_phase(args, model, plans, services, rep, log)
+            phases.runtime_phase(args, model, plans, services, rep, log)
             if any(plan.name not in ("sampling", "structured") for plan in plans):  # these compare the runtime with itself
-                _mlx_phase(model, plans, rep, log)
+                phases.mlx_phase(model, plans, rep, log)
         for plan in plans:
             report(plan.name, plan.outcome())
     if "paired" in chosen:
-        report("paired", _paired_phase(args, model, bench, services, log))
+        report("paired", phases.paired_phase(args, model, bench, services, log))
     if "memory" in chosen:
-        spec = _service_spec(args, model, ["memory"], cache=True)
+        spec = phases.service_spec(args, model, ["memory"], cache=True)
         log("starting a fresh runtime for the memory workload")
         with Service(spec, work / "configs" / "memory.toml") as svc:
             services["memory"] = vars(spec) | {"model": str(model)}
@@ -361,14 +215,14 @@ def run(args: argparse.Namespace) -> int:
                 }
 
             report("memory", prefix_memory.memory(
-                bench, svc.address, probe, args.memory_requests, args.memory_concurrency, MEMORY_PROMPT, MEMORY_GEN,
+                bench, svc.address, probe, args.memory_requests, args.memory_concurrency, phases.MEMORY_PROMPT, phases.MEMORY_GEN,
             ))
     if "http" in chosen:
         from runtime.bench.http import Http, wait_http
 
         n = args.http_streams
         seq = args.prompt_len + args.gen_len
-        spec = _service_spec(args, model, [], cache=True)
+        spec = phases.service_spec(args, model, [], cache=True)
         spec = dataclasses.replace(spec, max_running=max(spec.max_running, n), max_context=max(spec.max_context, seq + 16),
                                    kv_slots=args.kv_slots or n * (seq + 16) + 4 * seq, http_port=args.http_port)
         log("starting a runtime with the HTTP gateway")
@@ -379,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
             log(svc.banner)
             report("http", Http(bench, n, args.prompt_len, args.gen_len).run(svc.address, url))
     if "mixed" in chosen:
-        report("mixed", _mixed_phase(args, model, bench, services, log))
+        report("mixed", phases.mixed_phase(args, model, bench, services, log))
     results["warnings"] = warnings
     results["loadavg_end"] = loadavg()
     print(f"\nload average at the end: {results['loadavg_end']} (at start: {hdr['loadavg_start']})", flush=True)
