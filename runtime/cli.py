@@ -82,14 +82,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
         ready = server.ready
         assert ready is not None
         freeze_startup_heap()  # the tokenizer's and transformers' objects, out of the collector's way
+        if ready.limits:  # before the "serving" line, which tells scripts the service is up
+            print(f"runtime: limits: {ready.limits}", flush=True)
         print(
             f"runtime: serving {config.model.path} ({ready.model_type}, {ready.num_slots} KV slots "
             f"{ready.dtype} {(ready.pool_bytes + ready.aux_bytes) / 2**20:.1f} MiB, context {ready.max_context}) "
             f"on {addresses.client}",
             flush=True,
         )
-        if ready.limits:
-            print(f"runtime: limits: {ready.limits}", flush=True)
         serve = asyncio.create_task(server.serve_forever())
         stopper = asyncio.create_task(stop.wait())
         gateway = None

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.protocol.worker import AUX_CONTINUE, DecodeBatch, PrefillChunk, Step
+from runtime.protocol.worker import AUX_CONTINUE, PrefillChunk, Step
 from runtime.scheduler.admission import Limits, validate_request
 from runtime.scheduler.aux_state import AuxTracker
+from runtime.scheduler.decode_batch import build_decode
 from runtime.scheduler.radix import InsertResult, RadixCache
 from runtime.scheduler.request import Request, row_sampling
 from runtime.scheduler.rows import RowAllocator
@@ -191,25 +192,7 @@ class Scheduler:
             return None
         decode = None
         if decode_reqs:
-            rows, tokens, positions, slot_ids, temps, ban_stop = [], [], [], [], [], []
-            mask_rows, masks = [], []
-            for i, req in enumerate(decode_reqs):
-                k = req.decodes_launched
-                if k < req.params.min_tokens:
-                    ban_stop.append(i)
-                rows.append(req.row)
-                if req.constraint is not None:  # its last token is back (wants_decode): no chaining
-                    tokens.append(req.prompt_ids[-1] if k == 0 else req.output_ids[-1])
-                    mask_rows.append(i)
-                    masks.append(req.constraint.mask())
-                else:
-                    tokens.append(req.prompt_ids[-1] if k == 0 else -1)
-                positions.append(req.prompt_len - 1 + k)
-                slot_ids.append(self._alloc(req, 1)[0])
-                temps.append(req.params.temperature)
-                req.decodes_launched += 1
-            aux_slots = [r.aux_slot for r in decode_reqs] if self.aux is not None else []
-            decode = DecodeBatch(rows, tokens, positions, slot_ids, temps, aux_slots, ban_stop, mask_rows, masks)
+            decode = build_decode(decode_reqs, lambda req: self._alloc(req, 1)[0], self.aux is not None)
         samplings = [row_sampling(r, self.eos_ids) for r in self._new_rows if r.row >= 0 and not r.finished]
         self._new_rows = []
         step = Step(step_id=self._next_step_id, prefills=prefills, decode=decode, samplings=samplings)

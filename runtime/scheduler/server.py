@@ -176,10 +176,10 @@ class Server:
             except Exception as exc:  # a bug: that request fails with the reason, its client never waits
                 print(f"runtime: error admitting request {msg.rid!r}: {exc!r}", flush=True)
                 peer = self.peers.peers.get(incoming.identity)
-                req = peer.requests.pop(msg.rid, None) if peer is not None else None
-                if req is None or not req.finished:
-                    self._reply_raw(incoming.identity, incoming.envelope,
-                                    cp.Done(rid=msg.rid, finish_reason="error", error=f"internal error: {exc!r}"))
+                if peer is not None:
+                    peer.requests.pop(msg.rid, None)
+                self._reply_raw(incoming.identity, incoming.envelope,
+                                cp.Done(rid=msg.rid, finish_reason="error", error=f"internal error: {exc!r}"))
         elif isinstance(msg, cp.Abort):
             self._on_abort(incoming.identity, incoming.envelope, msg)
         elif isinstance(msg, cp.StatusQuery):
