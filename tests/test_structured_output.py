@@ -142,3 +142,17 @@ def test_a_tokenizer_llguidance_cannot_read_is_refused_clearly(tmp_path):
     spec = grammar_spec(Generate(rid="a", prompt="x", regex="[a-z]+"))
     with pytest.raises(RequestRejected, match="llguidance cannot read its tokenizer"):
         grammars.constraint(spec)
+
+
+def test_the_benchs_byte_level_tokenizer_serves_grammars(tmp_path):
+    from runtime.bench.models import write_byte_tokenizer
+    from runtime.scheduler.grammar import Grammars
+    from runtime.scheduler.tokenizer import Tokenizer
+
+    write_byte_tokenizer(tmp_path, 400)
+    tok = Tokenizer(str(tmp_path))
+    text = '{"a": [1, 2]} héllo'
+    assert tok.decode(tok.encode(text)) == text and tok.eos_ids == {399}
+    mask = Grammars(tok, 400).constraint(grammar_spec(Generate(rid="a", prompt="x", regex="[a-z]+"))).mask()
+    allowed = np.flatnonzero(np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little"))
+    assert allowed.tolist() == list(range(ord("a"), ord("z") + 1))  # letters only: no filler, no EOS yet

@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", type=Path, help="an existing mlx-lm model folder")
     src.add_argument("--synthetic", choices=("tiny", "llama-1b", "llama-8b"), help="a random-weight model shape")
+    p.add_argument("--synthetic-tokenizer", choices=("words", "bytes"), default="words",
+                   help="synthetic models' tokenizer: word-level (default) or byte-level (structured needs bytes)")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/runtime-bench"), help="synthetic models, configs")
     p.add_argument("--workloads", type=_workloads, default=_workloads(DEFAULT_WORKLOADS),
                    help=f"comma list of {', '.join(WORKLOADS)} or 'all' (default {DEFAULT_WORKLOADS})")
@@ -140,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_header(hdr), flush=True)
     work = args.work_dir
     if args.synthetic:
-        model = synthetic_model(args.synthetic, work, seed=args.seed, log=log)
+        model = synthetic_model(args.synthetic, work, seed=args.seed, log=log, tokenizer=args.synthetic_tokenizer)
     else:
         model = args.model.expanduser().resolve()
         if not (model / "config.json").exists():
