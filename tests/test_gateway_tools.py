@@ -100,13 +100,17 @@ def test_chat_replies_shapes():
     only_call, reason = ChatReplies(_markup(), 1, TOOLS, None).message(0, type("R", (), {"text": CALL})(), "stop")
     assert only_call["content"] is None and reason == "tool_calls"
     streamed = ChatReplies(_markup(), 1, TOOLS, None)
-    deltas = [streamed.delta(0, p, None) for p in _pieces("<think>hm</think>Sure." + CALL, 4)]
-    deltas.append(streamed.delta(0, "", "stop"))
-    sent = [d for d in deltas if d is not None]
+    sent = [d for p in _pieces("<think>hm</think>Sure." + CALL + CALL, 4) for d in streamed.deltas(0, p, None)]
+    assert streamed.deltas(0, "", "stop") == [{}]  # the finish reason still gets its chunk
     assert "".join(d.get("reasoning_content", "") for d in sent) == "hm"
     assert "".join(d.get("content", "") for d in sent) == "Sure."
+    # Per call: a header (index, id, type, name, empty arguments), then its arguments.
     calls = [c for d in sent for c in d.get("tool_calls", [])]
-    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather")]
+    assert all(len(d["tool_calls"]) == 1 for d in sent if "tool_calls" in d)
+    assert [(c["index"], c["type"], c["function"]) for c in calls[0::2]] == [
+        (i, "function", {"name": "get_weather", "arguments": ""}) for i in (0, 1)]
+    assert [c["id"].startswith("call_") for c in calls[0::2]] == [True, True]
+    assert calls[1::2] == [{"index": i, "function": {"arguments": '{"city": "Paris"}'}} for i in (0, 1)]
     assert streamed.finish_reason(0, "stop") == "tool_calls" and streamed.finish_reason(0, "length") == "length"
 
 
@@ -144,12 +148,13 @@ def test_tools_reach_the_template_and_a_reply_without_calls_is_content(adder_gat
     plain = client.chat.completions.create(model="adder", messages=messages, max_tokens=8, temperature=0)
     assert plain.choices[0].message.content == "579" and plain.choices[0].finish_reason == "stop"
     assert plain.choices[0].message.tool_calls is None
-    for tool_choice in (None, "auto", "none", {"type": "function", "function": {"name": "get_weather"}}):
+    for tool_choice in (None, "none", "auto"):  # the stream below compares with "auto"
         extra = {} if tool_choice is None else {"tool_choice": tool_choice}
         with_tools = client.chat.completions.create(model="adder", messages=messages, max_tokens=8, temperature=0,
                                                     tools=TOOLS, **extra)
         choice = with_tools.choices[0]
-        assert with_tools.usage.prompt_tokens == plain.usage.prompt_tokens + 2  # the template wrote "1\n"
+        # The template wrote "1\n" for the tool, except with "none": then it never saw it.
+        assert with_tools.usage.prompt_tokens == plain.usage.prompt_tokens + (0 if tool_choice == "none" else 2)
         assert choice.finish_reason in ("stop", "length") and choice.message.tool_calls is None
         assert isinstance(choice.message.content, str)
     chunks = list(client.chat.completions.create(model="adder", messages=messages, max_tokens=8, temperature=0,

@@ -57,7 +57,8 @@ class GenerationChunk:
 @dataclass
 class GenerationResult:
     """A finished request. ``finish_reason`` is "stop", "length", "abort" or "error";
-    ``stop_reason`` the stop string or stop token id that ended it (None for EOS)."""
+    ``stop_reason`` the stop string or stop token id that ended it (None for EOS); ``queue_s``
+    the seconds it waited in the scheduler before its admission (None if never admitted)."""
 
     rid: str
     token_ids: list[int] = field(default_factory=list)
@@ -68,6 +69,7 @@ class GenerationResult:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None
+    queue_s: float | None = None
 
 
 def _logprobs(entries: list[cp.TokenLogprob] | None) -> list[TokenLogprob] | None:
@@ -87,6 +89,7 @@ def _result(done: cp.Done) -> GenerationResult:
         error=done.error,
         logprobs=_logprobs(done.logprobs),
         stop_reason=done.stop_reason,
+        queue_s=done.queue_s,
     )
 
 

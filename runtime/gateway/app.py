@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.client import Client, GenerationResult, ServiceUnavailable
-from runtime.gateway import convert
+from runtime.gateway import convert, sse
 from runtime.gateway.chat import ChatReplies, open_think_end
 from runtime.gateway.errors import ApiError, failure
 from runtime.gateway.fanout import Fanout
@@ -37,6 +37,7 @@ from runtime.gateway.streaming import (
 )
 from runtime.gateway.tokens import TokenText
 from runtime.gateway.tool_calls import Markup, load_markup
+from runtime.gateway.tool_choice import plan_tools
 
 STATUS_TIMEOUT_S = 3.0
 
@@ -151,48 +152,51 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         def choice(index: int, text: str, lp: dict | None, finish: str | None) -> dict:
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
+        def choices(index: int, text: str, lp: dict | None, finish: str | None) -> list[dict]:
+            return [choice(index, text, lp, finish)]
+
         def whole(results: list[GenerationResult]) -> dict:
             return envelope | {
                 "choices": [choice(i, r.text, logprobs(r.logprobs), convert.finish_reason(r)) for i, r in enumerate(results)],
                 "usage": convert.usage(results, body.n),
             }
 
-        return await _respond(gw, body.stream, body.include_usage, requests, body.n, envelope, choice, logprobs,
+        return await _respond(gw, body.stream, body.include_usage, requests, body.n, envelope, choices, logprobs,
                               whole)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         gw.check(body.model)
         assert gw.limits is not None
-        requests = convert.chat_requests(body, gw.limits)
+        markup = gw.markup()
+        tools = plan_tools(body.tools, body.tool_choice, markup.tools)
+        requests = convert.chat_requests(body, gw.limits, tools)
         envelope = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                     "created": int(time.time()), "model": gw.model}
-        markup = gw.markup()
-        think_end = open_think_end(markup, gw.tokens.tokenizer, body.messages, body.tools, body.chat_template_kwargs)
-        parsed_tools = None if body.tool_choice == "none" else body.tools  # "none": the reply is all text
-        replies = ChatReplies(markup, len(requests), parsed_tools, think_end)
+        think_end = open_think_end(markup, gw.tokens.tokenizer, body.messages, tools.tools, body.chat_template_kwargs)
+        replies = ChatReplies(markup, len(requests), tools.tools, think_end)
 
         def logprobs(entries, offset: int = 0):
             return convert.chat_logprobs(entries, gw.tokens)
 
-        def choice(index: int, text: str, lp: dict | None, finish: str | None) -> dict | None:
-            delta = replies.delta(index, text, finish)
-            if delta is None and lp is None:
-                return None
-            reason = None if finish is None else replies.finish_reason(index, finish)
-            return {"index": index, "delta": delta or {}, "logprobs": lp, "finish_reason": reason}
+        def choices(index: int, text: str, lp: dict | None, finish: str | None) -> list[dict]:
+            deltas = replies.deltas(index, text, finish) or ([{}] if lp is not None else [])
+            bodies = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+            if bodies:  # logprobs with the first, the finish reason with the last
+                bodies[0]["logprobs"] = lp
+                bodies[-1]["finish_reason"] = None if finish is None else replies.finish_reason(index, finish)
+            return bodies
 
         def whole(results: list[GenerationResult]) -> dict:
-            choices = []
+            out = []
             for i, r in enumerate(results):
                 message, reason = replies.message(i, r, convert.finish_reason(r))
-                choices.append({"index": i, "message": message, "logprobs": logprobs(r.logprobs),
-                                "finish_reason": reason})
-            return envelope | {"object": "chat.completion", "choices": choices, "usage": convert.usage(results, 1)}
+                out.append({"index": i, "message": message, "logprobs": logprobs(r.logprobs), "finish_reason": reason})
+            return envelope | {"object": "chat.completion", "choices": out, "usage": convert.usage(results, 1)}
 
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for i in range(len(requests))]
-        return await _respond(gw, body.stream, body.include_usage, requests, 1, envelope, choice, logprobs, whole,
+        return await _respond(gw, body.stream, body.include_usage, requests, 1, envelope, choices, logprobs, whole,
                               opening)
 
     return app
@@ -221,7 +225,7 @@ async def _respond(gw: Gateway, stream: bool, include_usage: bool, requests: lis
     if first.error is not None:
         await fanout.close()
         raise failure(first.error)
-    events = stream_events(first, fanout, count=len(requests), per_prompt=per_prompt, envelope=envelope,
-                           choice_body=choice, logprobs_format=logprobs, include_usage=include_usage,
-                           opening=opening)
+    events = stream_events(first, fanout, count=len(requests), per_prompt=per_prompt,
+                           frames=sse.ChunkFrames(envelope, include_usage), choice_body=choice,
+                           logprobs_format=logprobs, include_usage=include_usage, opening=opening)
     return FanoutResponse(events, fanout)

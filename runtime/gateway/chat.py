@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.client import GenerationResult
-from runtime.gateway.reply_parser import Delta, ReplyParser
+from runtime.gateway.reply_parser import ReplyParser
 from runtime.gateway.tool_calls import Markup
 
 
@@ -50,27 +50,32 @@ class ChatReplies:
             message["content"] = delta.content if delta.content.strip() else None
         return message, self.finish_reason(index, reason)
 
-    def delta(self, index: int, text: str, finish: str | None) -> dict | None:
-        """The ``delta`` for a streamed piece (the last one when ``finish`` is set); None when the
-        piece is all held back."""
+    def deltas(self, index: int, text: str, finish: str | None) -> list[dict]:
+        """The ``delta`` objects of a streamed piece (the last one when ``finish`` is set), each
+        for a chunk of its own: the text, then per completed tool call a header delta (``index``,
+        ``id``, ``type``, ``function.name``) and an arguments delta, as OpenAI streams them.
+        Empty while the piece is all held back; the last piece has at least one (maybe ``{}``)."""
         parser = self._parsers[index]
         delta = parser.feed(text)
         if finish is not None:
             delta.add(parser.finish())
-        if not delta and finish is None:
-            return None
-        return self._openai_delta(index, delta)
-
-    def _openai_delta(self, index: int, delta: Delta) -> dict:
-        out: dict = {}
+        out: list[dict] = []
         if delta.reasoning:
-            out["reasoning_content"] = delta.reasoning
+            out.append({"reasoning_content": delta.reasoning})
         if delta.content:
-            out["content"] = delta.content
-        if delta.tool_calls:
-            calls = []
-            for call in delta.tool_calls:
-                calls.append({"index": self._tool_indices[index]} | call)
-                self._tool_indices[index] += 1
-            out["tool_calls"] = calls
+            if out:
+                out[0]["content"] = delta.content
+            else:
+                out.append({"content": delta.content})
+        for call in delta.tool_calls:
+            # A call is parsed whole (mlx-lm's parsers take the text between the markers), so its
+            # arguments come as one fragment right after its header.
+            at = self._tool_indices[index]
+            self._tool_indices[index] += 1
+            function = call["function"]
+            out.append({"tool_calls": [{"index": at, "id": call["id"], "type": call["type"],
+                                        "function": {"name": function["name"], "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": at, "function": {"arguments": function["arguments"]}}]})
+        if not out and finish is not None:
+            out.append({})
         return out

@@ -13,6 +13,7 @@ from runtime.gateway.openai_types import (
     SamplingFields,
 )
 from runtime.gateway.tokens import TokenText
+from runtime.gateway.tool_choice import ToolPlan
 
 _PASSED_AS_IS = ("top_p", "presence_penalty", "frequency_penalty", "stop", "top_k", "min_p",
                  "repetition_penalty", "min_tokens", "stop_token_ids")
@@ -87,13 +88,15 @@ def completion_requests(req: CompletionRequest, limits: Limits) -> list[dict]:
     return [kw | p for p in prompts for kw in _fan_out(base, req.n)]
 
 
-def chat_requests(req: ChatCompletionRequest, limits: Limits) -> list[dict]:
-    """One ``Client.stream(messages=...)`` call per choice."""
+def chat_requests(req: ChatCompletionRequest, limits: Limits, tools: ToolPlan) -> list[dict]:
+    """One ``Client.stream(messages=...)`` call per choice; ``tools`` from ``tool_choice.plan_tools``."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     base = _sampling(req, max_tokens, limits)
     base["messages"] = req.messages
-    if req.tools is not None:
-        base["tools"] = req.tools
+    if tools.tools is not None:
+        base["tools"] = tools.tools
+    if tools.grammar is not None:
+        base["grammar"] = tools.grammar
     if req.chat_template_kwargs is not None:
         base["chat_template_kwargs"] = req.chat_template_kwargs
     if req.logprobs:

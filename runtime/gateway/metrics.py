@@ -1,7 +1,8 @@
 """Prometheus metrics of the gateway: its own request timings and the scheduler's gauges.
 
 Each gateway has its own registry (no global state). Scheduler facts come from one
-``Client.status()`` per scrape, held in ``Metrics.status`` while the registry is rendered.
+``Client.status()`` per scrape, held in ``Metrics.status`` while the registry is rendered,
+and from each request's final result (its time in the scheduler's queue).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from runtime.client import GenerationResult
 from runtime.protocol.client import StatusReply
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -65,8 +67,8 @@ class Metrics:
         self.e2e = Histogram("runtime_e2e_request_latency_seconds", "Time from arrival to the last token.",
                              labels, registry=r, buckets=_LATENCY_BUCKETS)
         self.queue_time = Histogram("runtime_request_queue_time_seconds",
-                                    "Time before the first token (approximated as time to first token).",
-                                    labels, registry=r, buckets=_LATENCY_BUCKETS)
+                                    "Time a request waited in the scheduler, from arrival to its admission "
+                                    "(the step with its first prefill).", labels, registry=r, buckets=_LATENCY_BUCKETS)
         self.prompt_tokens = Counter("runtime_prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r)
         self.generation_tokens = Counter("runtime_generation_tokens", "Generated tokens.", labels, registry=r)
         self.cached_tokens = Counter("runtime_cached_prompt_tokens", "Prompt tokens found in the prefix cache.",
@@ -79,27 +81,31 @@ class Metrics:
         self._prompt_seen = 0
         self._cached_seen = 0
         self.registry.register(_SchedulerCollector(self))
+        # The model's children, looked up once: ITL is recorded for every streamed chunk.
+        self._ttft, self._itl, self._e2e = (h.labels(model) for h in (self.ttft, self.itl, self.e2e))
+        self._queue_time = self.queue_time.labels(model)
 
     def record_first_token(self, seconds: float) -> None:
-        self.ttft.labels(self.model).observe(seconds)
-        self.queue_time.labels(self.model).observe(seconds)
+        self._ttft.observe(seconds)
 
     def record_tokens(self, count: int, seconds: float) -> None:
         """``count`` new tokens arrived ``seconds`` after the previous ones (one ITL sample each)."""
         if count:
             per_token = seconds / count
             for _ in range(count):
-                self.itl.labels(self.model).observe(per_token)
+                self._itl.observe(per_token)
 
-    def record_finish(self, finish_reason: str, seconds: float, prompt_tokens: int, cached_tokens: int,
-                      generated_tokens: int) -> None:
-        self.e2e.labels(self.model).observe(seconds)
-        self.generation_tokens.labels(self.model).inc(generated_tokens)
-        self.requests.labels(self.model, finish_reason).inc()
-        self.prompt_tokens.labels(self.model).inc(prompt_tokens)
-        self.cached_tokens.labels(self.model).inc(cached_tokens)
-        self._prompt_seen += prompt_tokens
-        self._cached_seen += cached_tokens
+    def record_finish(self, result: GenerationResult, seconds: float) -> None:
+        """A request ended ``seconds`` after the gateway sent it."""
+        self._e2e.observe(seconds)
+        if result.queue_s is not None:  # None: never admitted (refused, or aborted while waiting)
+            self._queue_time.observe(result.queue_s)
+        self.generation_tokens.labels(self.model).inc(len(result.token_ids))
+        self.requests.labels(self.model, result.finish_reason).inc()
+        self.prompt_tokens.labels(self.model).inc(result.prompt_tokens)
+        self.cached_tokens.labels(self.model).inc(result.cached_tokens)
+        self._prompt_seen += result.prompt_tokens
+        self._cached_seen += result.cached_tokens
         if self._prompt_seen:
             self.hit_ratio.labels(self.model).set(self._cached_seen / self._prompt_seen)
 

@@ -46,6 +46,7 @@ class ReplyParser:
         self._think_end = open_think_end or ""
         self._pending = ""
         self.made_tool_call = False
+        self._starts: dict[tuple[str, str], frozenset[str]] = {}  # (state, think end) -> markers' first characters
 
     def _exits(self) -> list[tuple[str, str]]:
         """(marker, next state) from the current state."""
@@ -77,9 +78,20 @@ class ReplyParser:
             delta.tool_calls += calls
             self.made_tool_call = self.made_tool_call or bool(calls)
 
+    def _may_hold_marker(self, text: str) -> bool:
+        """Whether ``text`` has a character that starts a marker out of the current state."""
+        key = (self._state, self._think_end)
+        starts = self._starts.get(key)
+        if starts is None:
+            starts = self._starts[key] = frozenset(m[0] for m, _ in self._exits() if m)
+        return any(c in text for c in starts)
+
     def feed(self, text: str) -> Delta:
         """The delta that ``text`` (appended to the reply) makes certain."""
         delta = Delta()
+        if not self._pending and self._state != "tool" and not self._may_hold_marker(text):
+            self._emit(delta, text)  # the usual token: no marker can begin in it
+            return delta
         self._pending += text
         while True:
             exits = self._exits()

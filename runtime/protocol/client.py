@@ -98,6 +98,8 @@ class Done(msgspec.Struct, tag="done", omit_defaults=True):
     """The final result of a request (also the error reply for a rejected one).
 
     ``stop_reason``: the stop string or stop token id that ended it (None for EOS or length).
+    ``queue_s``: seconds from its arrival to its admission (the step of its first prefill);
+    None when it was never admitted.
     """
 
     rid: str
@@ -109,6 +111,7 @@ class Done(msgspec.Struct, tag="done", omit_defaults=True):
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None
+    queue_s: float | None = None
 
 
 class StatusReply(msgspec.Struct, tag="status_reply"):

@@ -49,6 +49,7 @@ def done_message(req: Request, rid: str, tokenizer: Tokenizer) -> cp.Done:
         error=req.error,
         logprobs=wire_logprobs(req.logprobs) if req.params.logprobs else None,
         stop_reason=req.stop_reason,
+        queue_s=req.admitted_at - req.arrived_at if req.admitted_at else None,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ class Request:
     max_new: int
     client: Any = None
     stream: bool = False
-    row: int = -1
+    _row: int = field(default=-1, init=False, repr=False)  # see ``row``
     slots: list[int] = field(default_factory=list)
     prefix_len: int = 0
     prefilled: int = 0
@@ -56,6 +57,7 @@ class Request:
     ended_by_token: bool = False  # the last output token is EOS or a stop token: not text
     logprobs: list[Any] = field(default_factory=list)  # (token id, logprob, top) per output token
     arrived_at: float = 0.0
+    admitted_at: float = 0.0  # when it first got a row: its wait in the queue ends (0: not yet)
     constraint: Any = None  # grammar.Constraint of a structured-output request
     # Hybrid models: live aux slot, where its state starts, snapshot points and slots.
     aux_slot: int = -1
@@ -65,6 +67,18 @@ class Request:
     aux_snapshots: list[tuple[int, int]] = field(default_factory=list)
     aux_owned: list[int] = field(default_factory=list)
     aux_reserved: int = 0
+
+    @property
+    def row(self) -> int:
+        """The request's batch row while admitted, else -1."""
+        return self._row
+
+    @row.setter
+    def row(self, value: int) -> None:
+        # The scheduler admits a request by giving it a row, in the plan of its first prefill step.
+        if value >= 0 and not self.admitted_at:
+            self.admitted_at = time.monotonic()
+        self._row = value
 
     @property
     def prompt_len(self) -> int:
