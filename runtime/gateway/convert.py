@@ -50,7 +50,25 @@ def _sampling(req: SamplingFields, max_tokens: int | None, limits: Limits) -> di
         kwargs["logit_bias"] = _logit_bias(req.logit_bias)
     if req.seed is not None:
         kwargs["seed"] = req.seed
+    kwargs.update(_response_format(req.response_format))
     return kwargs
+
+
+def _response_format(fmt: dict | None) -> dict:
+    """OpenAI's ``response_format`` as the client's structured-output keywords."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format json_schema needs json_schema.schema, a JSON Schema object",
+                           param="response_format")
+        return {"json_schema": schema}
+    raise ApiError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                   param="response_format")
 
 
 def _fan_out(base: dict, n: int) -> list[dict]:

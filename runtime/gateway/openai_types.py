@@ -46,6 +46,8 @@ class SamplingFields(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # Structured output: {"type": "json_schema", "json_schema": {"schema": {...}}}, {"type": "json_object"}
+    response_format: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
