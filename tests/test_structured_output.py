@@ -156,3 +156,37 @@ def test_the_benchs_byte_level_tokenizer_serves_grammars(tmp_path):
     mask = Grammars(tok, 400).constraint(grammar_spec(Generate(rid="a", prompt="x", regex="[a-z]+"))).mask()
     allowed = np.flatnonzero(np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little"))
     assert allowed.tolist() == list(range(ord("a"), ord("z") + 1))  # letters only: no filler, no EOS yet
+
+
+def test_a_constrained_row_decodes_every_step_with_its_mask_sent_after():
+    """Scheduler alone: a constrained request chains like the others; the mask of a step whose
+    input token is still in flight follows as Masks once that token is back."""
+    from runtime.scheduler.admission import Limits
+    from runtime.scheduler.core import Scheduler
+    from runtime.scheduler.request import Request, SamplingParams
+
+    class FakeConstraint:
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def mask(self) -> bytes:
+            return bytes([len(self.seen)]) + bytes(3)  # one word; its first byte says how many tokens it saw
+
+        def advance(self, token: int) -> None:
+            self.seen.append(token)
+
+        done = False
+
+    s = Scheduler(Limits(256, 4, 128, 32), frozenset({0}), debug_invariants=True)
+    fake = FakeConstraint()
+    req = Request(rid="c", prompt_ids=[3, 4], params=SamplingParams(max_tokens=5, ignore_eos=True),
+                  max_new=s.validate([3, 4], 5, 0.0), constraint=fake)
+    s.add(req)
+    first = s.next_step()  # prefill + first decode: the fresh grammar's mask goes inline
+    assert first.step.decode.mask_rows == [0] and first.step.decode.masks == [bytes(4)]
+    second = s.next_step()  # planned before the first token is back: chained, mask deferred
+    assert second.step.decode.token_ids == [-1] and second.step.decode.deferred_rows == [0]
+    assert s.take_masks() == []
+    s.on_step_done(first.step.step_id, [7])
+    (masks,) = s.take_masks()
+    assert masks.step_id == second.step.step_id and masks.masks == [bytes([1]) + bytes(3)] and fake.seen == [7]

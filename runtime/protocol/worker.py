@@ -67,6 +67,9 @@ class DecodeBatch(msgspec.Struct, array_like=True):
     ``ban_stop`` lists the batch indices whose stop ids are masked in this step (min_tokens).
     ``mask_rows[j]`` is a batch index whose next token is constrained to ``masks[j]``: bit i
     of little-endian uint32 word i // 32 allows token i (structured output).
+    ``deferred_rows`` are batch indices whose masks are not known yet (their input token is
+    chained, not read back): they come in a ``Masks`` message for this step, which the worker
+    waits for after it reported the previous step; the forward runs meanwhile.
     """
 
     rows: list[int]
@@ -78,6 +81,7 @@ class DecodeBatch(msgspec.Struct, array_like=True):
     ban_stop: list[int] = []
     mask_rows: list[int] = []
     masks: list[bytes] = []
+    deferred_rows: list[int] = []
 
 
 class Step(msgspec.Struct, tag="step"):
@@ -94,7 +98,15 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     """Ask the worker to exit."""
 
 
-WorkerCmd = Union[Step, Shutdown]
+class Masks(msgspec.Struct, tag="masks"):
+    """The token masks of step ``step_id``'s ``deferred_rows``, in that order (same encoding as
+    ``DecodeBatch.masks``); sent once the previous step's tokens advanced the grammars."""
+
+    step_id: int
+    masks: list[bytes]
+
+
+WorkerCmd = Union[Step, Masks, Shutdown]
 
 
 class Ready(msgspec.Struct, tag="ready"):

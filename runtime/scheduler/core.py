@@ -10,12 +10,14 @@ then is it reported complete (``pop_completed``).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
-from runtime.protocol.worker import AUX_CONTINUE, PrefillChunk, Step
+from runtime.protocol.worker import AUX_CONTINUE, Masks, PrefillChunk, Step
 from runtime.scheduler.admission import Limits, validate_request
 from runtime.scheduler.aux_state import AuxTracker
-from runtime.scheduler.decode_batch import build_decode
+from runtime.scheduler.decode_batch import build_decode, deferred_masks
+from runtime.scheduler.invariants import check_scheduler
 from runtime.scheduler.radix import InsertResult, RadixCache
 from runtime.scheduler.request import Request, row_sampling
 from runtime.scheduler.rows import RowAllocator
@@ -68,6 +70,7 @@ class Scheduler:
         self.inflight: dict[int, PlannedStep] = {}
         self.reserved = 0
         self._next_step_id = 0
+        self._masks_due: list[Masks] = []
         self._new_rows: list[Request] = []  # admitted since the last step: their RowSampling goes with it
 
     # ---- admission -------------------------------------------------------------------
@@ -105,6 +108,8 @@ class Scheduler:
         row = self.rows.alloc()
         assert row is not None
         req.row = row
+        if not req.admitted_at:  # its wait in the queue ends (a re-admission after a restart keeps the first)
+            req.admitted_at = time.monotonic()
         req.slots = list(prefix_slots)
         req.prefix_len = req.prefilled = req.cached_len = len(prefix_slots)
         req.tree_node = match.node if match is not None else None
@@ -272,6 +277,7 @@ class Scheduler:
             if reason is not None:
                 self.finish(req, reason)
             outputs.append(StepOutput(req, [token], reason is not None, entry))
+        self._queue_masks(step_id + 1)
         for req in [r for r in self.draining if r.inflight_steps == 0]:
             self.draining.remove(req)
             self._release(req)
@@ -279,9 +285,20 @@ class Scheduler:
             self.check_invariants()
         return outputs
 
+    def _queue_masks(self, step_id: int) -> None:
+        """The masks of step ``step_id``'s deferred rows, now that their last tokens are in."""
+        if (planned := self.inflight.get(step_id)) is not None and (masks := deferred_masks(planned.step, planned.decode_reqs)):
+            self._masks_due.append(masks)
+
+    def take_masks(self) -> list[Masks]:
+        """``Masks`` messages to send to the worker now (before any new step)."""
+        due, self._masks_due = self._masks_due, []
+        return due
+
     def on_step_failed(self, step_id: int, error: str) -> list[Request]:
         """A step raised in the worker: fail every running request (their device state is suspect)."""
         self.inflight.pop(step_id, None)
+        self._queue_masks(step_id + 1)  # the worker may wait for them: any mask will do now
         failed = [r for r in self.running]
         for req in failed:
             req.error = f"the worker failed a step: {error}"
@@ -360,6 +377,7 @@ class Scheduler:
 
     def fail_all(self, reason: str) -> list[Request]:
         """The worker died: fail running requests, forget in-flight steps, reset the cache."""
+        self._masks_due = []
         failed = list(self.running)
         for req in failed:
             req.error = reason
@@ -373,25 +391,4 @@ class Scheduler:
     # ---- invariants ------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Every slot is exactly one of: free, owned by a running request, held by the tree."""
-        self.slots.check_invariants()
-        self.rows.check_invariants()
-        tree_slots = self.tree.owned_slots() if self.tree is not None else set()
-        if self.tree is not None:
-            self.tree.check_invariants()
-        owned: list[int] = []
-        for req in self.running + self.draining:
-            owned.extend(req.slots[req.cached_len :])
-            owned.extend(req.dup_slots)
-            assert set(req.slots[: req.cached_len]) <= tree_slots, f"{req.rid}: cached slots not in tree"
-        assert len(owned) == len(set(owned)), "a slot is owned twice"
-        assert not (set(owned) & tree_slots), "a slot is owned by a request and the tree"
-        free = self.slots.free_count
-        assert free + len(owned) + len(tree_slots) == self.slots.capacity, (
-            f"slot leak: free {free} + requests {len(owned)} + tree {len(tree_slots)} != {self.slots.capacity}"
-        )
-        assert self.reserved == sum(r.reserved for r in self.running)
-        evictable = self.tree.evictable_size if self.tree is not None else 0
-        assert free + evictable >= self.reserved, "reservations exceed reclaimable slots"
-        assert self.rows.free_count + len(self.running) + len(self.draining) == self.rows.max_rows
-        if self.aux is not None:
-            self.aux.check_invariants(self.running + self.draining)
+        check_scheduler(self)

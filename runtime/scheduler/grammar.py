@@ -5,8 +5,10 @@ A request may ask for one of ``json_schema`` (a JSON Schema dict), ``regex``, ``
 The grammar is compiled and checked at admission (a bad one is refused with llguidance's
 message). While the request decodes, its ``Constraint`` gives the bitmask of the tokens the
 grammar allows next (sent with the step; the worker masks that row's logits) and is advanced
-with every finalized token. A constrained row's next mask needs its last token, so such a
-row takes every other step (``Request.wants_decode``); unconstrained rows stay chained.
+with every finalized token. A constrained row's next mask needs its last token: when that
+token is still in flight, the row chains like any other and its mask follows the step in a
+``Masks`` message once the token is back; the worker runs the forward meanwhile and samples
+the step when the masks arrive.
 """
 
 from __future__ import annotations
@@ -127,9 +129,13 @@ class Constraint:
         self.words = -(-vocab_size // 32)  # the mask's uint32 words the worker expects
 
     def mask(self) -> bytes:
-        """Allowed next tokens: bit i of little-endian uint32 word i // 32 for token i."""
-        raw = self.matcher.compute_bitmask()
+        """Allowed next tokens: bit i of little-endian uint32 word i // 32 for token i. A finished
+        grammar allows every token: a step already in flight still draws one for its row, which
+        the scheduler drops (the request has ended)."""
         size = 4 * self.words
+        if self.matcher.is_stopped() or self.matcher.is_error():
+            return b"\xff" * size
+        raw = self.matcher.compute_bitmask()
         return raw[:size] if len(raw) >= size else raw + bytes(size - len(raw))
 
     def advance(self, token: int) -> str | None:

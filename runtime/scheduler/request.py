@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +35,7 @@ class Request:
     max_new: int
     client: Any = None
     stream: bool = False
-    _row: int = field(default=-1, init=False, repr=False)  # see ``row``
+    row: int = -1  # the request's batch row while admitted
     slots: list[int] = field(default_factory=list)
     prefix_len: int = 0
     prefilled: int = 0
@@ -69,18 +68,6 @@ class Request:
     aux_reserved: int = 0
 
     @property
-    def row(self) -> int:
-        """The request's batch row while admitted, else -1."""
-        return self._row
-
-    @row.setter
-    def row(self, value: int) -> None:
-        # The scheduler admits a request by giving it a row, in the plan of its first prefill step.
-        if value >= 0 and not self.admitted_at:
-            self.admitted_at = time.monotonic()
-        self._row = value
-
-    @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
 
@@ -99,10 +86,7 @@ class Request:
 
     @property
     def wants_decode(self) -> bool:
-        if not self.prefill_done or self.finished or self.decodes_launched >= self.max_new:
-            return False
-        # A constrained row's next mask needs its last token back: no chained decode.
-        return self.constraint is None or self.decodes_launched == len(self.output_ids)
+        return self.prefill_done and not self.finished and self.decodes_launched < self.max_new
 
 
 def row_sampling(req: Request, eos_ids: frozenset[int]) -> RowSampling:

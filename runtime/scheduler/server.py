@@ -368,11 +368,21 @@ class Server:
                 logprobs = (reply.logprobs, reply.top_ids, reply.top_logprobs) if reply.logprobs else None
                 for out in s.on_step_done(reply.step_id, reply.tokens, logprobs):
                     self._emit(out)
+                self._send_masks(s)
                 self._send_completed()
                 self._flush_chunks()
             elif isinstance(reply, wp.StepFailed):
                 s.on_step_failed(reply.step_id, reply.error)
+                self._send_masks(s)
                 self._send_completed()
+
+    def _send_masks(self, s: Scheduler) -> None:
+        """Masks the worker waits for (structured output), ahead of any new step."""
+        for masks in s.take_masks():
+            try:
+                self.supervisor.send(wp.worker_encoder.encode(masks))
+            except zmq.Again:
+                return  # no worker: the next send of a step finds it dead
 
     async def serve_forever(self) -> None:
         tasks = [

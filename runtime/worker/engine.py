@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import msgspec
 import numpy as np
 
 from runtime.protocol.worker import (
@@ -39,6 +40,8 @@ class LaunchedStep:
     step: Step | None = None
     in_place: bool = True  # updates the pools in place: submit only after the previous read-back
     first_tokens: bool = False  # has prefill chunks: some request's first token comes from it
+    awaiting: DecodeBatch | None = None  # a decode whose deferred rows' masks have not come yet
+    logits: mx.array | None = None  # that decode's logits, sampled by ``apply_masks``
 
 
 class Engine:
@@ -85,6 +88,7 @@ class Engine:
             self.compiled_paged = CompiledPagedDecode(model, layout, pool, self.paths.attention, self.paths.tail)
         self._prev_tokens: mx.array | None = None
         self._prev_rows: list[int] = []
+        self._awaiting: tuple[DecodeBatch, mx.array] | None = None  # handed to the LaunchedStep being built
         self.sampler = RowSampler(max_rows)
         # Share of padding a batched prefill may carry: on a GPU, where a step costs its launch
         # overhead more than its arithmetic, batching pays for some; on the CPU it does not.
@@ -121,8 +125,27 @@ class Engine:
         prev_idx = mx.array([prev_index[r] if t < 0 else 0 for r, t in zip(rows, token_ids)], dtype=mx.int32)
         return mx.where(mx.array(chained), self._prev_tokens[prev_idx], explicit)
 
-    def _decode(self, decode: DecodeBatch) -> tuple[StepDraws, bool]:
-        """Sampled tokens (and logprobs) of a decode batch, lazy, and whether the step updates pools in place."""
+    def _decode(self, decode: DecodeBatch) -> tuple[StepDraws | None, bool]:
+        """Sampled tokens (and logprobs) of a decode batch, lazy, and whether the step updates pools
+        in place; None for tokens when some rows' masks are deferred (``apply_masks`` samples then)."""
+        logits, in_place = self._decode_logits(decode)
+        if decode.deferred_rows:
+            self._awaiting = (decode, logits)
+            return None, in_place
+        return self._sampled(decode, self.sampler.sample(logits, decode)), in_place
+
+    def apply_masks(self, launched: LaunchedStep, masks: list[bytes]) -> None:
+        """Sample a decode whose deferred rows' masks just came (``Masks``), and queue it."""
+        decode, logits = launched.awaiting, launched.logits
+        assert decode is not None and logits is not None and len(masks) == len(decode.deferred_rows)
+        full = msgspec.structs.replace(decode, mask_rows=decode.mask_rows + decode.deferred_rows,
+                                       masks=decode.masks + masks, deferred_rows=[])
+        draws = self._sampled(decode, self.sampler.sample(logits, full))
+        launched.draws, launched.tokens, launched.awaiting, launched.logits = draws, draws.tokens, None, None
+        mx.async_eval(*draws.arrays())
+
+    def _decode_logits(self, decode: DecodeBatch) -> tuple[mx.array, bool]:
+        """A decode batch's logits (rows padded to the batch's bucket may follow), lazy."""
         plan = plan_decode(decode, dense=self.paths.dense, length_bucket=self.LENGTH_BUCKET,
                            max_context=self.max_context, padding_row=len(self.paths.slot_table))
         inputs = self._decode_inputs(decode)
@@ -132,7 +155,7 @@ class Engine:
             logits = self.compiled.forward(inputs, mx.array(plan.rows.astype(np.int32)),
                                            mx.array(plan.positions.astype(np.int32)), plan.compact, plan.length,
                                            aux_slots)
-            return self._sampled(decode, self.sampler.sample(logits, decode)), True
+            return logits, True
         batch, in_place = self.paths.decode_batch(decode, plan)
         if plan.pad:
             inputs = mx.concatenate([inputs, mx.zeros((plan.pad,), dtype=inputs.dtype)])
@@ -144,7 +167,7 @@ class Engine:
             if self.aux_pool is not None:
                 self.aux_pool.store(aux, aux_slots)
         # Padding rows stay: the sampler drops them, after drawing at the bucket's shape.
-        return self._sampled(decode, self.sampler.sample(logits, decode)), in_place
+        return logits, in_place
 
     def _sampled(self, decode: DecodeBatch, draws: StepDraws) -> StepDraws:
         """Keep a decode batch's sampled tokens: the next chained batch takes them as input."""
@@ -219,7 +242,10 @@ class Engine:
         launched.tokens, in_place = None, True
         if step.decode is not None and step.decode.rows:
             launched.draws, in_place = self._decode(step.decode)
-            launched.tokens = launched.draws.tokens
+            if launched.draws is not None:
+                launched.tokens = launched.draws.tokens
+            else:
+                (launched.awaiting, launched.logits), self._awaiting = self._awaiting, None
         launched.in_place = bool(step.prefills) or in_place
         if launched.tokens is not None and not step.prefills:
             # Decode attention reads what the step writes (pool, row cache, tail), so the
@@ -238,7 +264,7 @@ class Engine:
     def submit(self, built: LaunchedStep) -> None:
         """Queue a built step on the device without waiting for it."""
         self.prepare(built)
-        targets = [t for t in (built.written, built.tokens) if t is not None]
+        targets = [t for t in (built.written, built.tokens, built.logits) if t is not None]
         if built.draws is not None:
             targets += built.draws.arrays()[1:]
         mx.async_eval(*targets)
@@ -326,6 +352,7 @@ class Engine:
         return len(self.prefill_shapes), traces
 
     def reset_chain(self) -> None:
+        self._awaiting = None
         self._prev_tokens = None
         self._prev_rows = []
         self.paths.reset()

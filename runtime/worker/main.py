@@ -18,6 +18,7 @@ import os
 import sys
 import time
 import traceback
+from collections import deque
 
 import zmq
 
@@ -25,6 +26,7 @@ from runtime.config import Config, parse_config
 from runtime.heap import freeze_startup_heap
 from runtime.protocol.worker import (
     LoadFailed,
+    Masks,
     Ready,
     Shutdown,
     Step,
@@ -112,6 +114,8 @@ def serve(config: Config, address: str, trace_path: str | None = None) -> int:
 
 def _loop(engine, send, recv, poll, overlap: bool, clock: IdleClock, parent: int) -> int:
     """Take steps and report them until Shutdown or until the scheduler is gone."""
+    inbox = Inbox(recv, poll)
+    recv, poll = inbox.recv, inbox.poll
 
     def report(launched) -> None:
         send(worker_encoder.encode(_read_back(engine, launched, clock)))
@@ -132,6 +136,8 @@ def _loop(engine, send, recv, poll, overlap: bool, clock: IdleClock, parent: int
             if pending is not None:
                 report(pending)
             return 0
+        if isinstance(cmd, Masks):
+            continue  # for a step that failed before it waited for them
         assert isinstance(cmd, Step)
         try:
             built = engine.build(cmd)
@@ -164,7 +170,44 @@ def _loop(engine, send, recv, poll, overlap: bool, clock: IdleClock, parent: int
             engine.submit(built)
             if previous is not None:
                 send(worker_encoder.encode(previous))
+        if built.awaiting is not None and not _apply_masks(engine, built, inbox, parent):
+            return 0
         pending = built
+
+
+class Inbox:
+    """The scheduler's commands; steps that came while the worker waited for masks are held
+    back, in order, for the loop."""
+
+    def __init__(self, recv, poll) -> None:
+        self.socket_recv, self.socket_poll = recv, poll
+        self.held: deque[bytes] = deque()
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.held) or bool(self.socket_poll(timeout_ms))
+
+    def recv(self) -> bytes:
+        return self.held.popleft() if self.held else self.socket_recv()
+
+
+def _apply_masks(engine, built, inbox: Inbox, parent: int) -> bool:
+    """Wait for the masks of ``built``'s deferred rows (the scheduler sends them once it has the
+    previous step's tokens, reported above) and sample the step; False on Shutdown. Steps
+    planned meanwhile (the scheduler keeps a pipeline of them) are held for the loop."""
+    while True:
+        if not inbox.socket_poll(PARENT_POLL_MS):
+            if os.getppid() != parent:
+                return False
+            continue
+        raw = inbox.socket_recv()
+        cmd = worker_cmd_decoder.decode(raw)
+        if isinstance(cmd, Shutdown):
+            return False
+        if isinstance(cmd, Masks) and cmd.step_id == built.step_id:
+            engine.apply_masks(built, cmd.masks)
+            return True
+        if isinstance(cmd, Step):
+            inbox.held.append(raw)
 
 
 class IdleClock:
