@@ -18,7 +18,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from runtime.bench.service import ServiceError
+from runtime.bench.service import Managed, ServiceError
 
 
 def free_port() -> int:
@@ -28,7 +28,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class MlxServer:
+class MlxServer(Managed):
     """``mlx_lm.server --model PATH --decode-concurrency N`` on 127.0.0.1, killed on exit."""
 
     def __init__(self, model: Path, decode_concurrency: int, port: int = 0, startup_timeout_s: float = 900.0) -> None:
@@ -46,17 +46,6 @@ class MlxServer:
         """The server's command line."""
         return [sys.executable, "-m", "mlx_lm.server", "--model", str(self.model), "--host", "127.0.0.1",
                 "--port", str(self.port), "--decode-concurrency", str(self.decode_concurrency)]
-
-    def __enter__(self) -> MlxServer:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def start(self) -> None:
         """Launch the server and wait until its ``/health`` answers 200."""

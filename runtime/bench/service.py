@@ -55,11 +55,33 @@ class ServiceSpec:
         )
 
 
+class Managed:
+    """A process started by ``start()`` and always stopped by ``stop()``: ``with X(...) as x:``
+    stops it even when starting it fails half-way."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 class ServiceError(RuntimeError):
     """The service did not start; the message carries its output."""
 
 
-class Service:
+class Service(Managed):
     """A ``python -m runtime.cli up`` process group, killed on ``stop()`` / context exit."""
 
     def __init__(self, spec: ServiceSpec, config_path: Path, startup_timeout_s: float = 900.0) -> None:
@@ -71,17 +93,6 @@ class Service:
         self.banner = ""
         self.lines: deque[str] = deque(maxlen=200)
         self._lines_q: queue.Queue = queue.Queue()
-
-    def __enter__(self) -> Service:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def start(self) -> None:
         """Launch the service and wait for its "serving" line."""
