@@ -149,7 +149,43 @@ def test_mixed_and_long_workloads_run_both_sides(tmp_path, capsys):
     for side in ("runtime", "mlx_lm"):
         assert long[0][side]["output_tokens"] == 8 and long[0][side]["decode_tok_s"] > 0
     assert long[0]["tokens_match"] is True and long[0]["first_difference"] is None
+    assert long[0]["first_difference_logprob_gap"] is None
     text = capsys.readouterr().out
     assert "new prefill shapes / decode traces per 1,000 requests" in text
     assert "mixed load over HTTP" in text and "long prompts, one at a time" in text
     assert _processes_mentioning(str(tmp_path)) == []  # the service and mlx_lm.server are gone
+
+
+def test_long_reports_mlx_lms_own_gap_at_the_first_difference():
+    from runtime.bench.long_prompt import LongPrompt
+    from runtime.bench.measure import StreamTiming
+    from runtime.bench.workloads import Bench
+
+    bench = Bench(model=None, vocab_size=50, eos_ids={49}, seed=0, log=lambda _: None)
+    plan = LongPrompt(bench, [16], gen_len=4)
+
+    def timing(ids: list[int]) -> StreamTiming:
+        t = StreamTiming(start=0.0)
+        for k, i in enumerate(ids):
+            t.add([i], at=0.1 * (k + 1))
+        return t
+
+    plan.rt[16].append(timing([1, 2, 3, 4]))
+
+    class FakeMlx:
+        asked: list = []
+
+        def single(self, prompt, gen_len):
+            return timing([1, 2, 9, 9][:gen_len])
+
+        def logprob_gap(self, context, mlx_token, runtime_token):
+            self.asked.append((len(context), mlx_token, runtime_token))
+            return 0.03
+
+    fake = FakeMlx()
+    plan.run_mlx(fake, 0)
+    assert fake.asked == [(16 + 2, 9, 3)]  # the prompt and the agreed tokens, then the two choices
+    outcome = plan.outcome()
+    result = outcome.data["results"][0]
+    assert result["first_difference"] == 2 and result["first_difference_logprob_gap"] == 0.03
+    assert "near-tie" in outcome.warnings[0] and "0.03 nats" in outcome.tables[0]

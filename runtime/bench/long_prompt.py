@@ -12,7 +12,13 @@ from runtime.bench import runtime_side
 from runtime.bench.measure import StreamTiming, median_summary, ratio
 from runtime.bench.mlx_side import MlxLm
 from runtime.bench.report import table
-from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome, single_view
+from runtime.bench.workloads import (
+    NEAR_TIE_NATS,
+    WARMUP_GEN,
+    Bench,
+    Outcome,
+    single_view,
+)
 
 WARM_LEN = 64
 
@@ -35,6 +41,7 @@ class LongPrompt:
         self.prompts = {n: [bench.prompt(n) for _ in range(repeats)] for n in self.lens}
         self.rt: dict[int, list[StreamTiming]] = {n: [] for n in self.lens}
         self.ml: dict[int, list[StreamTiming]] = {n: [] for n in self.lens}
+        self.gaps: dict[int, float] = {}  # mlx-lm's own logprob gap at the first difference, per length
 
     def run_runtime(self, addresses: dict[str, str], rep: int) -> None:
         log = self.bench.log
@@ -53,6 +60,12 @@ class LongPrompt:
             timing = mlx.single(self.prompts[n][rep], self.gen_len)
             self.ml[n].append(timing)
             log(f"long/mlx-lm: prompt {n}: TTFT {1e3 * timing.ttft:.0f} ms")
+            ours = self.rt[n][rep].token_ids if rep < len(self.rt[n]) else []
+            first = first_difference(ours, timing.token_ids)
+            if first is not None and n not in self.gaps and first < min(len(ours), len(timing.token_ids)):
+                # How close mlx-lm itself found the two tokens: a near-tie is rounding, a wide gap a bug.
+                ml_ids = timing.token_ids
+                self.gaps[n] = mlx.logprob_gap(self.prompts[n][rep] + ml_ids[:first], ml_ids[first], ours[first])
 
     def outcome(self) -> Outcome:
         results, rows, warnings = [], [], []
@@ -65,16 +78,20 @@ class LongPrompt:
                       "decode_runtime_over_mlx": ratio(rt["decode_tok_s"], ml["decode_tok_s"])}
             results.append({"prompt_len": n, "runtime": rt, "mlx_lm": ml, "ratios": ratios,
                             "tokens_match": first is None, "first_difference": first,
+                            "first_difference_logprob_gap": self.gaps.get(n),
                             "repeats": {"runtime": [single_view(t) for t in self.rt[n]],
                                         "mlx_lm": [single_view(t) for t in self.ml[n]]}})
             rows.append([n, rt["ttft_ms"], ml["ttft_ms"], ratios["ttft_runtime_over_mlx"], rt["decode_tok_s"],
                          ml["decode_tok_s"], ratios["decode_runtime_over_mlx"],
-                         "yes" if first is None else f"NO, from token {first}"])
+                         "yes" if first is None else f"NO, from token {first}" + _gap_note(self.gaps.get(n))])
             if first is not None:
+                gap = self.gaps.get(n)
                 warnings.append(
                     f"WARNING: long: prompt {n}: runtime greedy tokens differ from mlx-lm's in "
-                    f"{sum(d is not None for d in diffs)} of {len(diffs)} runs, first at output position {first} "
-                    "(a long context adds up rounding differences: check whether it is a near-tie)"
+                    f"{sum(d is not None for d in diffs)} of {len(diffs)} runs, first at output position {first}"
+                    + (f"; mlx-lm's own logprob gap between the two tokens there is {gap:.4g} nats"
+                       + (" (a near-tie)" if gap < NEAR_TIE_NATS else " (NOT a near-tie: look for a bug)")
+                       if gap is not None else "")
                 )
         reps = len(self.rt[self.lens[0]]) if self.lens else 0
         title = (f"long prompts, one at a time: {self.gen_len} new tokens each, greedy"
@@ -82,3 +99,7 @@ class LongPrompt:
         tab = table(title, ["prompt tokens", "rt TTFT ms", "mlx TTFT ms", "TTFT rt/mlx", "rt decode tok/s",
                             "mlx decode tok/s", "decode rt/mlx", "same tokens"], rows)
         return Outcome({"gen_len": self.gen_len, "lens": self.lens, "results": results}, [tab], warnings)
+
+
+def _gap_note(gap: float | None) -> str:
+    return "" if gap is None else f" ({gap:.3g} nats)"
