@@ -12,7 +12,6 @@ import asyncio
 import itertools
 import time
 
-import msgspec
 import zmq
 
 from runtime.config import Config
@@ -21,12 +20,12 @@ from runtime.protocol import worker as wp
 from runtime.protocol.loop_socket import LoopSocket
 from runtime.scheduler.addresses import Addresses, open_client_socket
 from runtime.scheduler.admission import Limits, RequestRejected
-from runtime.scheduler.core import Scheduler, StepOutput
+from runtime.scheduler.client_out import ClientOut
+from runtime.scheduler.core import Scheduler
 from runtime.scheduler.frames import BadFrames, guess_rid, split_frames
 from runtime.scheduler.grammar import Grammars, grammar_spec
 from runtime.scheduler.intake import Intake, sampling_params
-from runtime.scheduler.peers import Peer, PeerBusy, PeerGone, PeerTable, ReplyTo
-from runtime.scheduler.replies import done_message, text_delta, wire_logprobs
+from runtime.scheduler.peers import Peer, ReplyTo
 from runtime.scheduler.request import Request
 from runtime.scheduler.status import status_reply
 from runtime.scheduler.stop_strings import StopMatcher
@@ -56,7 +55,8 @@ class Server:
         self.supervisor = WorkerSupervisor(config, self.ctx, addresses.worker)
         self.tokenizer = Tokenizer(config.model.path)
         self.intake = Intake(self.tokenizer, config.scheduler.max_context or 4096)
-        self.peers = PeerTable(self._send_frames, config.server.slow_client_timeout_s)
+        self.out = ClientOut(self.tokenizer, config.server.slow_client_timeout_s)
+        self.peers = self.out.peers
         self.scheduler: Scheduler | None = None
         self.ready: wp.Ready | None = None
         self.grammars: Grammars | None = None  # structured output, once the vocabulary is known
@@ -65,7 +65,6 @@ class Server:
         self.steps_done = 0
         self._ids = itertools.count()
         self._tokenizing: set[Request] = set()
-        self._lost: list[Peer] = []
         self._tasks: set[asyncio.Task] = set()
         self._ping = cp.client_encoder.encode(cp.Ping())
 
@@ -84,7 +83,7 @@ class Server:
     async def start(self) -> None:
         self.ready = await self.supervisor.start()
         self.scheduler = self._new_scheduler(self.ready)
-        self.clients = LoopSocket(self._client_sock)
+        self.clients = self.out.socket = LoopSocket(self._client_sock)
 
     async def _recover(self, reason: str) -> None:
         """Fail what ran on the dead worker, restart it, keep the waiting requests."""
@@ -96,47 +95,6 @@ class Server:
         self.scheduler = self._new_scheduler(self.ready)
         self.scheduler.adopt_waiting(old.waiting)
         self.wakeup.set()
-
-    # ---- client side: sending --------------------------------------------------------
-    def _send_frames(self, frames: list[bytes]) -> None:
-        assert self.clients is not None
-        try:
-            self.clients.send_multipart(frames)
-        except zmq.Again:
-            raise PeerBusy from None
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                raise PeerGone from None
-            raise
-
-    def _reply(self, to: ReplyTo, msg: msgspec.Struct) -> None:
-        try:
-            self.peers.send(to.peer, [*to.envelope, cp.client_encoder.encode(msg)], time.monotonic())
-        except PeerGone:
-            self._lost.append(to.peer)  # its requests are aborted by the maintenance loop
-
-    def _reply_raw(self, identity: bytes, envelope: tuple[bytes, ...], msg: msgspec.Struct) -> None:
-        """A reply outside any request (protocol errors, status): sent now or dropped."""
-        try:
-            self._send_frames([identity, *envelope, cp.client_encoder.encode(msg)])
-        except (PeerBusy, PeerGone):
-            pass
-
-    def _forget(self, req: Request) -> None:
-        to: ReplyTo | None = req.client
-        if to is not None and to.peer.requests.get(to.rid) is req:
-            del to.peer.requests[to.rid]
-            self.peers.forget_if_idle(to.peer)
-
-    def _reply_done(self, req: Request) -> None:
-        to: ReplyTo | None = req.client
-        if to is None:
-            return
-        self._forget(req)
-        if to.peer.gone:
-            return
-        done = done_message(req, to.rid, self.tokenizer)
-        self._reply(to, done)
 
     def _abort_peer(self, peer: Peer) -> None:
         """The client went away or stopped reading: end every request it has."""
@@ -162,13 +120,13 @@ class Server:
         try:
             incoming = split_frames(frames)
         except BadFrames as exc:
-            self._reply_raw(frames[0], (), cp.ProtocolError(rid="", message=str(exc)))
+            self.out.reply_raw(frames[0], (), cp.ProtocolError(rid="", message=str(exc)))
             return
         try:
             msg = cp.client_msg_decoder.decode(incoming.payload)
         except Exception as exc:  # DecodeError, ValidationError, RecursionError: any payload at all
             rid = guess_rid(incoming.payload)
-            self._reply_raw(incoming.identity, incoming.envelope, cp.ProtocolError(rid=rid, message=f"malformed message: {exc}"))
+            self.out.reply_raw(incoming.identity, incoming.envelope, cp.ProtocolError(rid=rid, message=f"malformed message: {exc}"))
             return
         if isinstance(msg, cp.Generate):
             try:
@@ -178,12 +136,12 @@ class Server:
                 peer = self.peers.peers.get(incoming.identity)
                 if peer is not None:
                     peer.requests.pop(msg.rid, None)
-                self._reply_raw(incoming.identity, incoming.envelope,
+                self.out.reply_raw(incoming.identity, incoming.envelope,
                                 cp.Done(rid=msg.rid, finish_reason="error", error=f"internal error: {exc!r}"))
         elif isinstance(msg, cp.Abort):
             self._on_abort(incoming.identity, incoming.envelope, msg)
         elif isinstance(msg, cp.StatusQuery):
-            self._reply_raw(incoming.identity, incoming.envelope, self._status(msg.rid))
+            self.out.reply_raw(incoming.identity, incoming.envelope, self._status(msg.rid))
 
     def _on_generate(self, identity: bytes, envelope: tuple[bytes, ...], msg: cp.Generate) -> None:
         s = self.scheduler
@@ -192,7 +150,7 @@ class Server:
         to = ReplyTo(peer, envelope, msg.rid)
 
         def reject(error: str) -> None:
-            self._reply(to, cp.Done(rid=msg.rid, finish_reason="error", error=error))
+            self.out.reply(to, cp.Done(rid=msg.rid, finish_reason="error", error=error))
             self.peers.forget_if_idle(peer)
 
         if msg.rid in peer.requests:
@@ -242,7 +200,7 @@ class Server:
 
     def _fail_new(self, req: Request, error: str) -> None:
         req.finish_reason, req.error = "error", error
-        self._reply_done(req)
+        self.out.reply_done(req)
 
     def _admit(self, req: Request, msg: cp.Generate, ids: list[int]) -> None:
         assert self.scheduler is not None
@@ -262,13 +220,13 @@ class Server:
         peer = self.peers.peers.get(identity)
         req = peer.requests.get(msg.rid) if peer is not None else None
         found = req is not None and not req.finished
-        self._reply_raw(identity, envelope, cp.AbortReply(rid=msg.rid, found=found))
+        self.out.reply_raw(identity, envelope, cp.AbortReply(rid=msg.rid, found=found))
         if not found:
             return
         assert req is not None and self.scheduler is not None
         if req in self._tokenizing:
             req.finish_reason = "abort"
-            self._reply_done(req)
+            self.out.reply_done(req)
         else:
             self.scheduler.abort(req.rid)
             self._send_completed()
@@ -278,31 +236,9 @@ class Server:
         return status_reply(rid, self.config, self.ready, self.scheduler, self.supervisor, self.peers,
                             tokenizing=len(self._tokenizing), steps=self.steps_done, last_step=self.last_step)
 
-    # ---- results to clients ----------------------------------------------------------
-    def _emit(self, out: StepOutput) -> None:
-        req = out.req
-        delta, matched = text_delta(out)
-        if matched is not None:
-            req.stop_reason = matched
-            assert self.scheduler is not None
-            self.scheduler.finish(req, "stop")
-        to: ReplyTo = req.client
-        if req.stream and to is not None and not to.peer.gone:
-            logprobs = wire_logprobs(out.logprobs) if out.logprobs is not None else None
-            chunk = cp.Chunk(rid=to.rid, token_ids=out.new_ids, text=delta, logprobs=logprobs)
-            self.peers.queue_chunk(to.peer, chunk)
-
     def _send_completed(self) -> None:
-        """Final results, only once each request's state is cached and released (SPEC 5.2)."""
         assert self.scheduler is not None
-        for req in self.scheduler.pop_completed():
-            to: ReplyTo | None = req.client
-            if to is not None:
-                self._flush_chunks(to.peer)  # its chunks before its result
-            self._reply_done(req)
-
-    def _flush_chunks(self, only: Peer | None = None) -> None:
-        self._lost += self.peers.flush_chunks(time.monotonic(), only)
+        self.out.send_completed(self.scheduler)
 
     async def maintenance_loop(self) -> None:
         """Retry unsent replies, ping clients with requests, abort those gone or not reading."""
@@ -311,8 +247,8 @@ class Server:
             lost = self.peers.flush(time.monotonic())
             if tick % PROBE_EVERY == 0:
                 lost += self.peers.probe(self._ping)
-            lost += self._lost
-            self._lost = []
+            lost += self.out.lost
+            self.out.lost = []
             for peer in lost:
                 self._abort_peer(peer)
             if lost and self.scheduler is not None:
@@ -367,10 +303,10 @@ class Server:
                 self.steps_done += 1
                 logprobs = (reply.logprobs, reply.top_ids, reply.top_logprobs) if reply.logprobs else None
                 for out in s.on_step_done(reply.step_id, reply.tokens, logprobs):
-                    self._emit(out)
+                    self.out.emit(out, s)
                 self._send_masks(s)
                 self._send_completed()
-                self._flush_chunks()
+                self.out.flush_chunks()
             elif isinstance(reply, wp.StepFailed):
                 s.on_step_failed(reply.step_id, reply.error)
                 self._send_masks(s)
