@@ -88,7 +88,6 @@ class Engine:
             self.compiled_paged = CompiledPagedDecode(model, layout, pool, self.paths.attention, self.paths.tail)
         self._prev_tokens: mx.array | None = None
         self._prev_rows: list[int] = []
-        self._awaiting: tuple[DecodeBatch, mx.array] | None = None  # handed to the LaunchedStep being built
         self.sampler = RowSampler(max_rows)
         # Share of padding a batched prefill may carry: on a GPU, where a step costs its launch
         # overhead more than its arithmetic, batching pays for some; on the CPU it does not.
@@ -124,15 +123,6 @@ class Engine:
         prev_index = {r: i for i, r in enumerate(self._prev_rows)}
         prev_idx = mx.array([prev_index[r] if t < 0 else 0 for r, t in zip(rows, token_ids)], dtype=mx.int32)
         return mx.where(mx.array(chained), self._prev_tokens[prev_idx], explicit)
-
-    def _decode(self, decode: DecodeBatch) -> tuple[StepDraws | None, bool]:
-        """Sampled tokens (and logprobs) of a decode batch, lazy, and whether the step updates pools
-        in place; None for tokens when some rows' masks are deferred (``apply_masks`` samples then)."""
-        logits, in_place = self._decode_logits(decode)
-        if decode.deferred_rows:
-            self._awaiting = (decode, logits)
-            return None, in_place
-        return self._sampled(decode, self.sampler.sample(logits, decode)), in_place
 
     def apply_masks(self, launched: LaunchedStep, masks: list[bytes]) -> None:
         """Sample a decode whose deferred rows' masks just came (``Masks``), and queue it."""
@@ -241,11 +231,12 @@ class Engine:
         assert step is not None
         launched.tokens, in_place = None, True
         if step.decode is not None and step.decode.rows:
-            launched.draws, in_place = self._decode(step.decode)
-            if launched.draws is not None:
-                launched.tokens = launched.draws.tokens
+            logits, in_place = self._decode_logits(step.decode)
+            if step.decode.deferred_rows:  # sampled by ``apply_masks`` once their masks come
+                launched.awaiting, launched.logits = step.decode, logits
             else:
-                (launched.awaiting, launched.logits), self._awaiting = self._awaiting, None
+                launched.draws = self._sampled(step.decode, self.sampler.sample(logits, step.decode))
+                launched.tokens = launched.draws.tokens
         launched.in_place = bool(step.prefills) or in_place
         if launched.tokens is not None and not step.prefills:
             # Decode attention reads what the step writes (pool, row cache, tail), so the
@@ -352,7 +343,6 @@ class Engine:
         return len(self.prefill_shapes), traces
 
     def reset_chain(self) -> None:
-        self._awaiting = None
         self._prev_tokens = None
         self._prev_rows = []
         self.paths.reset()
