@@ -9,7 +9,6 @@ It inherits this process's environment, so it gets the same BLAS as the runtime'
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from runtime.bench.service import Managed, ServiceError
+from runtime.bench.service import Managed, ServiceError, end_group
 
 
 def free_port() -> int:
@@ -93,19 +92,5 @@ class MlxServer(Managed):
     def stop(self) -> None:
         """SIGTERM the server's process group, then SIGKILL whatever is left of it."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=10.0)
-        except (subprocess.TimeoutExpired, ProcessLookupError, PermissionError):
-            pass
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                proc.wait(timeout=10.0)
-            except subprocess.TimeoutExpired:
-                pass
+        if proc is not None:
+            end_group(proc, term_group=True)

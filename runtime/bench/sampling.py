@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.bench import runtime_side
-from runtime.bench.measure import StreamTiming, ratio, summarize
+from runtime.bench.measure import StreamTiming, percentile, ratio, summarize
 from runtime.bench.report import table
 from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome
 
@@ -49,9 +49,7 @@ class Sampling:
         """Per round: greedy and sampled tok/s and their ratio; the median of the per-round ratios."""
         greedy = [summarize(t)["total_tok_s"] for t in self.greedy]
         sampled = [summarize(t)["total_tok_s"] for t in self.sampled]
-        ratios = sorted(s / g for g, s in zip(greedy, sampled))
-        mid = len(ratios) // 2
-        median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+        median = percentile([s / g for g, s in zip(greedy, sampled)], 50)  # of per-round ratios
         params = ", ".join(f"{k}={v}" for k, v in SAMPLED.items())
         rows = [[i + 1, self.streams, g, s, ratio(s, g)] for i, (g, s) in enumerate(zip(greedy, sampled))]
         rows.append(["median", self.streams, "", "", f"{median:.2f}"])

@@ -55,6 +55,26 @@ class ServiceSpec:
         )
 
 
+def end_group(proc: subprocess.Popen, term_group: bool) -> None:
+    """SIGTERM ``proc`` (``term_group``: its whole process group), wait up to 10 s, then SIGKILL
+    whatever is left of the group, so nothing outlives the bench."""
+    try:
+        if proc.poll() is None:
+            (os.killpg(proc.pid, signal.SIGTERM) if term_group else proc.send_signal(signal.SIGTERM))
+            proc.wait(timeout=10.0)
+    except (subprocess.TimeoutExpired, ProcessLookupError, PermissionError):
+        pass
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 class Managed:
     """A process started by ``start()`` and always stopped by ``stop()``: ``with X(...) as x:``
     stops it even when starting it fails half-way."""
@@ -143,23 +163,8 @@ class Service(Managed):
     def stop(self) -> None:
         """SIGTERM the ``runtime up`` process (a clean shutdown), then SIGKILL its whole group."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        try:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=10.0)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            pass
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left: the worker, if it outlived the parent
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                proc.wait(timeout=10.0)
-            except subprocess.TimeoutExpired:
-                pass
+        if proc is not None:
+            end_group(proc, term_group=False)
 
     @property
     def pid(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.bench import runtime_side
-from runtime.bench.measure import StreamTiming, ratio, summarize
+from runtime.bench.measure import StreamTiming, percentile, ratio, summarize
 from runtime.bench.report import table
 from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome
 
@@ -54,9 +54,7 @@ class Structured:
         free = [summarize(t)["total_tok_s"] for t in self.free]
         mixed = [summarize(t)["total_tok_s"] for t in self.mixed]
         constrained_tokens = [sum(t.n_tokens for i, t in enumerate(ts) if i % 2 == 0) for ts in self.mixed]
-        ratios = sorted(m / f for f, m in zip(free, mixed))
-        mid = len(ratios) // 2
-        median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+        median = percentile([m / f for f, m in zip(free, mixed)], 50)  # of per-round ratios
         rows = [[i + 1, self.streams, f, m, ratio(m, f)] for i, (f, m) in enumerate(zip(free, mixed))]
         rows.append(["median", self.streams, "", "", f"{median:.2f}"])
         title = (f"structured output cost ({self.streams} streams, half with a JSON schema; prompt {self.prompt_len}, "
