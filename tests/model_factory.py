@@ -540,6 +540,43 @@ def _cfg_falcon_h1() -> dict:
     }
 
 
+def _mla_fields() -> dict:
+    # Multi-head latent attention: a 32-wide latent and an 8-wide rotary key per position;
+    # queries of 16 + 8, values of 16. No routed experts: every MLP is dense.
+    return {
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 2,
+        "intermediate_size": INTERMEDIATE,
+        "moe_intermediate_size": 32,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "kv_lora_rank": 32,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POS,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+
+
+def _cfg_deepseek_v2() -> dict:
+    # mlx-lm caches full per-head keys (nope + rope: 24 wide) and values (16 wide).
+    # Its attention needs a rope_scaling (YaRN, here of factor 1).
+    yarn = {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": MAX_POS,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0}
+    return {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], **_mla_fields(),
+            "rope_scaling": yarn}
+
+
+def _cfg_deepseek_v3() -> dict:
+    # mlx-lm caches one latent (32 wide) as keys and the rotary key (8 wide) as values, one head.
+    return {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], **_mla_fields()}
+
+
 _CONFIGS: Dict[str, Callable[[], dict]] = {
     "llama": _cfg_llama,
     "qwen3": _cfg_qwen3,
@@ -553,6 +590,8 @@ _CONFIGS: Dict[str, Callable[[], dict]] = {
     "bailing_moe": _cfg_bailing_moe,
     "lfm2": _cfg_lfm2,
     "falcon_h1": _cfg_falcon_h1,
+    "deepseek_v2": _cfg_deepseek_v2,
+    "deepseek_v3": _cfg_deepseek_v3,
 }
 
 ARCHS: tuple = tuple(_CONFIGS)
@@ -615,7 +654,8 @@ _FINAL_NORMS = ("model.norm.weight", "backbone.norm_f.weight", "language_model.m
 _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.q_layernorm.weight",
              "self_attn.k_layernorm.weight", "attention.query_layernorm.weight", "attention.key_layernorm.weight")
 # Projections that make queries and keys (fused ones make values too: they get the gain as well).
-_QK_WEIGHTS = ("q_proj.weight", "k_proj.weight", "qkv_proj.weight", "query_key_value.weight")
+_QK_WEIGHTS = ("q_proj.weight", "k_proj.weight", "qkv_proj.weight", "query_key_value.weight",
+               "kv_a_proj_with_mqa.weight", "embed_q.weight")
 
 
 def _init_weights(

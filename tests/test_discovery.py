@@ -154,9 +154,15 @@ def test_unnamed_attention_is_served_and_its_geometry_probed():
 def test_refusals_name_what_is_not_served():
     with pytest.raises(UnsupportedModel, match="cache entry 0 is a KV cache, but no module of layer 0"):
         discover(_Model([_Layer(_StateMixer(), "self_attn")]))
-    # Routed decode would answer this module's attention call from the pool; it never makes one.
-    with pytest.raises(UnsupportedModel, match="does not attend through its module's scaled_dot_product_attention"):
-        discover(_Model([_Layer(_FusedAttention(by_hand=True), "attn")]))
+
+
+def test_attention_by_hand_is_served_but_not_routed():
+    """A module that never makes its module's attention call cannot have it answered from the
+    pool (a paged decode): it is served where its cache returns every position's K/V."""
+    assert discover(_Model([_Layer(_FusedAttention(), "attn")])).routed
+    by_hand = _FusedAttention(by_hand=True)
+    by_hand.n_heads = 4  # no attention call to read the query heads from
+    assert not discover(_Model([_Layer(by_hand, "attn")])).routed
 
 
 def test_quantized_projections_give_float_kv_dtype(model_dir):

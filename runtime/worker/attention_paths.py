@@ -53,9 +53,13 @@ class AttentionPaths:
         self.max_rows, self.max_context = max_rows, max_context
         self.slot_table = np.zeros((max_rows, max_context), dtype=np.int32)
         routed = layout.kv_shape is not None and attention_patch.install(model, layout.attn_attr)
-        # The paged kernel attends to every valid position: not to a sliding window.
         self.windowed = layout.windowed
-        self.attention = PagedAttention(PagedAttention.kernel_available()) if routed and not self.windowed else None
+        # A paged decode answers the module's attention call from the pool: only for modules
+        # that attend through that call to the K/V their cache returned (``layout.routed``), to
+        # every valid position (not a sliding window), with keys and values of one width
+        # (latent attention takes the generic paths).
+        paged = routed and layout.routed and not self.windowed and layout.kv_shape.same_widths
+        self.attention = PagedAttention(PagedAttention.kernel_available()) if paged else None
         kernel = self.attention is not None and self.attention.supports(pool.shape.head_dim)
         self.row_cache: RowCache | None = None
         if (not kernel if row_cache is None else row_cache) and layout.kv_shape is not None:

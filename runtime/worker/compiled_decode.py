@@ -62,7 +62,10 @@ class _RowView(CacheStandIn):
     def decode_attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                       mask: mx.array) -> mx.array:
         s = self.step
-        attend = folded_attention if s.fold else mlx_attention
+        # Folding is checked exact for boolean masks over one width (not DeepSeek-V3's float
+        # rotary-score mask over its latent).
+        fold = s.fold and mask.dtype == mx.bool_ and values.shape[-1] == queries.shape[-1]
+        attend = folded_attention if fold else mlx_attention
         if s.parts > 1:
             assert s.split is not None
             return s.split.attend(attend, queries, keys, values, scale, mask, s.parts)
@@ -175,7 +178,7 @@ class CompiledDecode:
                            attention_streams: int = 1) -> CompiledDecode:
         """The compiled decode, attention heads folded where that is bit-exact on this machine."""
         lengths = bucket_lengths(length_bucket, max_context)
-        fold = folded_attention_is_exact(shape.n_heads, shape.n_kv_heads, shape.head_dim, layout.kv_dtype, lengths)
+        fold = shape.same_widths and folded_attention_is_exact(shape.n_heads, shape.n_kv_heads, shape.head_dim, layout.kv_dtype, lengths)
         return cls(model, layout, row_cache, length_bucket, max_context, fold_heads=fold, aux_pool=aux_pool,
                    attention_streams=attention_streams)
 

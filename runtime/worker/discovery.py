@@ -16,11 +16,25 @@ class UnsupportedModel(ValueError):
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """K/V geometry of one softmax-attention layer."""
+    """K/V geometry of one softmax-attention layer: ``head_dim`` is the width of a stored key,
+    ``value_dim`` that of a stored value where it differs (latent attention: DeepSeek-V2 caches
+    24-wide keys and 16-wide values per head; DeepSeek-V3 a latent as keys and a rotary key as
+    values, one head), None where they are equal."""
 
     n_heads: int
     n_kv_heads: int
     head_dim: int
+    value_dim: int | None = None
+
+    @property
+    def value_width(self) -> int:
+        """The width of a stored value."""
+        return self.head_dim if self.value_dim is None else self.value_dim
+
+    @property
+    def same_widths(self) -> bool:
+        """Keys and values have one width (what the paged decode kernel reads)."""
+        return self.value_width == self.head_dim
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,12 @@ class CacheLayout:
     kv_dtype: mx.Dtype
     mask_rank: int = 4  # rank of the attention scores a decode mask is added to (``query_mask_rank``)
     windows: tuple[int | None, ...] = ()
+    # Every attention module attends through its Python module's scaled_dot_product_attention
+    # to the K/V its cache returned, so a paged decode may answer that call from the pool.
+    # Modules that attend by hand, or to tensors made from what the cache returned (DeepSeek-V3
+    # expands its latent in prefill and adds rotary scores as a float mask), are served on the
+    # paths whose cache returns every position's K/V (``AttentionPaths``).
+    routed: bool = True
 
     @property
     def has_aux(self) -> bool:
@@ -104,14 +124,12 @@ class LayerAttention:
         """K/V geometry from the probe; the query head count from the attention call, or, for a
         module that attends by hand, from its attributes."""
         probe, name = self.probe, type(self.module).__name__
-        if probe.value_dim != probe.head_dim:
-            raise UnsupportedModel(f"{name} stores keys of width {probe.head_dim} and values of width "
-                                   f"{probe.value_dim} (latent attention); the KV pool holds one width")
         n_heads = probe.query_heads or _int_attr(self.module, "n_heads", "num_attention_heads", "num_heads")
         if n_heads is None or n_heads % probe.kv_heads:
             raise UnsupportedModel(f"{name}: cannot tell its query head count ({n_heads!r} for "
                                    f"{probe.kv_heads} KV heads)")
-        return AttentionShape(n_heads=n_heads, n_kv_heads=probe.kv_heads, head_dim=probe.head_dim)
+        value_dim = probe.value_dim if probe.value_dim != probe.head_dim else None
+        return AttentionShape(n_heads=n_heads, n_kv_heads=probe.kv_heads, head_dim=probe.head_dim, value_dim=value_dim)
 
 
 def layer_attention(layer: nn.Module) -> LayerAttention | None:
@@ -225,17 +243,6 @@ def _attention_owners(layers: list[nn.Module], kinds: list[str]) -> dict[int, tu
     return dict(zip(kv_entries, found_all))
 
 
-def _checked(found: LayerAttention) -> AttentionShape:
-    """The module's K/V geometry; refuses attention the pool's routed decode would get wrong."""
-    if found.probe.defines_call and not found.probe.routed:
-        # attention_patch would answer this module's attention call from the pool, but the
-        # module attends another way (or to other K/V than its cache returned).
-        raise UnsupportedModel(
-            f"{type(found.module).__name__} does not attend through its module's scaled_dot_product_attention "
-            "to the K/V its cache returned; decode attention cannot be routed to the pool for it")
-    return found.shape
-
-
 def discover(model: nn.Module) -> CacheLayout:
     """Build the cache layout over the model's cache entries; refuse what cannot be served.
 
@@ -266,7 +273,7 @@ def discover(model: nn.Module) -> CacheLayout:
             aux.append(i)
             continue
         found = owners[i][1]
-        this = _checked(found)
+        this = found.shape
         if shape is not None and this != shape:
             raise UnsupportedModel(f"attention layers have different K/V shapes ({shape} vs {this})")
         if dtype is not None and found.probe.dtype != dtype:
@@ -289,4 +296,5 @@ def discover(model: nn.Module) -> CacheLayout:
         kv_dtype=dtype or mx.float32,
         mask_rank=known.pop() if known else 4,
         windows=windows,
+        routed=all(owners[i][1].probe.routed for i in attention),
     )

@@ -8,7 +8,8 @@ from runtime.worker.discovery import AttentionShape
 
 
 class KVPool:
-    """``keys[i]``/``values[i]``: arrays of shape (num_slots, n_kv_heads, head_dim) for KV layer i.
+    """``keys[i]``/``values[i]``: arrays of shape (num_slots, n_kv_heads, head_dim) and
+    (num_slots, n_kv_heads, value width) for KV layer i (the widths differ for latent attention).
 
     Slot 0 is padding: never written by a request, gathered for padded positions.
     """
@@ -20,26 +21,26 @@ class KVPool:
         self.contiguous_gather = mx.default_device().type == mx.DeviceType.cpu
         self.shape = shape
         self.dtype = dtype
-        dims = (num_slots, shape.n_kv_heads, shape.head_dim)
-        self.keys = [mx.zeros(dims, dtype=dtype) for _ in range(num_layers)]
-        self.values = [mx.zeros(dims, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [mx.zeros((num_slots, shape.n_kv_heads, shape.head_dim), dtype=dtype) for _ in range(num_layers)]
+        self.values = [mx.zeros((num_slots, shape.n_kv_heads, shape.value_width), dtype=dtype)
+                       for _ in range(num_layers)]
         mx.eval(self.keys, self.values)
 
     @staticmethod
     def bytes_per_slot(num_layers: int, shape: AttentionShape, dtype: mx.Dtype) -> int:
-        return 2 * num_layers * shape.n_kv_heads * shape.head_dim * dtype.size
+        return num_layers * shape.n_kv_heads * (shape.head_dim + shape.value_width) * dtype.size
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store (n, n_kv_heads, head_dim) rows at ``slots``."""
+        """Store (n, n_kv_heads, width) rows at ``slots``."""
         self.keys[layer][slots] = keys
         self.values[layer][slots] = values
 
     def gather(self, layer: int, index: mx.array) -> tuple[mx.array, mx.array]:
-        """K/V at ``index`` (B, T) as (B, n_kv_heads, T, head_dim)."""
+        """K/V at ``index`` (B, T) as (B, n_kv_heads, T, width)."""
         keys = self.keys[layer][index].transpose(0, 2, 1, 3)
         values = self.values[layer][index].transpose(0, 2, 1, 3)
         if self.contiguous_gather:

@@ -105,7 +105,7 @@ class PoolLayerCache(CacheStandIn):
         return self.batch.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        b, h, length, d = keys.shape
+        b, h, length, _ = keys.shape
         self.new = (keys, values)  # paged_attend's kernel reads this step's K/V from here
         if self.batch.tail is not None:
             return keys, values  # paged_attend reads the pool and the tail, and appends to the tail
@@ -113,8 +113,8 @@ class PoolLayerCache(CacheStandIn):
             if length == 1:  # decode: a plain slice, no transpose to copy
                 flat_k, flat_v = keys[:, :, 0, :], values[:, :, 0, :]
             else:
-                flat_k = keys.transpose(0, 2, 1, 3).reshape(b * length, h, d)
-                flat_v = values.transpose(0, 2, 1, 3).reshape(b * length, h, d)
+                flat_k = keys.transpose(0, 2, 1, 3).reshape(b * length, h, keys.shape[3])
+                flat_v = values.transpose(0, 2, 1, 3).reshape(b * length, h, values.shape[3])
             self.pool.write(self.kv_layer, self.batch.write_slots, flat_k, flat_v)
         if self.batch.rows is not None:
             dense = self.batch.rows.write(self.kv_layer, keys, values)

@@ -21,21 +21,22 @@ MAX_BYTES = 2 * 2**30
 
 
 class RowCache:
-    """``keys[i]``/``values[i]``: (rows, n_kv_heads, max_context, head_dim) for KV layer i.
+    """``keys[i]``/``values[i]``: (rows, n_kv_heads, max_context, width) for KV layer i (keys and
+    values of their own widths, see ``AttentionShape``).
 
     A row's positions past its current length hold stale data; decode masks them out.
     """
 
     def __init__(self, num_layers: int, rows: int, max_context: int, shape: AttentionShape, dtype: mx.Dtype) -> None:
-        dims = (rows, shape.n_kv_heads, max_context, shape.head_dim)
-        self.keys = [mx.zeros(dims, dtype=dtype) for _ in range(num_layers)]
-        self.values = [mx.zeros(dims, dtype=dtype) for _ in range(num_layers)]
+        dims = (rows, shape.n_kv_heads, max_context)
+        self.keys = [mx.zeros(dims + (shape.head_dim,), dtype=dtype) for _ in range(num_layers)]
+        self.values = [mx.zeros(dims + (shape.value_width,), dtype=dtype) for _ in range(num_layers)]
         self.heads = mx.arange(shape.n_kv_heads)[None, :]
         mx.eval(self.keys, self.values)
 
     @staticmethod
     def nbytes_for(num_layers: int, rows: int, max_context: int, shape: AttentionShape, dtype: mx.Dtype) -> int:
-        return 2 * num_layers * rows * max_context * shape.n_kv_heads * shape.head_dim * dtype.size
+        return num_layers * rows * max_context * shape.n_kv_heads * (shape.head_dim + shape.value_width) * dtype.size
 
     def arrays(self) -> list[mx.array]:
         return self.keys + self.values
