@@ -126,6 +126,9 @@ class WorkerConfig:
     bit-identical, fewer kernels per one-row decode step). ``auto``: on a GPU, where such a
     step is host-bound, for models whose decode step is compiled (attention layers only,
     ``compile_decode`` on); ``on``; ``off``.
+
+    ``tensor_parallel``: worker ranks that share the model through mlx.distributed (each holds
+    1/N of the heads and MLP columns; ``[distributed]`` says how they connect); 1 = one process.
     """
 
     startup_timeout_s: float = 600.0
@@ -137,6 +140,24 @@ class WorkerConfig:
     compile_decode: bool = True
     attention_threads: int = 0
     fuse_projections: str = "auto"
+    tensor_parallel: int = 1
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """``[distributed]``: how the ranks of a ``worker.tensor_parallel`` worker talk (mlx.distributed).
+
+    ``backend``: ``ring`` (TCP; Macs and CPUs), ``jaccl`` (RDMA over Thunderbolt), ``nccl``
+    (CUDA) or ``auto`` (nccl where CUDA is available, else ring, as mlx.launch picks).
+    ``hostfile``: the hosts, one per rank, in mlx.launch's JSON format (empty: every rank on
+    this machine). ``starting_port``: the first TCP port of the ring (one per rank and IP)
+    and, after those, of rank 0's step fan-out; 0 = free ports on this machine, 32323 (mlx.launch's
+    default) with a hostfile.
+    """
+
+    backend: str = "auto"
+    hostfile: str = ""
+    starting_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -193,6 +214,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     http: HttpConfig | None = None
 
 
@@ -286,6 +308,7 @@ def _validate(config: Config) -> None:
         raise ConfigError("config key 'worker.blas' must be 'auto' or 'bundled'")
     if config.worker.fuse_projections not in ("auto", "on", "off"):
         raise ConfigError("config key 'worker.fuse_projections' must be 'auto', 'on' or 'off'")
+    _validate_distributed(config)
     if config.server.curve_client_keys and not config.server.curve_secret_key:
         raise ConfigError("config key 'server.curve_client_keys' needs 'server.curve_secret_key' (`runtime keygen`)")
     if config.server.curve_secret_key:
@@ -306,6 +329,42 @@ def _validate(config: Config) -> None:
         if config.server.curve_client_keys:
             raise ConfigError("config key 'server.curve_client_keys' cannot be combined with [http] yet "
                               "(the gateway connects with a fresh key pair)")
+
+
+DISTRIBUTED_BACKENDS = ("auto", "ring", "jaccl", "nccl")
+
+
+def _validate_distributed(config: Config) -> None:
+    tp, d = config.worker.tensor_parallel, config.distributed
+    if not 1 <= tp <= 64:
+        raise ConfigError(f"config key 'worker.tensor_parallel' must be between 1 and 64 (ranks that share the "
+                          f"model), got {tp}")
+    if d.backend not in DISTRIBUTED_BACKENDS:
+        raise ConfigError(f"config key 'distributed.backend' must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
+                          f"got {d.backend!r}")
+    if not 0 <= d.starting_port < 65536 - 2 * tp:
+        raise ConfigError("config key 'distributed.starting_port' must be 0 (free ports) or a TCP port with "
+                          "room for two ports per rank after it")
+    if not d.hostfile:
+        if tp > 1 and d.backend == "jaccl":
+            raise ConfigError("config key 'distributed.backend' = 'jaccl' needs 'distributed.hostfile' "
+                              "(its hosts' RDMA devices)")
+        return
+    from runtime.hostfile import HostfileError, read_hostfile
+
+    try:
+        hosts = read_hostfile(d.hostfile).hosts
+    except HostfileError as exc:
+        raise ConfigError(f"config key 'distributed.hostfile': {exc}") from None
+    if len(hosts) != tp:
+        raise ConfigError(f"config key 'distributed.hostfile' lists {len(hosts)} hosts but "
+                          f"'worker.tensor_parallel' is {tp} (one host entry per rank)")
+    if tp > 1 and not all(h.ips for h in hosts):
+        raise ConfigError("config key 'distributed.hostfile': every host needs 'ips' (the ring and the step "
+                          "fan-out connect to IP addresses)")
+    if not hosts[0].local:
+        raise ConfigError(f"config key 'distributed.hostfile': host 0 ({hosts[0].ssh!r}) must be this machine "
+                          "(rank 0 talks to the scheduler over a local socket)")
 
 
 def _validate_http(http: HttpConfig) -> None:
@@ -338,4 +397,4 @@ def config_to_dict(config: Config) -> dict:
     return {key: value for key, value in dataclasses.asdict(config).items() if value is not None}
 
 
-__all__ = ["Config", "ConfigError", "HttpConfig", "load_config", "parse_config", "config_to_dict"]
+__all__ = ["Config", "ConfigError", "DistributedConfig", "HttpConfig", "load_config", "parse_config", "config_to_dict"]

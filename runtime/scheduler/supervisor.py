@@ -11,7 +11,7 @@ import zmq
 from runtime.config import Config
 from runtime.protocol import worker as wp
 from runtime.protocol.loop_socket import LoopSocket
-from runtime.scheduler.worker_process import WorkerProcess
+from runtime.scheduler.rank_processes import worker_process
 
 WORKER_POLL_S = 0.5
 RESTART_WINDOW_S = 600.0
@@ -35,7 +35,7 @@ class WorkerSupervisor:
         self.config = config
         self.ctx = ctx
         self.address = address
-        self.process = WorkerProcess(config, address)
+        self.process = worker_process(config, address)  # one process, or the tensor-parallel ranks
         self.sock: LoopSocket | None = None
         self.state = "starting"
         self.down_reason = ""

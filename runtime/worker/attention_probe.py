@@ -96,8 +96,13 @@ def takes_cache(module: nn.Module) -> bool:
         return False
 
 
+# Tensor-parallel ranks (``worker/ranks.py``) see mlx's sharded linear layers in their place.
+_LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear, nn.AllToShardedLinear, nn.ShardedToAllLinear,
+                 nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
+
+
 def _linears(module: nn.Module) -> list[nn.Module]:
-    return [m for _, m in module.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
+    return [m for _, m in module.named_modules() if isinstance(m, _LINEAR_TYPES)]
 
 
 def input_widths(module: nn.Module) -> list[int]:
@@ -105,7 +110,7 @@ def input_widths(module: nn.Module) -> list[int]:
     widths: list[int] = []
     for linear in _linears(module):
         width = linear.weight.shape[1]
-        if isinstance(linear, nn.QuantizedLinear):  # packed uint32 columns
+        if hasattr(linear, "bits"):  # quantized (plain or sharded): packed uint32 columns
             width = width * 32 // linear.bits
         if width not in widths:
             widths.append(width)

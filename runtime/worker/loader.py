@@ -89,20 +89,30 @@ def buffer_cache_bytes(configured_mb: int, default_bytes: int, pool_bytes: int) 
     return max(default_bytes, min(4 * pool_bytes, _total_memory() // 8))
 
 
-def load(config: Config) -> LoadedModel:
-    """Load the folder named by the config; raise with the loader's message on failure."""
+def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedModel:
+    """Load the folder named by the config; raise with the loader's message on failure.
+
+    With a ``group`` (a tensor-parallel rank) the model is sharded before anything reads its
+    shapes, so the cache layout, the pools and the limits are this rank's.
+    """
     from mlx_lm.utils import load_model
 
     path = Path(config.model.path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no config.json in model folder {path}")
     model, model_config = load_model(path, lazy=True)
+    if group is not None:
+        from runtime.worker.ranks import shard_model
+
+        shard_model(model, str(model_config.get("model_type", "unknown")), group)
     layout = discover(model)
     if layout.kv_shape is None and not layout.has_aux:
         raise UnsupportedModel("model has neither attention layers nor recurrent-state layers")
     fused_groups = 0
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
-    if fusion_wanted(config.worker.fuse_projections, on_gpu, config.worker.compile_decode and not layout.has_aux):
+    # Not on a sharded model: its projections are sharded layers the fusion does not know.
+    if group is None and fusion_wanted(config.worker.fuse_projections, on_gpu,
+                                       config.worker.compile_decode and not layout.has_aux):
         # From the lazily loaded weights: each group's parts are read, stacked and freed before
         # the next group's are read, so the freed buffers are reused instead of staying
         # reserved on the device (a CUDA memory pool keeps what it was given back).
@@ -113,6 +123,10 @@ def load(config: Config) -> LoadedModel:
     model_context = int(text_config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT)
     per_slot = KVPool.bytes_per_slot(len(layout.attention_layers), _kv_shape(layout), layout.kv_dtype)
     limits = defaults.choose(config, device(), model_context, per_slot if layout.kv_shape is not None else 0)
+    if group is not None:
+        from runtime.worker.ranks import agree_limits
+
+        limits = agree_limits(limits, group)
     aux_slots = (config.cache.aux_slots or 8 * limits.max_running) + 1 if layout.has_aux else 0
     vocab_size = int(text_config.get("vocab_size", 0))
     if limits.num_slots < 2:

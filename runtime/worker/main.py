@@ -19,6 +19,7 @@ import sys
 import time
 import traceback
 from collections import deque
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -36,15 +37,20 @@ from runtime.protocol.worker import (
     worker_encoder,
 )
 
+if TYPE_CHECKING:
+    from runtime.worker.ranks import RankRole
+
 PARENT_POLL_MS = 500
 
 
-def serve(config: Config, address: str, trace_path: str | None = None) -> int:
+def serve(config: Config, address: str, trace_path: str | None = None, role: RankRole | None = None) -> int:
+    """Serve steps from ``address``: the scheduler's socket, or rank 0's fan-out for a follower rank."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     parent = os.getppid()
+    fanout = None
     try:
         import mlx.core as mx
 
@@ -55,7 +61,13 @@ def serve(config: Config, address: str, trace_path: str | None = None) -> int:
 
         lift_graph_size_limit(os.environ, mx.cuda.is_available())  # before the first device operation
         mx.random.seed(config.model.seed)
-        loaded = load(config)
+        group = None
+        if role is not None:
+            from runtime.worker.ranks import Fanout, init_group
+
+            fanout = Fanout(ctx, role.followers) if role.leader else None  # bound before the followers connect
+            group = init_group(config.distributed.backend, role)
+        loaded = load(config, group)
         layout = loaded.layout
         if loaded.fused_groups:
             print(f"runtime worker: fused {loaded.fused_groups} projection groups", flush=True)
@@ -70,29 +82,28 @@ def serve(config: Config, address: str, trace_path: str | None = None) -> int:
         variants = engine.warm_up()
         print(f"runtime worker: warmed up in {time.perf_counter() - started:.1f} s"
               + (f" ({variants} decode variants prepared)" if variants else ""), flush=True)
+        ready = Ready(
+            model_type=loaded.model_type,
+            num_slots=loaded.num_slots,
+            max_rows=loaded.limits.max_running,
+            max_context=loaded.max_context,
+            max_step_tokens=loaded.limits.max_step_tokens,
+            prefill_chunk=loaded.limits.prefill_chunk,
+            limits=loaded.limits.describe(),
+            vocab_size=loaded.vocab_size,
+            dtype=str(layout.kv_dtype).replace("mlx.core.", ""),
+            pool_bytes=pool.nbytes,
+            aux_slots=loaded.aux_slots,
+            aux_bytes=aux_pool.nbytes if aux_pool is not None else 0,
+        )
+        if fanout is not None:
+            fanout.wait_ready(ready, parent, config.worker.startup_timeout_s)
         freeze_startup_heap()
     except Exception as exc:  # report the loader's error, then exit non-zero
         sock.send(worker_encoder.encode(LoadFailed(error=f"{type(exc).__name__}: {exc}")))
         time.sleep(0.2)
         return 1
-    sock.send(
-        worker_encoder.encode(
-            Ready(
-                model_type=loaded.model_type,
-                num_slots=loaded.num_slots,
-                max_rows=loaded.limits.max_running,
-                max_context=loaded.max_context,
-                max_step_tokens=loaded.limits.max_step_tokens,
-                prefill_chunk=loaded.limits.prefill_chunk,
-                limits=loaded.limits.describe(),
-                vocab_size=loaded.vocab_size,
-                dtype=str(layout.kv_dtype).replace("mlx.core.", ""),
-                pool_bytes=pool.nbytes,
-                aux_slots=loaded.aux_slots,
-                aux_bytes=aux_pool.nbytes if aux_pool is not None else 0,
-            )
-        )
-    )
+    sock.send(worker_encoder.encode(ready))
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     overlap = engine.overlap_submit(on_gpu, engine.state_bytes, config.worker.overlap_submit_max_mb,
                                     engine.compiled is not None)
@@ -105,11 +116,19 @@ def serve(config: Config, address: str, trace_path: str | None = None) -> int:
         trace = StepTrace(f"{trace_path}.{os.getpid()}")
         trace.wrap_engine(engine)
         send, recv, poll = trace.timed("send", send), trace.timed("recv", recv), trace.timed("poll", poll)
+    if role is not None and not role.leader:
+        from runtime.worker.ranks import discard
+
+        send = discard
+    if fanout is not None:
+        recv = fanout.forwarding(recv)
     try:
         return _loop(engine, send, recv, poll, overlap, clock, parent)
     finally:
         if trace is not None:
             trace.write()
+        if fanout is not None:
+            fanout.close()
 
 
 def _loop(engine, send, recv, poll, overlap: bool, clock: IdleClock, parent: int) -> int:
@@ -248,18 +267,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="runtime MLX worker (started by the scheduler)")
     parser.add_argument("--address", required=True)
     parser.add_argument("--config-json", required=True)
+    parser.add_argument("--rank", type=int, default=None, help="tensor-parallel rank (worker.tensor_parallel > 1)")
+    parser.add_argument("--followers", nargs="*", default=[], help="rank 0: the fan-out address of each other rank")
     args = parser.parse_args(argv)
     config = parse_config(json.loads(args.config_json))
+    role = None
+    if args.rank is not None:
+        from runtime.worker.ranks import RankRole
+
+        role = RankRole(args.rank, config.worker.tensor_parallel, tuple(args.followers))
     trace = os.environ.get("RUNTIME_WORKER_TRACE")
     out = os.environ.get("RUNTIME_WORKER_CPROFILE")
     if out:
         import cProfile
         prof = cProfile.Profile()
         try:
-            return prof.runcall(serve, config, args.address, trace)
+            return prof.runcall(serve, config, args.address, trace, role)
         finally:
             prof.dump_stats(f"{out}.{os.getpid()}")
-    return serve(config, args.address, trace)
+    return serve(config, args.address, trace, role)
 
 
 if __name__ == "__main__":
