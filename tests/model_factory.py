@@ -577,6 +577,75 @@ def _cfg_deepseek_v3() -> dict:
     return {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], **_mla_fields()}
 
 
+def _cfg_gpt_oss() -> dict:
+    # Sliding-window layers (RotatingKVCache) alternating with full ones; every layer's
+    # attention adds a learned per-head sink logit; experts everywhere (4, two per token).
+    return {
+        "model_type": "gpt_oss",
+        "architectures": ["GptOssForCausalLM"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 4,
+        "intermediate_size": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "sliding_window": 16,
+        "rope_theta": 10000,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "tie_word_embeddings": False,
+    }
+
+
+def _cfg_cohere2() -> dict:
+    # Layers 0-2 sliding-window with RoPE, layer 3 global without positional encoding;
+    # embeddings tied, logits scaled.
+    return {
+        "model_type": "cohere2",
+        "architectures": ["Cohere2ForCausalLM"],
+        "hidden_size": HIDDEN,
+        "head_dim": HEAD_DIM,
+        "num_hidden_layers": 4,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "rope_theta": 10000.0,
+        "vocab_size": VOCAB,
+        "layer_norm_eps": 1e-5,
+        "logit_scale": 1.0,
+        "sliding_window": 16,
+        "sliding_window_pattern": 4,
+        "tie_word_embeddings": True,
+    }
+
+
+def _cfg_exaone4() -> dict:
+    # Pattern "LLLG": local layers (window, RoPE) and a global one without RoPE; q/k norms.
+    return {
+        "model_type": "exaone4",
+        "architectures": ["Exaone4ForCausalLM"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 4,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POS,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "sliding_window": 16,
+        "sliding_window_pattern": "LLLG",
+        # What transformers reads (the tokenizer loader parses config.json with it).
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+        "tie_word_embeddings": False,
+    }
+
+
 _CONFIGS: Dict[str, Callable[[], dict]] = {
     "llama": _cfg_llama,
     "qwen3": _cfg_qwen3,
@@ -592,6 +661,9 @@ _CONFIGS: Dict[str, Callable[[], dict]] = {
     "falcon_h1": _cfg_falcon_h1,
     "deepseek_v2": _cfg_deepseek_v2,
     "deepseek_v3": _cfg_deepseek_v3,
+    "gpt_oss": _cfg_gpt_oss,
+    "cohere2": _cfg_cohere2,
+    "exaone4": _cfg_exaone4,
 }
 
 ARCHS: tuple = tuple(_CONFIGS)
@@ -693,6 +765,10 @@ def _init_weights(
             if name.endswith(_QK_WEIGHTS) and not qk_norm:
                 std *= _QK_GAIN
         new.append((name, (w * std).astype(p.dtype)))
+    for i, (name, p) in enumerate(params):
+        if name.endswith("self_attn.sinks"):
+            # gpt-oss's per-head sink logits start at zero: draw them, so that tests see them.
+            new.append((name, mx.random.normal(p.shape, key=keys[i]).astype(p.dtype)))
     if qk_norm:
         # q/k are RMS-normalised: the gain goes into the norm scales instead
         # (gemma's RMSNorm computes x * (1 + weight)).

@@ -1,0 +1,83 @@
+"""Sliding-window families beyond Gemma 3, token-exact against mlx-lm.
+
+gpt-oss alternates window and full layers, and every attention adds a learned per-head sink
+logit (``sinks=`` in mlx-lm's attention call, passed through unchanged to MLX's attention);
+Cohere 2 and EXAONE 4 have three window layers with RoPE, then a global layer without any
+positional encoding. Prompts longer than the window, a short one whose generation crosses it,
+chunked prefill past it, and prefix-cache hits longer than it (one a whole-prompt hit), on the
+CPU paths (``test_sliding_window_exact`` covers every path's window masks with Gemma 3).
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from harness import InProcessService
+from model_factory import load_cached, make_model, reference_greedy
+
+from runtime.worker.discovery import discover
+
+WINDOW = 8
+FAMILIES = {"gpt_oss": (WINDOW, None, WINDOW, None), "cohere2": (WINDOW, WINDOW, WINDOW, None),
+            "exaone4": (WINDOW, WINDOW, WINDOW, None)}  # each family's per-layer windows
+PATHS = {"compiled": dict(compile_decode=True), "eager": dict(compile_decode=False),
+         "pool-gather": dict(compile_decode=False, row_cache=False)}
+CASES = [("gpt_oss", path) for path in PATHS] + [(arch, path) for arch in ("cohere2", "exaone4")
+                                                  for path in ("compiled", "pool-gather")]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    built: dict[str, object] = {}
+
+    def get(arch: str):
+        if arch not in built:
+            built[arch] = make_model(arch, tmp_path_factory.mktemp(arch), sliding_window=WINDOW)
+        return built[arch]
+
+    return get
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 250) for _ in range(n)]
+
+
+def _check(folder, reqs) -> None:
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_discovery_records_each_layers_window(arch, folders):
+    model, _ = load_cached(folders(arch))
+    layout = discover(model)
+    assert layout.windows == FAMILIES[arch] and layout.routed
+    if arch == "gpt_oss":  # the sinks this test relies on are drawn, not mlx-lm's zeros
+        assert mx.any(model.layers[0].self_attn.sinks != 0).item()
+
+
+@pytest.mark.parametrize("arch, path", CASES)
+def test_windows_in_decode_chunked_prefill_and_prefix_hits(arch, path, folders):
+    folder = folders(arch)
+    svc = InProcessService(folder, max_running=8, **PATHS[path])
+    assert svc.engine.paths.attention is None  # no paged decode for a windowed model
+    assert (svc.engine.compiled is not None) == (path == "compiled")
+    rng = random.Random(2)
+    # Past the window from the prompt on, and (the last two) crossing it while decoding.
+    reqs = [svc.request(f"r{i}", _ids(rng, n), 14) for i, n in enumerate([20, 27, 34, WINDOW - 3, WINDOW + 4])]
+    svc.run({0: reqs[:4], 2: reqs[4:]})
+    _check(folder, reqs)
+    shared = _ids(rng, 3 * WINDOW)
+    first = [svc.request(f"a{i}", shared + _ids(rng, 2 + i), 10) for i in range(2)]
+    svc.run({0: first})
+    second = [svc.request(f"b{i}", shared[: 12 + 5 * i] + _ids(rng, 3), 11) for i in range(3)]
+    repeat = svc.request("repeat", list(first[0].prompt_ids), 9)
+    svc.run({0: second + [repeat]})
+    assert [r.prefix_len for r in second] == [12, 17, 22] and repeat.prefix_len == len(repeat.prompt_ids) - 1
+    _check(folder, first + second + [repeat])
+    chunked = InProcessService(folder, max_running=8, prefill_chunk=WINDOW, max_step_tokens=WINDOW, **PATHS[path])
+    reqs = [chunked.request(f"c{i}", _ids(rng, 20 + 7 * i), 10) for i in range(3)]
+    chunked.run({0: reqs})
+    _check(folder, reqs)
