@@ -1,0 +1,209 @@
+"""worker.tensor_parallel = 2 on this CPU (ring backend on localhost): the same tokens as mlx-lm,
+rank deaths handled as worker deaths, no process left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+
+import mlx.core as mx
+import pytest
+from conftest import running_service
+from model_factory import load_cached, reference_greedy
+from test_service_errors import wait_worker_up
+
+from runtime.client import Client, RequestFailed
+from runtime.config import ConfigError, parse_config
+from runtime.scheduler.rank_launch import plan_ranks
+
+TP = "[worker]\ntensor_parallel = 2\nstartup_timeout_s = 120\n[distributed]\nbackend = \"ring\"\n"
+EXTRA = TP + "[cache]\nkv_slots = 4096\naux_slots = 64\ntrack_chunk = 16\n[scheduler]\nmax_running = 8\nmax_context = 512\ndebug_invariants = true\n"
+NEAR_TIE = 1e-3  # a top-2 logprob gap this small may flip under another summation order
+
+
+def _ranks_of(service_pid: int) -> dict[int, int]:
+    """rank -> pid of the worker ranks the service started (its direct children)."""
+    ranks = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == service_pid and "runtime.worker.main" in argv and "--rank" in argv:
+            ranks[int(argv[argv.index("--rank") + 1])] = int(entry)
+    return ranks
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(rng.randint(8, 60))] for _ in range(count)]
+
+
+def assert_same_or_near_tie(folder, prompt: list[int], got: list[int], max_tokens: int) -> None:
+    """``got`` is mlx-lm's greedy continuation, or parts from it only where mlx-lm's own top-2
+    logprobs are within NEAR_TIE (the ranks sum partial products in another order)."""
+    ref = reference_greedy(folder, prompt, max_tokens)
+    if got == ref:
+        return
+    first = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
+    model, _ = load_cached(folder)
+    logits = model(mx.array([prompt + ref[:first]]))[0, -1].astype(mx.float32)
+    top2 = mx.sort(logits - mx.logsumexp(logits))[-2:].tolist()
+    gap = top2[1] - top2[0]
+    assert gap < NEAR_TIE, f"tokens differ at {first} where mlx-lm's top-2 gap is {gap:.2e}: {got} vs {ref}"
+
+
+# ---- config and launch plan (no processes) -----------------------------------------------------
+
+def _config(tmp_path, **worker_and_distributed) -> dict:
+    (tmp_path / "config.json").write_text("{}")
+    table: dict = {"model": {"path": str(tmp_path)}}
+    for section, values in worker_and_distributed.items():
+        table[section] = values
+    return table
+
+
+@pytest.mark.parametrize("table, needle", [
+    ({"worker": {"tensor_parallel": 0}}, "worker.tensor_parallel"),
+    ({"distributed": {"backend": "mpi"}}, "distributed.backend"),
+    ({"worker": {"tensor_parallel": 2}, "distributed": {"backend": "jaccl"}}, "needs 'distributed.hostfile'"),
+    ({"worker": {"tensor_parallel": 2}, "distributed": {"hostfile": "/no/such/hosts.json"}}, "hostfile not found"),
+])
+def test_config_errors_name_the_key(tmp_path, table, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_config(_config(tmp_path, **table))
+
+
+def test_hostfile_must_list_one_host_per_rank_with_rank_0_here(tmp_path):
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}]))
+    with pytest.raises(ConfigError, match="lists 1 hosts but 'worker.tensor_parallel' is 2"):
+        parse_config(_config(tmp_path, worker={"tensor_parallel": 2}, distributed={"hostfile": str(hosts)}))
+    hosts.write_text(json.dumps({"hosts": [{"ssh": "mac-a.invalid", "ips": ["10.0.0.1"]},
+                                           {"ssh": "mac-b.invalid", "ips": ["10.0.0.2"]}]}))
+    with pytest.raises(ConfigError, match="host 0 .* must be this machine"):
+        parse_config(_config(tmp_path, worker={"tensor_parallel": 2}, distributed={"hostfile": str(hosts)}))
+
+
+def test_plan_for_two_local_ring_ranks(tmp_path):
+    config = parse_config(_config(tmp_path, worker={"tensor_parallel": 2}, distributed={"backend": "ring"},
+                                  cache={"kv_memory_fraction": 0.5}))
+    plans = plan_ranks(config, "ipc:///tmp/x/worker.sock")
+    assert [p.rank for p in plans] == [0, 1] and all(p.local for p in plans)
+    assert [p.env["MLX_RANK"] for p in plans] == ["0", "1"]
+    ring = json.loads(plans[0].files["MLX_HOSTFILE"])
+    assert len(ring) == 2 and all(len(node) == 1 and node[0].startswith("127.0.0.1:") for node in ring)
+    assert plans[0].files == plans[1].files  # every rank reads the same ring
+    argv0, argv1 = list(plans[0].argv), list(plans[1].argv)
+    assert argv0[argv0.index("--address") + 1] == "ipc:///tmp/x/worker.sock"
+    assert argv0[argv0.index("--followers") + 1:] == ["ipc:///tmp/x/worker.sock.rank1"]
+    assert argv1[argv1.index("--address") + 1] == "ipc:///tmp/x/worker.sock.rank1"
+    rank_config = json.loads(argv1[argv1.index("--config-json") + 1])
+    assert rank_config["cache"]["kv_memory_fraction"] == 0.25  # two ranks share this machine's memory
+
+
+# ---- the service ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def served(request, model_dir, tmp_path_factory):
+    folder = model_dir(request.param)
+    with running_service(tmp_path_factory.mktemp("tp"), folder, EXTRA, timeout=120) as svc:
+        yield folder, svc
+
+
+async def test_greedy_single_batched_and_prefix_hits_match_mlx_lm(served):
+    folder, svc = served
+    prompts = _prompts(1, 8)
+    shared = _prompts(2, 1)[0] * 2
+    async with Client(svc.address, timeout_s=120) as client:
+        single = await client.generate(token_ids=prompts[0], max_tokens=24, ignore_eos=True)
+        batched = await asyncio.gather(*(client.generate(token_ids=p, max_tokens=16, ignore_eos=True)
+                                         for p in prompts))
+        again = await asyncio.gather(*(client.generate(token_ids=p, max_tokens=16, ignore_eos=True)
+                                       for p in prompts[:4]))
+        first = await client.generate(token_ids=shared + [7], max_tokens=12, ignore_eos=True)
+        sharing = await client.generate(token_ids=shared + [9, 11], max_tokens=12, ignore_eos=True)
+    assert_same_or_near_tie(folder, prompts[0], single.token_ids, 24)
+    for prompt, result in zip(prompts, batched):
+        assert_same_or_near_tie(folder, prompt, result.token_ids, 16)
+    for prompt, result in zip(prompts, again):
+        assert result.cached_tokens > 0, "an exact repeat hits the prefix cache"
+        assert_same_or_near_tie(folder, prompt, result.token_ids, 16)
+    assert sharing.cached_tokens >= 16 and first.finish_reason == "length"
+    assert_same_or_near_tie(folder, shared + [9, 11], sharing.token_ids, 12)
+
+
+async def test_ranks_sample_the_same_tokens(served):
+    """Unseeded random sampling, then a greedy request over what it produced: the cached K/V (and
+    hybrid state) of every rank must be those of the same tokens, or mlx-lm's continuation differs."""
+    folder, svc = served
+    prompt = _prompts(3, 1)[0]
+    async with Client(svc.address, timeout_s=120) as client:
+        sampled = await asyncio.gather(*(client.generate(token_ids=prompt, max_tokens=20, temperature=1.0,
+                                                         ignore_eos=True) for _ in range(3)))
+        follow = [prompt + s.token_ids for s in sampled]
+        greedy = await asyncio.gather(*(client.generate(token_ids=f, max_tokens=8, ignore_eos=True)
+                                        for f in follow))
+    assert len({tuple(s.token_ids) for s in sampled}) > 1, "random seeds per request"
+    for ids, result in zip(follow, greedy):
+        assert result.cached_tokens > len(prompt), "the sampled tokens' K/V came from the cache"
+        assert_same_or_near_tie(folder, ids, result.token_ids, 8)
+
+
+async def test_killing_a_rank_restarts_every_rank(model_dir, tmp_path):
+    folder = model_dir("llama")
+    extra = TP.replace("[distributed]", "step_timeout_s = 5\n[distributed]") + "[cache]\nkv_slots = 8192\n[scheduler]\nmax_running = 1\nmax_context = 4096\n"
+    with running_service(tmp_path, folder, extra, timeout=120) as svc:
+        before = _ranks_of(svc.proc.pid)
+        assert sorted(before) == [0, 1]
+        async with Client(svc.address, timeout_s=120) as client:
+            waiting_prompt = _prompts(4, 1)[0]
+            waiting = None
+            with pytest.raises(RequestFailed, match="worker died"):
+                async for chunk in client.stream(token_ids=[5, 6, 7], max_tokens=3000, ignore_eos=True):
+                    if waiting is None:  # running now; a second request queues behind max_running = 1
+                        waiting = asyncio.create_task(
+                            client.generate(token_ids=waiting_prompt, max_tokens=10, ignore_eos=True))
+                        while (await client.status()).waiting != 1:
+                            await asyncio.sleep(0.02)
+                        os.kill(before[1], signal.SIGKILL)
+            queued = await asyncio.wait_for(waiting, 120)  # runs after the restart
+            status = await wait_worker_up(client, timeout=120)
+            after = _ranks_of(svc.proc.pid)
+            # A rank that hangs (stopped) leaves rank 0 waiting in a collective: the step timeout.
+            with pytest.raises(RequestFailed, match="worker stopped responding"):
+                async for chunk in client.stream(token_ids=[8, 9], max_tokens=3000, ignore_eos=True):
+                    if _alive(after[1]) and chunk.token_ids:
+                        os.kill(after[1], signal.SIGSTOP)
+            hung_status = await wait_worker_up(client, timeout=120)
+            final = _ranks_of(svc.proc.pid)
+            recovered = await client.generate(token_ids=waiting_prompt, max_tokens=10, ignore_eos=True)
+        assert queued.finish_reason == "length"
+        assert_same_or_near_tie(folder, waiting_prompt, queued.token_ids, 10)
+        assert status.worker_restarts == 1
+        assert sorted(after) == [0, 1] and not set(after.values()) & set(before.values())
+        assert not _alive(before[0]), "rank 0 of the dead group was killed too"
+        assert hung_status.worker_restarts == 2 and recovered.token_ids == queued.token_ids
+        assert not any(_alive(pid) for pid in after.values()), "the hung group was killed, the stopped rank too"
+        assert sorted(final) == [0, 1]
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in final.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in final.values()), "no rank outlives the service"
