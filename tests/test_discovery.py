@@ -202,10 +202,28 @@ def test_nemotron_h_attention_without_rope(model_dir):
     assert not is_softmax_attention(model.layers[0].mixer)
 
 
-def test_nested_cache_lists_are_refused_by_name(model_dir):
-    model, _ = load_cached(model_dir("falcon_h1"))  # CacheList(Mamba state, KV cache) per layer
-    with pytest.raises(UnsupportedModel, match="cache entry 0 is a CacheList.*nested CacheList layers are not served"):
-        discover(model)
+def test_nested_cache_lists_are_flattened(model_dir):
+    """Falcon-H1: CacheList(Mamba state, KV cache) per layer, one flat entry per part."""
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    model, _ = load_cached(model_dir("falcon_h1"))
+    layout = discover(model)
+    assert layout.num_layers == 4 and layout.kv_index == (-1, 0, -1, 1) and layout.aux_layers == (0, 2)
+    assert layout.attn_attr == ("self_attn", "self_attn") and layout.groups.sizes == (2, 2)
+    flat = layout.flatten(model.make_cache())
+    assert [type(c).__name__ for c in flat] == ["ArraysCache", "KVCache"] * 2
+    nested = layout.nest(flat)
+    assert all(isinstance(c, CacheList) for c in nested) and nested[1][0] is flat[2] and nested[1][1] is flat[3]
+    made = model.make_cache
+    try:
+        model.make_cache = lambda: [CacheList(ArraysCache(2), CacheList(KVCache()))] * 2
+        with pytest.raises(UnsupportedModel, match="cache entry 0 is a CacheList that is empty or holds another"):
+            discover(model)
+        model.make_cache = lambda: [CacheList(KVCache(), KVCache())] * 2
+        with pytest.raises(UnsupportedModel, match="cache entry 0 is a CacheList of several KV caches"):
+            discover(model)
+    finally:
+        model.make_cache = made
 
 
 def test_sliding_window_layers_are_served_with_their_windows(model_dir):

@@ -7,6 +7,8 @@ with a fused ``query_key_value`` and an output projection ``dense``; LFM2's atte
 them has the q/k/v/o projection names discovery once looked for; all of them store K/V
 through ``cache.update_and_fetch`` and attend through mlx-lm's module-level
 ``scaled_dot_product_attention``, which is what discovery now recognises (``attention_probe``).
+Falcon-H1 runs a Mamba mixer and attention side by side in every layer, whose cache is a
+``CacheList`` of the two (``cache_entries``: one flat entry per part, nested back per forward).
 
 Every family: one request, several at once (batch sizes 2, the KV-head count and more, of
 different lengths, arriving at different steps), and prefix-cache hits, decode compiled and
@@ -24,7 +26,7 @@ from model_factory import HEADS, KV_HEADS, load_cached, reference_greedy
 
 from runtime.worker.discovery import discover
 
-FAMILIES = ("phi3", "bailing_moe", "lfm2", "nemotron_h")
+FAMILIES = ("phi3", "bailing_moe", "lfm2", "nemotron_h", "falcon_h1")
 BATCH_SIZES = sorted({2, KV_HEADS, HEADS, 5})
 TRACK_CHUNK = 8  # hybrid prefixes are reused at multiples of this
 

@@ -33,6 +33,7 @@ class AuxPool:
         """Run one token through a fresh mlx-lm cache to learn each auxiliary state's shape."""
         caches = model.make_cache()
         model(mx.array([[1]], dtype=mx.int32), cache=caches)
+        caches = layout.flatten(caches)  # a CacheList's parts are entries of their own
         templates = []
         for entry in layout.aux_layers:
             states = caches[entry].cache

@@ -162,6 +162,7 @@ class CompiledDecode:
         assert (aux_pool is not None) == layout.has_aux, "a hybrid model's decode needs its aux-state pool"
         self.model = model
         self.kv_index = list(layout.kv_index)
+        self.nest = layout.nest
         self.windows = [layout.window(entry) for entry, i in enumerate(layout.kv_index) if i >= 0]
         self.mask_rank = layout.mask_rank
         self.row_cache = row_cache
@@ -202,7 +203,7 @@ class CompiledDecode:
         aux_pool = AuxPool(aux_states) if aux_states is not None else None
         aux = aux_pool.caches(aux_slots) if aux_pool is not None else []
         aux_iter = iter(aux)
-        caches = [views[i] if i >= 0 else next(aux_iter) for i in self.kv_index]
+        caches = self.nest([views[i] if i >= 0 else next(aux_iter) for i in self.kv_index])
         logits = self.model(tokens[:, None], cache=caches)[:, -1, :]
         if aux_pool is not None:
             aux_pool.store(aux, aux_slots)

@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from runtime.worker.attention_probe import ProbedAttention, probe_attention
+from runtime.worker.cache_entries import EntryGroups, NestedCacheError
 
 
 class UnsupportedModel(ValueError):
@@ -41,7 +42,9 @@ class AttentionShape:
 class CacheLayout:
     """Which cache entries are attention (KV pool) and which carry auxiliary state.
 
-    ``num_layers`` counts cache entries (one per layer for most models);
+    Entries are flat: a model cache entry that is a ``CacheList`` (Falcon-H1's Mamba state and
+    KV cache per layer) counts as one entry per part, ``groups`` records how to nest them back
+    (``flatten``/``nest``). ``num_layers`` counts flat entries (one per layer for most models);
     ``kv_index[entry]`` is the entry's index into the KV pool, or -1;
     ``attn_attr[layer]`` is the attribute holding a layer's attention, or None;
     ``windows[entry]`` is how many of the latest positions a sliding-window layer attends to
@@ -64,6 +67,15 @@ class CacheLayout:
     # expands its latent in prefill and adds rotary scores as a float mask), are served on the
     # paths whose cache returns every position's K/V (``AttentionPaths``).
     routed: bool = True
+    groups: EntryGroups = EntryGroups()
+
+    def flatten(self, caches: list) -> list:
+        """The flat entries of a model cache list (``model.make_cache()``)."""
+        return self.groups.flatten(caches)
+
+    def nest(self, flat: list) -> list:
+        """The model's cache list from one cache object per flat entry."""
+        return self.groups.nest(flat)
 
     @property
     def has_aux(self) -> bool:
@@ -194,8 +206,7 @@ AUX_CACHE_KINDS = ("ArraysCache", "MambaCache")
 KV_CACHE_KINDS = ("KVCache", "RotatingKVCache")
 # Cache kinds refused at load, and why (named in the message).
 REFUSED_CACHE_KINDS = {
-    "CacheList": "a CacheList (several caches nested in one layer, e.g. a recurrent state and a KV cache): "
-                 "nested CacheList layers are not served",
+    "CacheList": "a CacheList inside a CacheList: lists nested more than one level are not served",
     "ChunkedKVCache": "a ChunkedKVCache: chunked attention is not served",
     "QuantizedKVCache": "a QuantizedKVCache: quantized K/V are not served",
 }
@@ -221,21 +232,31 @@ def cache_window(cache: object) -> int | None:
     return window
 
 
-def _attention_owners(layers: list[nn.Module], kinds: list[str]) -> dict[int, tuple[int, LayerAttention]]:
-    """Each KV cache entry's (layer index, attention module). One entry per layer: entry i is
-    layer i's; a cache list that skips layers (MLP-only blocks): the k-th KV entry is the k-th
-    layer with attention."""
+def _attention_owners(layers: list[nn.Module], kinds: list[str], groups: EntryGroups
+                      ) -> dict[int, tuple[int, LayerAttention]]:
+    """Each flat KV cache entry's (layer index, attention module). One model entry per layer:
+    model entry j (a cache, or a CacheList whose one KV part is the entry) is layer j's; a
+    cache list that skips layers (MLP-only blocks): the k-th KV entry is the k-th layer with
+    attention."""
     kv_entries = [i for i, kind in enumerate(kinds) if kind in KV_CACHE_KINDS]
-    if len(kinds) == len(layers):
+    model_entry = groups.owners(len(kinds))
+    if len(set(model_entry)) == len(layers):
         owners = {}
         for i in kv_entries:
-            found = layer_attention(layers[i])
+            j = model_entry[i]
+            if sum(model_entry[k] == j for k in kv_entries) > 1:
+                raise UnsupportedModel(f"cache entry {j} is a CacheList of several KV caches (one layer storing "
+                                       "K/V twice, e.g. an indexer's keys beside its attention's); not served")
+            found = layer_attention(layers[j])
             if found is None:
                 raise UnsupportedModel(
-                    f"cache entry {i} is a KV cache, but no module of layer {i} stores K/V through it "
+                    f"cache entry {j} is a KV cache, but no module of layer {j} stores K/V through it "
                     "(called as module(x, mask=..., cache=...), cache.update_and_fetch then attention)")
-            owners[i] = (i, found)
+            owners[i] = (j, found)
         return owners
+    if groups.nested:
+        raise UnsupportedModel(f"{len(set(model_entry))} cache entries (some a CacheList) for {len(layers)} "
+                               "layers; cannot tell which layer owns which entry")
     found_all = [(j, f) for j, layer in enumerate(layers) if (f := layer_attention(layer)) is not None]
     if len(found_all) != len(kv_entries):
         raise UnsupportedModel(f"{len(kv_entries)} KV cache entries for {len(found_all)} layers whose module "
@@ -252,6 +273,11 @@ def discover(model: nn.Module) -> CacheLayout:
     """
     layers = model_layers(model)
     caches = model.make_cache() if hasattr(model, "make_cache") else None
+    try:
+        groups = EntryGroups.of(caches) if caches is not None else EntryGroups()
+    except NestedCacheError as e:
+        raise UnsupportedModel(str(e)) from None
+    caches = groups.flatten(caches) if caches is not None else None
     kinds = [type(c).__name__ for c in caches] if caches is not None else ["KVCache"] * len(layers)
     for i, kind in enumerate(kinds):
         _check_kind(i, kind)
@@ -259,7 +285,7 @@ def discover(model: nn.Module) -> CacheLayout:
     if len({w for w in windows if w is not None}) > 1:
         # mlx-lm models build one sliding-window mask for all their local layers.
         raise UnsupportedModel(f"sliding-window layers have different windows ({sorted({w for w in windows if w})})")
-    owners = _attention_owners(layers, kinds)
+    owners = _attention_owners(layers, kinds, groups)
     attn_attr: list[str | None] = [None] * len(layers)
     for j, found in owners.values():
         attn_attr[j] = found.attr
@@ -297,4 +323,5 @@ def discover(model: nn.Module) -> CacheLayout:
         mask_rank=known.pop() if known else 4,
         windows=windows,
         routed=all(owners[i][1].probe.routed for i in attention),
+        groups=groups,
     )

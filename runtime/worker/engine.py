@@ -95,13 +95,14 @@ class Engine:
         self.prefill_shapes: set[tuple[int, int, int]] = set()  # (rows, length, start) of every prefill forward run
 
     def _caches(self, batch: ForwardBatch, aux: list | None = None) -> list:
-        """One cache object per entry: pool views for attention, ArraysCache for auxiliary state."""
+        """One cache object per entry: pool views for attention, ArraysCache for auxiliary state
+        (nested as the model's own cache list is: a CacheList per layer for Falcon-H1)."""
         caches: list = []
         aux_iter = iter(aux or [])
         for entry, kv_i in enumerate(self.layout.kv_index):
             caches.append(PoolLayerCache(self.pool, kv_i, batch, self.layout.window(entry)) if kv_i >= 0
                           else next(aux_iter))
-        return caches
+        return self.layout.nest(caches)
 
     def _prefill(self, chunk: PrefillChunk) -> None:
         """A full-prefix hit: the table row (and the prefix's saved state), nothing to run."""
