@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 
+import mlx.core as mx
 import pytest
 from harness import InProcessService
 from model_factory import HEADS, load_cached, reference_greedy
@@ -59,8 +60,9 @@ def test_concurrent_requests_and_prefix_hits(arch, path, model_dir):
     folder = model_dir(arch)
     svc = InProcessService(folder, max_running=8, **PATHS[path])
     assert svc.engine.paths.attention is None  # never a paged decode: widths differ
-    assert (svc.engine.compiled is not None) == (path == "compiled")
-    assert (svc.engine.paths.row_cache is not None) == (path != "pool-gather")
+    if mx.default_device().type == mx.DeviceType.cpu:  # compiled decode is the CPU's
+        assert (svc.engine.compiled is not None) == (path == "compiled")
+    assert path != "pool-gather" or svc.engine.paths.row_cache is None
     rng = random.Random(2)
     for batch in sorted({1, 2, GEOMETRY[arch][0], 5}):
         reqs = [svc.request(f"{batch}-{i}", _ids(rng, 3 + 5 * i), 6 + i) for i in range(batch)]

@@ -63,7 +63,8 @@ def test_windows_in_decode_chunked_prefill_and_prefix_hits(arch, path, folders):
     folder = folders(arch)
     svc = InProcessService(folder, max_running=8, **PATHS[path])
     assert svc.engine.paths.attention is None  # no paged decode for a windowed model
-    assert (svc.engine.compiled is not None) == (path == "compiled")
+    if mx.default_device().type == mx.DeviceType.cpu:  # compiled decode is the CPU's
+        assert (svc.engine.compiled is not None) == (path == "compiled")
     rng = random.Random(2)
     # Past the window from the prompt on, and (the last two) crossing it while decoding.
     reqs = [svc.request(f"r{i}", _ids(rng, n), 14) for i, n in enumerate([20, 27, 34, WINDOW - 3, WINDOW + 4])]
