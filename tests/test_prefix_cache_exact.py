@@ -7,6 +7,7 @@ import random
 import pytest
 from harness import InProcessService
 from model_factory import reference_greedy
+from near_tie import assert_greedy_like_mlx
 
 
 @pytest.fixture(params=["llama", "qwen3"])
@@ -54,5 +55,5 @@ def test_32_requests_shared_prefixes_with_eviction(folder):
             assert sum(evicted) > 0, "the pool was meant to be small enough to force eviction"
             assert sum(r.prefix_len for r in reqs) > 0
         for r in reqs:
-            assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+            assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)
     assert outputs[True] == outputs[False]

@@ -10,6 +10,7 @@ import shutil
 import pytest
 from conftest import running_service
 from model_factory import reference_greedy
+from near_tie import assert_greedy_like_mlx
 
 from runtime.client import Client
 
@@ -62,7 +63,7 @@ async def test_sixteen_staggered_requests_exact(served):
         outputs = await asyncio.gather(*(one(i) for i in range(len(prompts))))
         status = await client.status()
     for prompt, budget, got in zip(prompts, budgets, outputs):
-        assert got == reference_greedy(folder, prompt, budget)
+        assert_greedy_like_mlx(folder, prompt, got, budget)
     assert status.running == 0 and status.waiting == 0
     assert status.kv_slots_free + status.kv_slots_cached == status.kv_slots_total
 
