@@ -117,10 +117,46 @@ def test_prefill_groups_run_dependencies_first():
 
 
 def test_prefill_lengths_recur():
-    from runtime.worker.prefill_groups import prefill_length
+    from runtime.worker.prefill_shapes import prefill_length
 
     assert [prefill_length(n) for n in (1, 16, 17, 128, 129, 300, 513, 2047, 2048)] == [
         16, 16, 32, 128, 144, 320, 576, 2048, 2048]
     lengths = {prefill_length(n) for n in range(1, 2049)}
     assert len(lengths) == 40 and all(prefill_length(n) >= n for n in range(1, 5000))
     assert all(prefill_length(n) <= n * 1.125 for n in range(128, 5000))
+
+
+def test_padded_shapes_are_exact(folder):
+    """The GPU's prefill shapes on the generic path: rows rounded to a power of two, and past
+    a cached prefix the gathered keys rounded up, padded at the front and masked."""
+    svc = InProcessService(folder, max_step_tokens=512, row_cache=False)
+    svc.engine.max_padding = 0.25
+    rng = random.Random(6)
+    shared = [rng.randrange(3, 250) for _ in range(37)]
+    seed = svc.request("seed", shared + [5, 6, 7], 6)
+    svc.run({0: [seed]})
+    hits = [svc.request(f"h{i}", shared + [30 + i] + [rng.randrange(3, 250) for _ in range(8 + 3 * (i % 2))], 8)
+            for i in range(3)]
+    svc.run({0: hits})
+    assert all(r.prefix_len == 37 for r in hits)
+    # Three suffixes of up to 12 tokens at 37: 4 rows (one padding row) of 16 queries, 64 keys.
+    assert (4, 16, 64) in svc.engine.prefill_shapes, svc.engine.prefill_shapes
+    for r in [seed] + hits:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+def test_prefill_warm_up_runs_the_common_shapes_and_leaves_the_service_exact(folder):
+    from runtime.worker.prefill_warmup import common_shapes, warm_prefill
+
+    svc = InProcessService(folder, max_step_tokens=64, prefill_chunk=32, max_running=8, row_cache=False)
+    assert warm_prefill(svc.engine, 64, 32) == 0  # no padding policy (the CPU's): nothing to warm
+    svc.engine.max_padding = 0.25
+    shapes = list(common_shapes(64, 32, 8))
+    assert shapes[:4] == [(1, 16), (1, 32), (1, 48), (1, 64)] and (4, 16) in shapes and (8, 16) not in shapes
+    assert warm_prefill(svc.engine, 64, 32) == len(shapes)
+    assert {(r, n, n) for r, n in shapes} <= svc.engine.prefill_shapes
+    rng = random.Random(8)
+    reqs = [svc.request(f"w{i}", [40 + i] + [rng.randrange(3, 250) for _ in range(20 + 7 * i)], 8) for i in range(3)]
+    svc.run({0: reqs})
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, 8), r.rid

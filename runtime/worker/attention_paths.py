@@ -24,6 +24,7 @@ from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.paged_attention import PagedAttention, launch_shape
 from runtime.worker.pool_cache import ForwardBatch, decode_mask
+from runtime.worker.prefill_shapes import front_padded_mask, key_length
 from runtime.worker.row_cache import MAX_BYTES, RowCache, RowSpan
 
 TAIL_STEPS = 16  # decode steps a DecodeTail holds before it is flushed into the pool
@@ -95,28 +96,38 @@ class AttentionPaths:
         if chunk.token_ids:
             self.set_table(chunk.row, chunk.start, chunk.slot_ids)
 
-    def prefill_batch(self, group: list[PrefillChunk], length: int) -> ForwardBatch:
-        """One forward over ``group``'s chunks (one start), each padded at the end to ``length``.
+    def prefill_batch(self, group: list[PrefillChunk], length: int, rows: int = 0, pad_keys: bool = False
+                      ) -> ForwardBatch:
+        """One forward over ``group``'s chunks (one start), each padded at the end to ``length``,
+        with padding rows up to ``rows``.
 
-        Padding positions write their K/V to the padding slot 0; in the row cache they land
-        past the row's length, which decode overwrites before it ever attends there.
+        Padding positions (and padding rows) write their K/V to the padding slot 0; in the row
+        cache they land past the row's length, which decode overwrites before it ever attends
+        there. ``pad_keys`` (paged-kernel models, on a GPU): past position 0 the gathered keys
+        are rounded up too (``prefill_shapes.key_length``), padded at the front and masked.
         """
         start = group[0].start
-        rows = [c.row for c in group]
-        gather = None
+        rows = max(rows, len(group))
+        gather, mask = None, None
         if start and self.row_cache is None:
             # Past position 0 a chunk attends to its prefix (the row cache has it in place).
-            index = self.slot_table[rows, : start + length].copy()
+            keys = key_length(start, length, self.max_context) if pad_keys and self.attention is not None else 0
+            pad = max(keys - start - length, 0)
+            index = np.zeros((rows, pad + start + length), dtype=np.int32)
+            index[: len(group), pad:] = self.slot_table[[c.row for c in group], : start + length]
             for i, c in enumerate(group):
-                index[i, start + len(c.token_ids) :] = 0
+                index[i, pad + start + len(c.token_ids) :] = 0
             gather = mx.array(index)
+            if pad:
+                mask = front_padded_mask(start, length, pad + start + length, self.mask_rank)
         slots = [s for c in group for s in c.slot_ids + [0] * (length - len(c.token_ids))]
+        slots += [0] * (length * (rows - len(group)))
         return ForwardBatch(
             write_slots=mx.array(slots, dtype=mx.int32),
             gather_index=gather,
             offset=start,
-            mask=None,
-            rows=RowSpan(self.row_cache, rows, start) if self.row_cache is not None else None,
+            mask=mask,
+            rows=RowSpan(self.row_cache, [c.row for c in group], start) if self.row_cache is not None else None,
         )
 
     def decode_batch(self, decode: DecodeBatch, plan: DecodePlan) -> tuple[ForwardBatch, bool]:

@@ -24,7 +24,8 @@ from runtime.worker.decode_plan import bucket_lengths, plan_decode
 from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.pool_cache import ForwardBatch, PoolLayerCache
-from runtime.worker.prefill_groups import prefill_groups, prefill_length
+from runtime.worker.prefill_groups import prefill_groups
+from runtime.worker.prefill_shapes import padded_rows, prefill_length
 from runtime.worker.sampler import RowSampler, StepDraws
 
 
@@ -202,14 +203,18 @@ class Engine:
         """Run chunks of one start as one forward (shorter ones padded at the end)."""
         start = group[0].start
         n = max(len(c.token_ids) for c in group)
-        if self.max_padding > 0 and self.aux_pool is None:
+        rows = len(group)
+        padded = self.max_padding > 0 and self.aux_pool is None
+        if padded:
             # Padded even alone: every new (rows, length) shape costs kernel builds on a GPU.
             n = min(prefill_length(n), self.max_context - start)
-        self.prefill_shapes.add((len(group), n, start))
+            rows = padded_rows(rows) if self.paths.row_cache is None else rows  # a row span is per real row
         for chunk in group:
             self.paths.admit_chunk(chunk)
-        batch = self.paths.prefill_batch(group, n)
-        tokens = [c.token_ids + [0] * (n - len(c.token_ids)) for c in group]
+        batch = self.paths.prefill_batch(group, n, rows, pad_keys=padded)
+        keys = batch.gather_index.shape[1] if batch.gather_index is not None else n
+        self.prefill_shapes.add((rows, n, keys))
+        tokens = [c.token_ids + [0] * (n - len(c.token_ids)) for c in group] + [[0] * n] * (rows - len(group))
         aux = None
         if self.aux_pool is not None:
             # Every row starts from an empty state, or every row from a saved slot (see prefill_groups).

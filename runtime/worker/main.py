@@ -58,8 +58,11 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         from runtime.worker.engine import Engine
         from runtime.worker.loader import buffer_cache_bytes, load
         from runtime.worker.parallel_attention import default_streams
+        from runtime.worker.prefill_shapes import keep_attention_graphs
+        from runtime.worker.prefill_warmup import warm_prefill
 
         lift_graph_size_limit(os.environ, mx.cuda.is_available())  # before the first device operation
+        keep_attention_graphs(os.environ, mx.cuda.is_available())
         mx.random.seed(config.model.seed)
         group = None
         if role is not None:
@@ -80,8 +83,11 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
                         attention_streams=config.worker.attention_threads or default_streams(os.cpu_count()))
         started = time.perf_counter()
         variants = engine.warm_up()
+        shapes = warm_prefill(engine, loaded.limits.max_step_tokens, loaded.limits.prefill_chunk,
+                              lambda line: print(line, flush=True))
         print(f"runtime worker: warmed up in {time.perf_counter() - started:.1f} s"
-              + (f" ({variants} decode variants prepared)" if variants else ""), flush=True)
+              + (f" ({variants} decode variants prepared)" if variants else "")
+              + (f" ({shapes} prefill shapes)" if shapes else ""), flush=True)
         ready = Ready(
             model_type=loaded.model_type,
             num_slots=loaded.num_slots,

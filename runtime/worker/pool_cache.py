@@ -43,7 +43,8 @@ class ForwardBatch:
     the new tokens are the whole sequence (a prefill from position 0, single row).
     ``offset``: the position of the first new token (int for a prefill, (B,) array for decode).
     ``mask``: the decode mask (``decode_mask``: (B, 1, 1, T) bool, one more singleton axis for a
-    model whose attention groups queries in 5-D), or None for a prefill (causal) and for
+    model whose attention groups queries in 5-D), for a prefill whose gathered keys are padded
+    at the front (``prefill_shapes.front_padded_mask``), or None for a causal prefill and for
     a paged decode whose kernel takes ``lengths`` instead.
     ``rows``: where the new K/V also go in the row cache (and, for decode, what to attend to).
     ``lengths``/``attention``: set for a paged decode (the model's attention call is routed

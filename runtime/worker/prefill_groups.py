@@ -51,12 +51,3 @@ def prefill_groups(
     ordered.sort(key=lambda item: (item[0], item[1]))
     return [group for _, _, group in ordered]
 
-
-def prefill_length(n: int) -> int:
-    """A padded prefill forward's token count for ``n`` real tokens: a multiple of 16 up to
-    128, then of an eighth of the power of two below ``n`` (at most 12.5% padding). About 40
-    lengths cover 2048 tokens, so on a GPU the shapes (and the kernels built for them) recur."""
-    if n <= 128:
-        return -(-n // 16) * 16
-    step = 1 << (n.bit_length() - 4)  # n in [2^k, 2^(k+1)): step 2^(k-3)
-    return -(-n // step) * step

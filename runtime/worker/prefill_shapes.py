@@ -1,0 +1,62 @@
+"""The shapes a GPU prefill forward is padded to, so that they recur.
+
+On CUDA every new prefill shape costs a kernel build: cuDNN builds an attention graph per
+(rows, query length, key length) and matmuls plan per row count, about 50-90 ms each on an
+H200 against 8-15 ms for the forward itself (``scripts/prefill_shape_cost.py``). Mixed
+traffic (any prompt length, any cached prefix) would pay that on most steps. So a forward's
+query length is rounded up (``prefill_length``), its row count to a power of two (padding
+rows compute into slot 0), and, past position 0, its key length too: the gathered keys are
+padded at the front with slot 0 and hidden by a mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+
+import mlx.core as mx
+import numpy as np
+
+
+def prefill_length(n: int) -> int:
+    """A padded prefill forward's token count for ``n`` real tokens: a multiple of 16 up to
+    128, then of an eighth of the power of two below ``n`` (at most 12.5% padding). About 40
+    lengths cover 2048 tokens, so on a GPU the shapes (and the kernels built for them) recur."""
+    if n <= 128:
+        return -(-n // 16) * 16
+    step = 1 << (n.bit_length() - 4)  # n in [2^k, 2^(k+1)): step 2^(k-3)
+    return -(-n // step) * step
+
+
+def padded_rows(rows: int) -> int:
+    """The power of two at or above ``rows``."""
+    return 1 << (rows - 1).bit_length()
+
+
+def key_length(start: int, length: int, max_context: int) -> int:
+    """Keys a forward of ``length`` queries at ``start`` attends to, rounded like a query length."""
+    return max(start + length, min(prefill_length(start + length), max_context))
+
+
+def front_padded_mask(start: int, length: int, keys: int, rank: int) -> mx.array:
+    """Which of ``keys`` gathered positions each of ``length`` queries at ``start`` sees, when
+    the first ``keys - start - length`` are padding: causal over the rest. Shaped (1, .., length,
+    keys) to broadcast against a ``rank``-D score array."""
+    pad = keys - start - length
+    query = np.arange(length)[:, None] + start
+    key = np.arange(keys)[None, :] - pad
+    visible = (key >= 0) & (key <= query)
+    return mx.array(visible).reshape((1,) * (rank - 2) + (length, keys))
+
+
+SDPA_CACHE_VAR = "MLX_CUDA_SDPA_CACHE_SIZE"
+SDPA_CACHE_SIZE = 4096  # attention graphs MLX keeps (its default, 256, is fewer than mixed traffic's shapes)
+
+
+def keep_attention_graphs(env: MutableMapping[str, str], cuda: bool) -> bool:
+    """Raise MLX's cuDNN attention-graph cache in ``env`` (the worker's own environment, before
+    its first attention) on a CUDA device unless the user chose a size; whether it was set.
+    An evicted graph costs a rebuild (50-90 ms) the next time its shape recurs."""
+    if not cuda or SDPA_CACHE_VAR in env:
+        return False
+    env[SDPA_CACHE_VAR] = str(SDPA_CACHE_SIZE)
+    return True
