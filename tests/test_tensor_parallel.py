@@ -152,6 +152,17 @@ async def test_greedy_single_batched_and_prefix_hits_match_mlx_lm(served):
     assert_same_or_near_tie(folder, shared + [9, 11], sharing.token_ids, 12)
 
 
+def test_each_rank_pools_its_own_heads(served):
+    """The pool is sized after sharding: the start-up line reports rank 0's, half one worker's."""
+    folder, svc = served
+    if not folder.name.startswith("llama"):
+        pytest.skip("the hybrid's line adds its aux pool")
+    cfg = json.loads((folder / "config.json").read_text())
+    one_worker = 4096 * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    match = re.search(r"4096 KV slots float32 ([0-9.]+) MiB", svc.log())
+    assert match and float(match.group(1)) == one_worker / 2 / 2**20
+
+
 async def test_ranks_sample_the_same_tokens(served):
     """Unseeded random sampling, then a greedy request over what it produced: the cached K/V (and
     hybrid state) of every rank must be those of the same tokens, or mlx-lm's continuation differs."""
