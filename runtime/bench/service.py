@@ -146,7 +146,9 @@ class Service(Managed):
             match = _SERVING.search(line)
             if match:
                 self.address = match.group(1)
-                self.banner = line.strip()
+                # What the start-up took, as the worker reported it (load, warm-up, limits).
+                startup = [seen.strip() for seen in self.lines if seen.startswith(("runtime worker:", "runtime: limits"))]
+                self.banner = "\n".join(startup + [line.strip()])
                 return
 
     def _drain(self) -> None:

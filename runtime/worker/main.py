@@ -70,7 +70,9 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
 
             fanout = Fanout(ctx, role.followers) if role.leader else None  # bound before the followers connect
             group = init_group(config.distributed.backend, role)
+        load_started = time.perf_counter()
         loaded = load(config, group)
+        print(f"runtime worker: loaded the model in {time.perf_counter() - load_started:.1f} s", flush=True)
         layout = loaded.layout
         if loaded.fused_groups:
             print(f"runtime worker: fused {loaded.fused_groups} projection groups", flush=True)
