@@ -15,7 +15,8 @@ import random
 import mlx.core as mx
 import pytest
 from harness import InProcessService
-from model_factory import load_cached, make_model, reference_greedy
+from model_factory import load_cached, make_model
+from near_tie import assert_greedy_like_mlx
 
 from runtime.worker.discovery import discover
 
@@ -45,8 +46,9 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 
 def _check(folder, reqs) -> None:
+    """Strict on the CPU; on a GPU (not batch-invariant) up to a shown near-tie (``near_tie``)."""
     for r in reqs:
-        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+        assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
