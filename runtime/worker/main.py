@@ -51,6 +51,7 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
     sock.connect(address)
     parent = os.getppid()
     fanout = None
+    begun = time.perf_counter()
     try:
         import mlx.core as mx
 
@@ -72,7 +73,8 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
             group = init_group(config.distributed.backend, role)
         load_started = time.perf_counter()
         loaded = load(config, group)
-        print(f"runtime worker: loaded the model in {time.perf_counter() - load_started:.1f} s", flush=True)
+        print(f"runtime worker: loaded the model in {time.perf_counter() - load_started:.1f} s"
+              f" ({load_started - begun:.1f} s of imports and device set-up before)", flush=True)
         layout = loaded.layout
         if loaded.fused_groups:
             print(f"runtime worker: fused {loaded.fused_groups} projection groups", flush=True)
@@ -85,11 +87,13 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
                         attention_streams=config.worker.attention_threads or default_streams(os.cpu_count()))
         started = time.perf_counter()
         variants = engine.warm_up()
+        decode_s = time.perf_counter() - started
         shapes = warm_prefill(engine, loaded.limits.max_step_tokens, loaded.limits.prefill_chunk,
                               lambda line: print(line, flush=True))
         print(f"runtime worker: warmed up in {time.perf_counter() - started:.1f} s"
-              + (f" ({variants} decode variants prepared)" if variants else "")
-              + (f" ({shapes} prefill shapes)" if shapes else ""), flush=True)
+              + (f" ({variants} decode variants prepared in {decode_s:.1f} s)" if variants else "")
+              + (f" ({shapes} prefill shapes)" if shapes else "")
+              + f"; {time.perf_counter() - begun:.1f} s since the worker started", flush=True)
         ready = Ready(
             model_type=loaded.model_type,
             num_slots=loaded.num_slots,
