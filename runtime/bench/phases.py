@@ -142,6 +142,9 @@ def mixed_phase(args: argparse.Namespace, model: Path, bench: Any, services: dic
             return status.worker_prefill_shapes, status.worker_decode_traces
 
         plan.run("runtime", url, shapes)
+    if args.mixed_runtime_only:
+        log("mixed: mlx_lm.server skipped (--mixed-runtime-only): no ratios in this run")
+        return plan.outcome()
     log(f"starting mlx_lm.server (--decode-concurrency {args.mlx_server_concurrency})")
     with MlxServer(model, args.mlx_server_concurrency) as server:
         services["mixed_mlx_server"] = {"command": server.command()}
