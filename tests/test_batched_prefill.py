@@ -139,8 +139,8 @@ def test_padded_shapes_are_exact(folder):
             for i in range(3)]
     svc.run({0: hits})
     assert all(r.prefix_len == 37 for r in hits)
-    # Three suffixes of up to 12 tokens at 37: 4 rows (one padding row) of 16 queries, 64 keys.
-    assert (4, 16, 64) in svc.engine.prefill_shapes, svc.engine.prefill_shapes
+    # Three suffixes of up to 12 tokens at 37: 4 rows (one padding row) of 16 queries, 256 keys.
+    assert (4, 16, 256) in svc.engine.prefill_shapes, svc.engine.prefill_shapes
     for r in [seed] + hits:
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
 
@@ -151,10 +151,12 @@ def test_prefill_warm_up_runs_the_common_shapes_and_leaves_the_service_exact(fol
     svc = InProcessService(folder, max_step_tokens=64, prefill_chunk=32, max_running=8, row_cache=False)
     assert warm_prefill(svc.engine, 64, 32) == 0  # no padding policy (the CPU's): nothing to warm
     svc.engine.max_padding = 0.25
-    shapes = list(common_shapes(64, 32, 8))
-    assert shapes[:4] == [(1, 16), (1, 32), (1, 48), (1, 64)] and (4, 16) in shapes and (8, 16) not in shapes
+    shapes = list(common_shapes(64, 32, 8, 512))
+    assert shapes[:4] == [(1, 16, 0), (1, 32, 0), (1, 48, 0), (1, 64, 0)]
+    assert (4, 16, 0) in shapes and (8, 16, 0) not in shapes
+    assert (1, 16, 240) in shapes and (1, 32, 480) in shapes  # past position 0: 256 and 512 keys
     assert warm_prefill(svc.engine, 64, 32) == len(shapes)
-    assert {(r, n, n) for r, n in shapes} <= svc.engine.prefill_shapes
+    assert {(r, n, start + n) for r, n, start in shapes} <= svc.engine.prefill_shapes
     rng = random.Random(8)
     reqs = [svc.request(f"w{i}", [40 + i] + [rng.randrange(3, 250) for _ in range(20 + 7 * i)], 8) for i in range(3)]
     svc.run({0: reqs})

@@ -7,6 +7,7 @@ import numpy as np
 from runtime.worker.prefill_shapes import (
     SDPA_CACHE_SIZE,
     SDPA_CACHE_VAR,
+    continuation_length,
     front_padded_mask,
     keep_attention_graphs,
     key_length,
@@ -14,17 +15,22 @@ from runtime.worker.prefill_shapes import (
 )
 
 
+def test_continuation_lengths_are_powers_of_two():
+    assert [continuation_length(n) for n in (1, 16, 17, 100, 512, 513)] == [16, 16, 32, 128, 512, 1024]
+
+
 def test_rows_round_to_powers_of_two():
     assert [padded_rows(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
 
 
 def test_key_lengths_recur_and_fit_the_context():
-    assert key_length(37, 16, 4096) == 64
+    assert key_length(37, 16, 4096) == 256
+    assert key_length(1900, 256, 1 << 20) == 2560  # past 2,048: a quarter of 2,048
     assert key_length(1000, 512, 4096) == 1536
     assert key_length(3990, 100, 4096) == 4096  # rounded up to 4608 would not fit
     assert key_length(4000, 96, 4096) == 4096
     lengths = {key_length(s, 256, 1 << 20) for s in range(1, 4096)}
-    assert len(lengths) < 40 and all(key_length(s, 256, 1 << 20) >= s + 256 for s in range(1, 4096))
+    assert len(lengths) < 16 and all(key_length(s, 256, 1 << 20) >= s + 256 for s in range(1, 4096))
 
 
 def test_front_padded_mask_is_causal_after_the_padding():

@@ -25,7 +25,11 @@ from runtime.worker.discovery import CacheLayout
 from runtime.worker.kv_pool import KVPool
 from runtime.worker.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.prefill_groups import prefill_groups
-from runtime.worker.prefill_shapes import padded_rows, prefill_length
+from runtime.worker.prefill_shapes import (
+    continuation_length,
+    padded_rows,
+    prefill_length,
+)
 from runtime.worker.sampler import RowSampler, StepDraws
 
 
@@ -212,7 +216,7 @@ class Engine:
         padded = self.max_padding > 0 and self.aux_pool is None
         if padded:
             # Padded even alone: every new (rows, length) shape costs kernel builds on a GPU.
-            n = min(prefill_length(n), self.max_context - start)
+            n = min((continuation_length if start else prefill_length)(n), self.max_context - start)
             rows = padded_rows(rows) if self.paths.row_cache is None else rows  # a row span is per real row
         for chunk in group:
             self.paths.admit_chunk(chunk)

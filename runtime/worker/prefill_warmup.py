@@ -2,9 +2,11 @@
 
 Only where padding makes prefill shapes recur (a GPU: ``Engine.max_padding``). Fresh prompts
 (position 0) are the shapes every service sees: each padded query length alone, and several
-rows of the lengths a step's chunks take together. Shapes past a cached prefix (their key
-length varies too) build on first use. The time is bounded: what is not warmed by the
-deadline builds on first use, as it would without warm-up.
+rows of the lengths a step's chunks take together. Past position 0 (a long prompt's later
+chunks, a prefix hit's suffix) one row of each power-of-two query length at each rounded key
+length up to ``CONTINUATION_KEYS``. The list is fixed by the step limits (about 110 + 70
+shapes for 2048-token steps and 512-token chunks, 50-90 ms each on an H200), not by a clock,
+so every tensor-parallel rank runs the same forwards. Rarer shapes build on first use.
 """
 
 from __future__ import annotations
@@ -12,20 +14,31 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from runtime.protocol.worker import PrefillChunk, Step
-from runtime.worker.prefill_shapes import prefill_length
+from runtime.worker.prefill_shapes import (
+    continuation_length,
+    key_length,
+    prefill_length,
+)
 
 MAX_ROWS = 16
+CONTINUATION_KEYS = 4096  # warm continuation shapes with at most this many keys
 
 
-def common_shapes(max_step_tokens: int, prefill_chunk: int, max_rows: int) -> Iterator[tuple[int, int]]:
-    """(rows, length) of the start-0 prefill forwards a service runs most, most common first:
-    one row at every padded length a step allows, then 2, 4, .. rows of a chunk's lengths."""
+def common_shapes(max_step_tokens: int, prefill_chunk: int, max_rows: int, max_context: int = 0
+                  ) -> Iterator[tuple[int, int, int]]:
+    """(rows, length, start) of the prefill forwards a service runs most, most common first:
+    one row at every padded length a step allows, then 2, 4, .. rows of a chunk's lengths,
+    then (with ``max_context``) one row past position 0 at every continuation length and key length."""
     lengths = sorted({prefill_length(n) for n in range(1, max_step_tokens + 1)})
-    yield from ((1, n) for n in lengths if n <= max_step_tokens)
+    yield from ((1, n, 0) for n in lengths if n <= max_step_tokens)
     rows = 2
     while rows <= min(max_rows, MAX_ROWS):
-        yield from ((rows, n) for n in lengths if n <= prefill_chunk and rows * n <= max_step_tokens)
+        yield from ((rows, n, 0) for n in lengths if n <= prefill_chunk and rows * n <= max_step_tokens)
         rows *= 2
+    limit = min(max_context, CONTINUATION_KEYS)
+    keys = sorted({key_length(s, 1, limit) for s in range(1, limit)})
+    queries = sorted({continuation_length(n) for n in range(1, prefill_chunk + 1)})
+    yield from ((1, n, k - n) for n in queries for k in keys if k - n > 0 and k <= limit)
 
 
 def warm_prefill(engine, max_step_tokens: int, prefill_chunk: int, log: Callable[[str], None] | None = None) -> int:
@@ -35,10 +48,12 @@ def warm_prefill(engine, max_step_tokens: int, prefill_chunk: int, log: Callable
         return 0
     limit = min(engine.max_context, engine.pool.num_slots - 1)
     done = 0
-    for rows, n in common_shapes(min(max_step_tokens, limit), prefill_chunk, engine.paths.max_rows):
-        if rows * n > limit:
+    for rows, n, start in common_shapes(min(max_step_tokens, limit), prefill_chunk, engine.paths.max_rows, limit):
+        if rows * (start + n) > limit:
             continue
-        chunks = [PrefillChunk(row=r, start=0, token_ids=[0] * n, slot_ids=list(range(1 + r * n, 1 + (r + 1) * n)))
+        prefix = list(range(1, start + 1))
+        chunks = [PrefillChunk(row=r, start=start, token_ids=[0] * n,
+                               slot_ids=list(range(1 + start + r * n, 1 + start + (r + 1) * n)), prefix_slots=prefix)
                   for r in range(rows)]
         engine.finalize(engine.launch(Step(step_id=0, prefills=chunks, decode=None)))
         done += 1
