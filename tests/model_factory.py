@@ -646,6 +646,131 @@ def _cfg_exaone4() -> dict:
     }
 
 
+def _dense(model_type: str, architecture: str, **fields: Any) -> dict:
+    """A plain decoder (GQA attention, 2 layers) with the fields every such family shares."""
+    return {
+        "model_type": model_type,
+        "architectures": [architecture],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 2,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POS,
+        "rope_theta": 10000.0,
+        **fields,
+    }
+
+
+def _cfg_mistral() -> dict:
+    # mlx-lm serves "mistral" with its llama module; a null sliding_window as in Mistral v0.2+.
+    return _dense("mistral", "MistralForCausalLM", sliding_window=None, tie_word_embeddings=False)
+
+
+def _cfg_qwen2() -> dict:
+    # q/k/v biases, tied embeddings.
+    return _dense("qwen2", "Qwen2ForCausalLM", rms_norm_eps=1e-6, rope_theta=1000000.0,
+                  tie_word_embeddings=True)
+
+
+def _cfg_qwen3_moe() -> dict:
+    # Every layer's MLP is routed: 4 experts of width 32, two per token.
+    return _dense("qwen3_moe", "Qwen3MoeForCausalLM", rms_norm_eps=1e-6, num_experts=4,
+                  num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                  moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False)
+
+
+def _cfg_mixtral() -> dict:
+    # Sparse MoE in every layer: 4 experts of width 64 (intermediate_size), two per token.
+    return _dense("mixtral", "MixtralForCausalLM", intermediate_size=64, num_local_experts=4,
+                  num_experts_per_tok=2, tie_word_embeddings=False)
+
+
+def _cfg_gemma() -> dict:
+    # Embeddings scaled by sqrt(hidden) and always tied; norms compute x * (1 + weight).
+    return _dense("gemma", "GemmaForCausalLM", rms_norm_eps=1e-6)
+
+
+def _cfg_olmo2() -> dict:
+    # q/k RMS norms over all heads together (width heads * head_dim), norms after each block.
+    return _dense("olmo2", "Olmo2ForCausalLM", rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def _cfg_granite() -> dict:
+    # Granite 3's multipliers: attention scale 1/head_dim, embeddings, residuals, logits / 8.
+    # (Granite's own x12 embeddings and x0.22 residuals, with tied embeddings, let the current
+    # token's embedding drown the blocks: greedy decoding repeats tokens for every draw.)
+    return _dense("granite", "GraniteForCausalLM", attention_multiplier=1.0 / HEAD_DIM,
+                  embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=8.0,
+                  attention_bias=False, mlp_bias=False, tie_word_embeddings=True)
+
+
+def _cfg_minicpm() -> dict:
+    # muP-style scales: embeddings x12, residuals x scale_depth / sqrt(layers), logits over
+    # hidden / dim_model_base.
+    return _dense("minicpm", "MiniCPMForCausalLM", dim_model_base=16, scale_emb=12.0, scale_depth=1.4,
+                  tie_word_embeddings=False)
+
+
+def _cfg_starcoder2() -> dict:
+    # LayerNorms with biases, biased projections, a plain GELU MLP (c_fc / c_proj).
+    # (bos_token_id: transformers' Starcoder2Config would default it to 50256, past this vocab.)
+    return _dense("starcoder2", "Starcoder2ForCausalLM", norm_epsilon=1e-5, tie_word_embeddings=True,
+                  bos_token_id=None)
+
+
+def _cfg_smollm3() -> dict:
+    # Llama with NoPE layers: every second layer (here layer 1) has no RoPE.
+    return _dense("smollm3", "SmolLM3ForCausalLM", no_rope_layer_interval=2, tie_word_embeddings=True)
+
+
+def _cfg_glm4() -> dict:
+    # Half-width traditional RoPE, q/k/v biases, extra norms after attention and MLP.
+    return _dense("glm4", "Glm4ForCausalLM", partial_rotary_factor=0.5, attention_bias=True,
+                  tie_word_embeddings=False)
+
+
+def _cfg_ernie4_5() -> dict:
+    return _dense("ernie4_5", "Ernie4_5_ForCausalLM", use_bias=False, tie_word_embeddings=True)
+
+
+def _cfg_hunyuan() -> dict:
+    # Hunyuan-A13B layout: cross-layer attention (layer 1 reuses layer 0's K/V projections),
+    # q/k norms after RoPE, NTK-alpha RoPE, 4 experts (two per token) plus a shared MLP.
+    return _dense("hunyuan", "HunYuanMoEV1ForCausalLM", intermediate_size=32, attention_bias=False,
+                  moe_topk=2, num_experts=4, num_shared_expert=1, use_mixed_mlp_moe=True,
+                  use_qk_norm=True, use_cla=True, cla_share_factor=2,
+                  rope_scaling={"alpha": 1000.0, "factor": 1.0, "type": "dynamic"},
+                  tie_word_embeddings=True)
+
+
+def _cfg_hunyuan_v1_dense() -> dict:
+    return _dense("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", use_qk_norm=True,
+                  rope_scaling={"alpha": 1000.0, "factor": 1.0, "type": "dynamic"},
+                  tie_word_embeddings=True)
+
+
+def _cfg_mamba() -> dict:
+    # Mamba v1: a selective scan per layer, state in an ArraysCache (conv window, SSM state).
+    return {
+        "model_type": "mamba",
+        "architectures": ["MambaForCausalLM"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "state_size": 16,
+        "conv_kernel": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "time_step_rank": "auto",
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": True,
+    }
+
+
 _CONFIGS: Dict[str, Callable[[], dict]] = {
     "llama": _cfg_llama,
     "qwen3": _cfg_qwen3,
@@ -664,6 +789,21 @@ _CONFIGS: Dict[str, Callable[[], dict]] = {
     "gpt_oss": _cfg_gpt_oss,
     "cohere2": _cfg_cohere2,
     "exaone4": _cfg_exaone4,
+    "mistral": _cfg_mistral,
+    "qwen2": _cfg_qwen2,
+    "qwen3_moe": _cfg_qwen3_moe,
+    "mixtral": _cfg_mixtral,
+    "gemma": _cfg_gemma,
+    "olmo2": _cfg_olmo2,
+    "granite": _cfg_granite,
+    "minicpm": _cfg_minicpm,
+    "starcoder2": _cfg_starcoder2,
+    "smollm3": _cfg_smollm3,
+    "glm4": _cfg_glm4,
+    "ernie4_5": _cfg_ernie4_5,
+    "hunyuan": _cfg_hunyuan,
+    "hunyuan_v1_dense": _cfg_hunyuan_v1_dense,
+    "mamba": _cfg_mamba,
 }
 
 ARCHS: tuple = tuple(_CONFIGS)
@@ -904,15 +1044,18 @@ def _load_cached(folder: str, _stamp: tuple):
     return model, tokenizer
 
 
+def _stamp(folder: Path) -> tuple:
+    return tuple(
+        (f.name, f.stat().st_mtime_ns, f.stat().st_size)
+        for f in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors"))
+    )
+
+
 def load_cached(folder: Union[str, Path]):
     """``mlx_lm.load(folder)`` memoised per folder (and its files' mtimes, so a
     model rebuilt in the same folder is reloaded)."""
     folder = Path(folder).resolve()
-    stamp = tuple(
-        (f.name, f.stat().st_mtime_ns, f.stat().st_size)
-        for f in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors"))
-    )
-    return _load_cached(str(folder), stamp)
+    return _load_cached(str(folder), _stamp(folder))
 
 
 def greedy_tokens(model: nn.Module, prompt_ids: Sequence[int], max_tokens: int) -> List[int]:
@@ -930,12 +1073,23 @@ def greedy_tokens(model: nn.Module, prompt_ids: Sequence[int], max_tokens: int) 
     return out
 
 
+# mlx-lm's greedy continuations already computed, per (folder, its files' stamp, prompt): the
+# longest one asked for (greedy decoding is prefix-stable: fewer tokens are its first ones).
+_REFERENCES: Dict[tuple, List[int]] = {}
+
+
 def reference_greedy(
     folder: Union[str, Path], prompt_ids: Sequence[int], max_tokens: int
 ) -> List[int]:
-    """Load (cached per folder) and return mlx-lm's greedy continuation."""
-    model, _ = load_cached(folder)
-    return greedy_tokens(model, prompt_ids, max_tokens)
+    """Load (cached per folder) and return mlx-lm's greedy continuation (memoised: tests
+    that run one prompt on several paths compute it once)."""
+    folder = Path(folder).resolve()
+    key = (str(folder), _stamp(folder), tuple(int(t) for t in prompt_ids))
+    known = _REFERENCES.get(key)
+    if known is None or len(known) < max_tokens:
+        model, _ = load_cached(folder)
+        known = _REFERENCES[key] = greedy_tokens(model, prompt_ids, max_tokens)
+    return list(known[:max(max_tokens, 0)])
 
 
 def with_chat_template(src: Union[str, Path], dst: Union[str, Path], template: str) -> Path:

@@ -88,3 +88,31 @@ def test_every_family_batched_decode_at_head_count_batch_sizes(arch, compiled, m
         svc.run({0: reqs})
         for r in reqs:
             assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), (batch, r.rid)
+
+
+# Families issue 18 asks to keep checking, with no file of their own: decoders whose attention
+# discovery finds as it finds llama's (GQA, q/k norms, biases, NoPE layers, partial or NTK
+# RoPE, muP-style scales, MoE MLPs; Hunyuan's second layer reuses the first one's K/V
+# projections), and Mamba v1 (recurrent state only). Batched decode: the test above.
+PLAIN_FAMILIES = ("mistral", "qwen2", "qwen3_moe", "mixtral", "gemma", "olmo2", "granite", "minicpm",
+                  "starcoder2", "smollm3", "glm4", "ernie4_5", "hunyuan", "hunyuan_v1_dense", "mamba")
+TRACK_CHUNK = 8  # a recurrent family reuses a prefix at multiples of this
+
+
+@pytest.mark.parametrize("arch", PLAIN_FAMILIES)
+def test_plain_family_one_request_then_prefix_hits(arch, model_dir):
+    """One request alone, then a new suffix on its cached prefix and an exact repeat of it (a
+    whole-prompt hit), decoded together."""
+    folder = model_dir(arch)
+    svc = InProcessService(folder, max_running=8, aux_slots=64, track_chunk=TRACK_CHUNK)
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 250) for _ in range(2 * TRACK_CHUNK)]
+    first = svc.request("first", shared + [rng.randrange(3, 250) for _ in range(3)], 8)
+    svc.run({0: [first]})
+    suffix = svc.request("suffix", shared + [rng.randrange(3, 250) for _ in range(4)], 6)
+    repeat = svc.request("repeat", list(first.prompt_ids), 6)
+    svc.run({0: [suffix, repeat]})
+    assert suffix.prefix_len >= len(shared) and repeat.prefix_len == len(repeat.prompt_ids) - 1, \
+        (suffix.prefix_len, repeat.prefix_len)
+    for r in (first, suffix, repeat):
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid

@@ -64,9 +64,8 @@ def _greedy(folder: Path, n: int = 20) -> tuple[list[int], list[int]]:
 
 
 @pytest.mark.parametrize("arch", mf.ARCHS)
-def test_arch_loads_and_generates(arch, tmp_path):
-    folder = mf.make_model(arch, tmp_path / arch)
-    assert folder == tmp_path / arch
+def test_arch_loads_and_generates(arch, model_dir):
+    folder = model_dir(arch)  # built once per session, shared with the exactness tests
 
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["model_type"] == arch
@@ -112,6 +111,7 @@ def test_bfloat16(arch, tmp_path):
 
 def test_overrides(tmp_path):
     folder = mf.make_model("llama", tmp_path / "m", num_hidden_layers=3, tie_word_embeddings=True)
+    assert folder == tmp_path / "m"
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 3 and cfg["tie_word_embeddings"] is True
     w = mx.load(str(folder / "model.safetensors"))

@@ -10,7 +10,8 @@ routes to the pool) is recorded too, with the queries' head count.
 The probe only builds the graph (nothing is evaluated), so it reads no lazily loaded weight:
 shapes and dtypes are known without running anything. A recurrent mixer indexes its cache
 (``cache[0]``), which the probe cache refuses, so it never passes (SPEC 1.2); fused
-projections (``qkv_proj``, ``query_key_value``) and any output projection name pass alike.
+projections (``qkv_proj``, ``query_key_value``) and any output projection name pass alike,
+and so does a module that returns its output with state for later layers (``(out, kv)``).
 """
 
 from __future__ import annotations
@@ -142,6 +143,8 @@ def probe_attention(module: nn.Module, dtype: mx.Dtype = mx.float32) -> ProbedAt
                 out = module(x, mask=None, cache=cache)
             except Exception:  # a shape that does not fit, or a cache used another way
                 continue
+        if isinstance(out, tuple) and out:
+            out = out[0]  # (output, state for later layers): Hunyuan hands its K/V projections on
         if len(cache.stored) != 1 or not isinstance(out, mx.array) or out.shape != x.shape:
             continue
         keys, values = cache.stored[0]

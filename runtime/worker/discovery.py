@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from runtime.worker.attention_probe import ProbedAttention, probe_attention
+from runtime.worker.attention_probe import ProbedAttention, probe_attention, takes_cache
 from runtime.worker.cache_entries import EntryGroups, NestedCacheError
 
 
@@ -155,6 +155,21 @@ def layer_attention(layer: nn.Module) -> LayerAttention | None:
     return LayerAttention(*found[0]) if found else None
 
 
+def shared_kv_attention(layer: nn.Module, probed: list[LayerAttention]) -> LayerAttention | None:
+    """A layer's attention that reads K/V projected by an earlier layer (cross-layer attention,
+    Hunyuan's ``use_cla``): it has no K/V projections of its own, so it cannot be probed alone.
+    It is the direct submodule of the class of an attention probed in another layer (that
+    layer's geometry, from the same arguments), found only where the layer's cache entry is a
+    KV cache."""
+    classes = {type(found.module): found for found in probed}
+    shared = [(name, child) for name, child in layer.items()
+              if isinstance(child, nn.Module) and type(child) in classes and takes_cache(child)]
+    if len(shared) != 1:
+        return None
+    name, child = shared[0]
+    return LayerAttention(name, child, classes[type(child)].probe)
+
+
 def find_attention(layer: nn.Module) -> str | None:
     """The attribute name of a layer's softmax attention, or None."""
     found = layer_attention(layer)
@@ -171,6 +186,8 @@ def _attend(module: nn.Module, x: mx.array, mask: mx.array | None) -> mx.array |
     """``module``'s output on ``x`` with ``mask`` and no cache, or None where it fails."""
     try:
         out = module(x, mask=mask, cache=None)
+        if isinstance(out, tuple) and out:
+            out = out[0]  # (output, state for later layers), as the probe takes it
         mx.eval(out)
     except Exception:  # a module that cannot run alone, or a mask that does not broadcast
         return None
@@ -248,6 +265,8 @@ def _attention_owners(layers: list[nn.Module], kinds: list[str], groups: EntryGr
                 raise UnsupportedModel(f"cache entry {j} is a CacheList of several KV caches (one layer storing "
                                        "K/V twice, e.g. an indexer's keys beside its attention's); not served")
             found = layer_attention(layers[j])
+            if found is None:
+                found = shared_kv_attention(layers[j], [f for _, f in owners.values()])
             if found is None:
                 raise UnsupportedModel(
                     f"cache entry {j} is a KV cache, but no module of layer {j} stores K/V through it "
