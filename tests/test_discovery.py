@@ -202,6 +202,22 @@ def test_nemotron_h_attention_without_rope(model_dir):
     assert not is_softmax_attention(model.layers[0].mixer)
 
 
+def test_cross_layer_attention_takes_the_probed_layers_geometry(model_dir):
+    """Hunyuan's attention returns (output, K/V projections); its second layer has no K/V
+    projections (it reuses the first's), so it cannot be probed alone and is taken as the
+    attention class probed in layer 0. Mamba v1 has recurrent state only."""
+    model, _ = load_cached(model_dir("hunyuan"))
+    second = model.layers[1].self_attn
+    assert not hasattr(second, "k_proj") and probe_attention(second) is None
+    assert probe_attention(model.layers[0].self_attn) is not None
+    layout = discover(model)
+    assert layout.attention_layers == (0, 1) and layout.attn_attr == ("self_attn", "self_attn")
+    assert (layout.kv_shape.n_heads, layout.kv_shape.n_kv_heads, layout.kv_shape.head_dim) == (4, 2, 16)
+    mamba, _ = load_cached(model_dir("mamba"))
+    layout = discover(mamba)
+    assert layout.attention_layers == () and layout.aux_layers == (0, 1) and layout.kv_shape is None
+
+
 def test_nested_cache_lists_are_flattened(model_dir):
     """Falcon-H1: CacheList(Mamba state, KV cache) per layer, one flat entry per part."""
     from mlx_lm.models.cache import ArraysCache, CacheList
