@@ -4,6 +4,9 @@ Gemma2 reshapes queries to (B, n_kv_heads, n_rep, L, head_dim) and adds the mask
 that rank; a (B, 1, 1, T) decode mask there crashes, or, with a batch the size of the KV-head
 count, broadcasts the batch against the KV heads and every row is wrong. One row needs no
 mask, so only batched decode shows it (SPEC 7.3).
+
+Every family of the model factory then decodes batched here; the families with no test file of
+their own (``PLAIN_FAMILIES``) also run one request and prefix-cache hits here.
 """
 
 from __future__ import annotations
