@@ -158,6 +158,24 @@ def test_the_benchs_byte_level_tokenizer_serves_grammars(tmp_path):
     assert allowed.tolist() == list(range(ord("a"), ord("z") + 1))  # letters only: no filler, no EOS yet
 
 
+def test_a_steps_masks_computed_together_equal_each_alone(tmp_path):
+    from runtime.bench.models import write_byte_tokenizer
+    from runtime.scheduler.grammar import Grammars, masks_of
+    from runtime.scheduler.tokenizer import Tokenizer
+
+    write_byte_tokenizer(tmp_path, 1000)
+    grammars = Grammars(Tokenizer(str(tmp_path)), 1003)  # logits wider than the tokenizer, as real vocabs pad
+    patterns = ["[a-z]+", "[0-9]{2,3}", "(yes|no)", "[a-c]"]
+    cons = [grammars.constraint(grammar_spec(Generate(rid="a", prompt="x", regex=p))) for p in patterns]
+    for c, text in zip(cons, ["ab", "1", "y", "b"]):
+        for ch in text:
+            assert c.advance(ord(ch)) is None
+    assert cons[3].done  # a finished grammar allows every token
+    alone = [c.mask() for c in cons]
+    assert masks_of(cons) == alone and len({len(m) for m in alone}) == 1
+    assert len(set(alone)) == 4
+
+
 def test_a_constrained_row_decodes_every_step_with_its_mask_sent_after():
     """Scheduler alone: a constrained request chains like the others; the mask of a step whose
     input token is still in flight follows as Masks once that token is back."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from runtime.protocol.worker import DecodeBatch, Masks, Step
+from runtime.scheduler.grammar import masks_of
 from runtime.scheduler.request import Request
 
 
@@ -18,7 +19,7 @@ def build_decode(reqs: list[Request], alloc_slot: Callable[[Request], int], hybr
     are banned while a request is below its ``min_tokens``.
     """
     rows, tokens, positions, slot_ids, temps, ban_stop = [], [], [], [], [], []
-    mask_rows, masks, deferred = [], [], []
+    mask_rows, constrained, deferred = [], [], []
     for i, req in enumerate(reqs):
         k = req.decodes_launched
         if k < req.params.min_tokens:
@@ -28,7 +29,7 @@ def build_decode(reqs: list[Request], alloc_slot: Callable[[Request], int], hybr
         if req.constraint is not None and back:
             tokens.append(req.prompt_ids[-1] if k == 0 else req.output_ids[-1])
             mask_rows.append(i)
-            masks.append(req.constraint.mask())
+            constrained.append(req.constraint)
         else:
             tokens.append(req.prompt_ids[-1] if k == 0 else -1)
             if req.constraint is not None:
@@ -38,6 +39,7 @@ def build_decode(reqs: list[Request], alloc_slot: Callable[[Request], int], hybr
         temps.append(req.params.temperature)
         req.decodes_launched += 1
     aux_slots = [r.aux_slot for r in reqs] if hybrid else []
+    masks = masks_of(constrained) if constrained else []
     return DecodeBatch(rows, tokens, positions, slot_ids, temps, aux_slots, ban_stop, mask_rows, masks, deferred)
 
 
@@ -46,4 +48,4 @@ def deferred_masks(step: Step, reqs: list[Request]) -> Masks | None:
     tokens before them advanced their grammars; None when it has none."""
     if step.decode is None or not step.decode.deferred_rows:
         return None
-    return Masks(step.step_id, [reqs[i].constraint.mask() for i in step.decode.deferred_rows])
+    return Masks(step.step_id, masks_of([reqs[i].constraint for i in step.decode.deferred_rows]))

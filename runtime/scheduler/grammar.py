@@ -90,6 +90,7 @@ class Grammars:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._ll: Any = None
+        self._executor: Any = None  # llguidance's thread pool: a step's masks are computed together
 
     def _ll_tokenizer(self) -> Any:
         if self._ll is None:
@@ -118,15 +119,21 @@ class Grammars:
             raise RequestRejected(f"invalid {spec.kind}: {exc}") from None
         if matcher.is_error():
             raise RequestRejected(f"invalid {spec.kind}: {matcher.get_error()}")
-        return Constraint(matcher, self.vocab_size)
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor()
+        return Constraint(matcher, self.vocab_size, self._executor)
 
 
 class Constraint:
     """One request's grammar state: the next token's mask, advanced with each finalized token."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, executor: Any = None) -> None:
         self.matcher = matcher
+        self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)  # the mask's uint32 words the worker expects
+        self.executor = executor
 
     def mask(self) -> bytes:
         """Allowed next tokens: bit i of little-endian uint32 word i // 32 for token i. A finished
@@ -148,3 +155,25 @@ class Constraint:
     def done(self) -> bool:
         """The grammar is complete: nothing more may follow."""
         return bool(self.matcher.is_stopped())
+
+
+def masks_of(constraints: list[Constraint]) -> list[bytes]:
+    """``[c.mask() for c in constraints]``, the live grammars' masks computed in parallel on
+    llguidance's threads (no GIL held): a step's masks are on the worker's critical path, and
+    one mask of a 128k vocabulary takes about 60 us."""
+    if not all(isinstance(c, Constraint) and c.executor is not None for c in constraints):
+        return [c.mask() for c in constraints]
+    live = [i for i, c in enumerate(constraints) if not (c.matcher.is_stopped() or c.matcher.is_error())]
+    if len(live) < 2:
+        return [c.mask() for c in constraints]
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+
+    first = constraints[live[0]]
+    bits = allocate_token_bitmask(len(live), first.vocab_size)
+    fill_next_token_bitmask_par(first.executor, [(constraints[i].matcher, k) for k, i in enumerate(live)], bits)
+    out = [b"\xff" * (4 * c.words) for c in constraints]
+    for k, i in enumerate(live):
+        raw = bits[k].tobytes()
+        size = 4 * constraints[i].words
+        out[i] = raw[:size] if len(raw) >= size else raw + bytes(size - len(raw))
+    return out

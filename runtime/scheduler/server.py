@@ -302,9 +302,10 @@ class Server:
                 self.last_step = reply
                 self.steps_done += 1
                 logprobs = (reply.logprobs, reply.top_ids, reply.top_logprobs) if reply.logprobs else None
-                for out in s.on_step_done(reply.step_id, reply.tokens, logprobs):
+                outputs = s.on_step_done(reply.step_id, reply.tokens, logprobs)
+                self._send_masks(s)  # first: the worker may be waiting for them to sample its next step
+                for out in outputs:
                     self.out.emit(out, s)
-                self._send_masks(s)
                 self._send_completed()
                 self.out.flush_chunks()
             elif isinstance(reply, wp.StepFailed):
