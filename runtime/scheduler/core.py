@@ -260,7 +260,9 @@ class Scheduler:
             if req.params.logprobs and logprobs is not None and logprobs[0]:
                 lps, top_ids, top_lps = logprobs
                 n = req.params.top_logprobs
-                top = list(zip(top_ids[i][:n], top_lps[i][:n])) if n else []
+                # Tuples of numbers only: the collector stops tracking them, so a long stream's
+                # logprobs do not make every full collection slower.
+                top = tuple(zip(top_ids[i][:n], top_lps[i][:n])) if n else ()
                 entry = [(token, lps[i], top)]
                 req.logprobs.extend(entry)
             reason = None
