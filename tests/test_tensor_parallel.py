@@ -244,3 +244,23 @@ def test_architecture_without_shard_is_refused_at_load(model_dir, tmp_path):
     with pytest.raises(RuntimeError, match="'qwen3_next' has no tensor-parallel sharding in mlx-lm"):
         with running_service(tmp_path, model_dir("qwen3_next"), TP, timeout=120):
             pass
+
+
+def test_plan_for_a_second_host_uses_tcp_and_ssh(tmp_path):
+    """Only the plan and the remote shell line: no second host is reachable from the tests."""
+    from runtime.scheduler.rank_processes import _remote_script
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps({"envs": ["MLX_METAL_FAST_SYNCH=1"], "hosts": [
+        {"ssh": "localhost", "ips": ["127.0.0.1"]}, {"ssh": "mac-b.invalid", "ips": ["10.0.0.2"]}]}))
+    config = parse_config(_config(tmp_path, worker={"tensor_parallel": 2},
+                                  distributed={"backend": "ring", "hostfile": str(hosts), "starting_port": 40000}))
+    local, remote = plan_ranks(config, "ipc:///tmp/x/worker.sock")
+    assert local.local and not remote.local
+    assert json.loads(local.files["MLX_HOSTFILE"]) == [["127.0.0.1:40000"], ["10.0.0.2:40001"]]
+    argv0 = list(local.argv)
+    assert argv0[argv0.index("--followers") + 1:] == ["tcp://127.0.0.1:40003"]  # after the ring's ports
+    assert remote.env["MLX_RANK"] == "1" and remote.env["MLX_METAL_FAST_SYNCH"] == "1"
+    line = _remote_script(remote)
+    assert 'MLX_HOSTFILE=$(mktemp) && printf %s' in line and "exec env " in line and "MLX_RANK=1" in line
+    assert "--address tcp://127.0.0.1:40003" in line
