@@ -107,7 +107,7 @@ class WorkerConfig:
     ``Engine.overlap_submit``) and read back first without it.
 
     ``compile_decode``: run each decode step as one ``mx.compile``d function per batch shape:
-    on the CPU (``runtime/worker/compiled_decode.py``) and on the CUDA kernel path
+    on the CPU (``runtime/worker/paths/rows/compiled_decode.py``) and on the CUDA kernel path
     (``compiled_paged.py``). Not used on Metal yet (not measured or checked token-exact there).
     At most 256 step shapes stay compiled per path (``TraceCache``, least recently used
     dropped): a trace costs about 0.1 MiB of host memory per layer.
@@ -122,7 +122,7 @@ class WorkerConfig:
     times the pools' size (at most an eighth of memory, never less than MLX's default).
 
     ``fuse_projections``: run attention's q/k/v and the MLP's gate/up projections of a
-    one-token input as one matrix-vector product each (``runtime/worker/fused_projections.py``;
+    one-token input as one matrix-vector product each (``runtime/worker/model/fused_projections.py``;
     bit-identical, fewer kernels per one-row decode step). ``auto``: on a GPU, where such a
     step is host-bound, for models whose decode step is compiled (attention layers only,
     ``compile_decode`` on); ``on``; ``off``.

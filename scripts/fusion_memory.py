@@ -32,8 +32,8 @@ def measure(folder: str, way: str) -> None:
     import mlx.core as mx
 
     from runtime.config import parse_config
-    from runtime.worker.fused_projections import fuse_projections
     from runtime.worker.loader import load
+    from runtime.worker.model.fused_projections import fuse_projections
 
     setting = "off" if way in ("off", "eager") else "on"
     loaded = load(parse_config({"model": {"path": folder}, "worker": {"fuse_projections": setting}}))

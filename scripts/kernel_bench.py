@@ -16,8 +16,8 @@ import kernel_trace
 import mlx.core as mx
 import numpy as np
 
-from runtime.worker import paged_kernels
-from runtime.worker.paged_attention import PagedAttention, launch_shape
+from runtime.worker.paths.cuda import paged_kernels
+from runtime.worker.paths.paged_attention import PagedAttention, launch_shape
 
 VARIANTS = {
     # the slot of position t is computed, not read from the table: no dependent load

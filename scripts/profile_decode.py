@@ -83,9 +83,9 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
                 warm: bool = False, around=contextlib.nullcontext) -> dict:
     """The worker's Engine: prefill every row, then chained decode steps in the worker's order."""
     from runtime.protocol.worker import DecodeBatch, PrefillChunk, Step
-    from runtime.worker.discovery import discover
     from runtime.worker.engine import Engine
-    from runtime.worker.kv_pool import KVPool
+    from runtime.worker.model.discovery import discover
+    from runtime.worker.pools.kv_pool import KVPool
 
     layout = discover(model)
     seq = context + steps + 8
@@ -156,9 +156,13 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
 
 def check_kernel() -> None:
     """The paged decode kernel against the gather + masked SDPA fallback on random data."""
-    from runtime.worker.discovery import AttentionShape
-    from runtime.worker.kv_pool import KVPool
-    from runtime.worker.paged_attention import PagedAttention, launch_shape, splits_for
+    from runtime.worker.model.discovery import AttentionShape
+    from runtime.worker.paths.paged_attention import (
+        PagedAttention,
+        launch_shape,
+        splits_for,
+    )
+    from runtime.worker.pools.kv_pool import KVPool
 
     rng = np.random.default_rng(0)
     for (n_q, n_kv, d), b in itertools.product(((32, 8, 64), (32, 8, 128), (16, 2, 128), (8, 8, 64), (16, 4, 96)), (5, 1)):
@@ -193,9 +197,13 @@ def check_kernel() -> None:
 def time_kernel(batches: list[int], context: int, calls: int = 64) -> None:
     """The paged kernel alone (one split vs the chosen splits) against MLX's fused SDPA on
     contiguous K/V, at the 8B shape (32/8 heads, dim 128), ``calls`` layers chained per eval."""
-    from runtime.worker.discovery import AttentionShape
-    from runtime.worker.kv_pool import KVPool
-    from runtime.worker.paged_attention import PagedAttention, launch_shape, splits_for
+    from runtime.worker.model.discovery import AttentionShape
+    from runtime.worker.paths.paged_attention import (
+        PagedAttention,
+        launch_shape,
+        splits_for,
+    )
+    from runtime.worker.pools.kv_pool import KVPool
 
     n_q, n_kv, d = 32, 8, 128
     for b in batches:
@@ -232,7 +240,7 @@ def time_kernel(batches: list[int], context: int, calls: int = 64) -> None:
 
 def no_split(fn):
     """Run ``fn`` with the paged kernel's position splitting turned off."""
-    from runtime.worker import paged_attention
+    from runtime.worker.paths import paged_attention
 
     saved = paged_attention.MAX_SPLITS
     paged_attention.MAX_SPLITS = 1
@@ -271,7 +279,7 @@ def main() -> None:
         for label in args.modes.split(","):
             mode = label
             if mode.endswith("-fused"):  # fuses the model in place from here on: list these modes last
-                from runtime.worker.fused_projections import fuse_projections
+                from runtime.worker.model.fused_projections import fuse_projections
 
                 fuse_projections(model)
                 mode = mode.removesuffix("-fused")

@@ -8,7 +8,7 @@ from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH
 from runtime.scheduler.admission import Limits
 from runtime.scheduler.core import Scheduler
 from runtime.scheduler.request import Request, SamplingParams
-from runtime.worker.aux_pool import AuxPool
+from runtime.worker.pools.aux_pool import AuxPool
 
 
 def make(aux_slots=16, track_chunk=64, chunk=256, budget=512, num_slots=1024, max_rows=4) -> Scheduler:

@@ -65,7 +65,7 @@ def _chunk(row: int, start: int, n: int):
 
 
 def test_prefill_groups_policy():
-    from runtime.worker.prefill_groups import prefill_groups
+    from runtime.worker.paths.prefill_groups import prefill_groups
 
     def shape(groups):
         return [[(c.row, c.start, len(c.token_ids)) for c in g] for g in groups]
@@ -104,7 +104,7 @@ def test_hybrid_chunks_are_batched_with_their_states(arch, model_dir):
 
 def test_prefill_groups_run_dependencies_first():
     from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, PrefillChunk
-    from runtime.worker.prefill_groups import prefill_groups
+    from runtime.worker.paths.prefill_groups import prefill_groups
 
     a0, a8, b8, c0 = _chunk(0, 0, 8), _chunk(0, 8, 8), _chunk(1, 8, 8), _chunk(2, 0, 8)
     # b8 reads the prefix a0 writes; c0 may run alongside a0.
@@ -117,7 +117,7 @@ def test_prefill_groups_run_dependencies_first():
 
 
 def test_prefill_lengths_recur():
-    from runtime.worker.prefill_shapes import prefill_length
+    from runtime.worker.paths.prefill_shapes import prefill_length
 
     assert [prefill_length(n) for n in (1, 16, 17, 128, 129, 300, 513, 2047, 2048)] == [
         16, 16, 32, 128, 144, 320, 576, 2048, 2048]
@@ -146,7 +146,7 @@ def test_padded_shapes_are_exact(folder):
 
 
 def test_prefill_warm_up_runs_the_common_shapes_and_leaves_the_service_exact(folder):
-    from runtime.worker.prefill_warmup import common_shapes, warm_prefill
+    from runtime.worker.paths.prefill_warmup import common_shapes, warm_prefill
 
     svc = InProcessService(folder, max_step_tokens=64, prefill_chunk=32, max_running=8, row_cache=False)
     assert warm_prefill(svc.engine, 64, 32) == 0  # no padding policy (the CPU's): nothing to warm

@@ -9,7 +9,7 @@ import pytest
 from harness import InProcessService
 from model_factory import reference_greedy
 
-from runtime.worker import compiled_decode as cd
+from runtime.worker.paths.rows import compiled_decode as cd
 
 
 def test_each_batch_shape_is_traced_once_and_tokens_stay_exact(model_dir, monkeypatch):
@@ -123,7 +123,7 @@ def test_compiled_decode_attends_through_the_folded_heads(model_dir, monkeypatch
 
 
 def test_trace_cache_keeps_the_most_recent_shapes_only():
-    from runtime.worker.trace_cache import TraceCache
+    from runtime.worker.paths.trace_cache import TraceCache
 
     traced = []
 
@@ -158,7 +158,7 @@ def test_a_full_trace_cache_keeps_decode_exact(model_dir, monkeypatch):
 
 
 def test_row_split_attention_is_bit_identical_to_one_stream():
-    from runtime.worker.parallel_attention import RowSplit
+    from runtime.worker.paths.rows.parallel_attention import RowSplit
 
     split = RowSplit(3)
     assert [split.parts(rows) for rows in (1, 4, 7, 8, 11, 12, 16, 64)] == [1, 1, 1, 2, 2, 3, 3, 3]
@@ -175,7 +175,7 @@ def test_row_split_attention_is_bit_identical_to_one_stream():
 
 @pytest.mark.parametrize("fold", [True, False], ids=["folded", "mlx-attention"])
 def test_compiled_decode_splits_big_batches_over_cpu_streams(fold, model_dir, monkeypatch):
-    from runtime.worker.parallel_attention import RowSplit
+    from runtime.worker.paths.rows.parallel_attention import RowSplit
 
     parts = []
     attend = RowSplit.attend
@@ -196,7 +196,10 @@ def test_compiled_decode_splits_big_batches_over_cpu_streams(fold, model_dir, mo
 
 def test_attention_threads_default_to_one_per_cpu_and_are_validated():
     from runtime.config import ConfigError, parse_config
-    from runtime.worker.parallel_attention import MAX_STREAMS, default_streams
+    from runtime.worker.paths.rows.parallel_attention import (
+        MAX_STREAMS,
+        default_streams,
+    )
 
     assert [default_streams(n) for n in (None, 1, 2, 3, 64)] == [1, 1, 2, 3, MAX_STREAMS]
     with pytest.raises(ConfigError, match="attention_threads"):

@@ -1,4 +1,4 @@
-from runtime.worker.cuda_graphs import (
+from runtime.worker.paths.cuda.cuda_graphs import (
     LIFTED_SIZE_LIMIT,
     SIZE_LIMIT_VAR,
     lift_graph_size_limit,

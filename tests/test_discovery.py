@@ -9,8 +9,8 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from model_factory import load_cached
 
-from runtime.worker.attention_probe import compute_dtype, probe_attention
-from runtime.worker.discovery import (
+from runtime.worker.model.attention_probe import compute_dtype, probe_attention
+from runtime.worker.model.discovery import (
     UnsupportedModel,
     attention_shape,
     discover,

@@ -24,7 +24,7 @@ import pytest
 from harness import InProcessService
 from model_factory import HEADS, KV_HEADS, load_cached, reference_greedy
 
-from runtime.worker.discovery import discover
+from runtime.worker.model.discovery import discover
 
 FAMILIES = ("phi3", "bailing_moe", "lfm2", "nemotron_h", "falcon_h1")
 BATCH_SIZES = sorted({2, KV_HEADS, HEADS, 5})

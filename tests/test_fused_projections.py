@@ -14,9 +14,13 @@ from mlx_lm.utils import load_model
 from model_factory import reference_greedy
 
 from runtime.config import ConfigError, parse_config
-from runtime.worker import fused_projections
-from runtime.worker.discovery import model_layers
-from runtime.worker.fused_projections import FusedPart, fuse_projections, fusion_wanted
+from runtime.worker.model import fused_projections
+from runtime.worker.model.discovery import model_layers
+from runtime.worker.model.fused_projections import (
+    FusedPart,
+    fuse_projections,
+    fusion_wanted,
+)
 
 
 def _projections(model: nn.Module, x: mx.array) -> list[mx.array]:

@@ -18,7 +18,7 @@ import pytest
 from harness import InProcessService
 from model_factory import ARCHS, HEADS, KV_HEADS, load_cached, reference_greedy
 
-from runtime.worker.discovery import UnsupportedModel, discover
+from runtime.worker.model.discovery import UnsupportedModel, discover
 
 BATCH_SIZES = sorted({1, 2, KV_HEADS, HEADS, 5})
 
@@ -29,7 +29,7 @@ def _prompts(seed: int, n: int) -> list[list[int]]:
 
 
 def test_discovery_records_the_grouped_query_layout(model_dir):
-    from runtime.worker.pool_cache import decode_mask
+    from runtime.worker.pools.pool_cache import decode_mask
 
     gemma2, _ = load_cached(model_dir("gemma2"))
     llama, _ = load_cached(model_dir("llama"))

@@ -24,8 +24,8 @@ from harness import InProcessService
 from model_factory import HEADS, load_cached
 from near_tie import assert_greedy_like_mlx
 
-from runtime.worker.discovery import discover
-from runtime.worker.kv_pool import KVPool
+from runtime.worker.model.discovery import discover
+from runtime.worker.pools.kv_pool import KVPool
 
 # (n_kv_heads, stored key width, stored value width, routed) of the tiny models (model_factory).
 GEOMETRY = {"deepseek_v2": (HEADS, 24, 16, True), "deepseek_v3": (1, 32, 8, False)}

@@ -10,7 +10,7 @@ import pytest
 from harness import InProcessService
 from model_factory import reference_greedy
 
-from runtime.worker import attention_patch
+from runtime.worker.model import attention_patch
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_next"])
@@ -35,7 +35,7 @@ def test_decode_reads_the_pool_through_the_dispatcher(arch, model_dir):
 def test_install_is_idempotent_and_keeps_the_original(model_dir):
     from mlx_lm.utils import load_model
 
-    from runtime.worker.discovery import discover
+    from runtime.worker.model.discovery import discover
 
     model, _ = load_model(model_dir("llama"))
     layout = discover(model)
@@ -96,7 +96,7 @@ def _append_reference(self, inputs, scale, launch):
 
 def _reference_kernels(monkeypatch):
     """The CUDA kernels replaced by their reference computations, so the kernel path runs on the CPU."""
-    from runtime.worker.paged_attention import PagedAttention
+    from runtime.worker.paths.paged_attention import PagedAttention
 
     monkeypatch.setattr(PagedAttention, "kernel_available", staticmethod(lambda: True))
     monkeypatch.setattr(PagedAttention, "_kernel_attend", _table_reference)
@@ -110,10 +110,14 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
     """The kernel path's bookkeeping (device table, padding rows, lengths, the decode tail and
     its flushes) with the kernel replaced by a reference computation, so it runs on the CPU;
     the decode step compiled (``CompiledPagedDecode``) or built layer by layer."""
-    from runtime.worker import attention_paths
-    from runtime.worker.compiled_paged import CompiledPagedDecode
-    from runtime.worker.decode_tail import DecodeTail
-    from runtime.worker.paged_attention import PagedAttention, splits_for, warps_for
+    from runtime.worker.paths import attention_paths
+    from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
+    from runtime.worker.paths.cuda.decode_tail import DecodeTail
+    from runtime.worker.paths.paged_attention import (
+        PagedAttention,
+        splits_for,
+        warps_for,
+    )
 
     _reference_kernels(monkeypatch)
     monkeypatch.setattr(attention_paths, "TAIL_STEPS", tail_steps)
@@ -160,7 +164,7 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
 
 
 def test_kernel_warps_fit_shared_memory_and_registers():
-    from runtime.worker.paged_attention import (
+    from runtime.worker.paths.paged_attention import (
         MAX_WARPS,
         REGISTERS,
         SHARED_BYTES,
@@ -180,7 +184,7 @@ def test_kernel_warps_fit_shared_memory_and_registers():
 
 
 def test_small_batches_split_their_positions_over_blocks():
-    from runtime.worker.paged_attention import (
+    from runtime.worker.paths.paged_attention import (
         MANY_BLOCKS,
         MAX_WARPS,
         MIN_SPLIT,
@@ -202,7 +206,7 @@ def test_small_batches_split_their_positions_over_blocks():
 
 
 def test_kernel_lanes_per_position_keep_16_bytes_per_lane():
-    from runtime.worker.paged_attention import lanes_per_position
+    from runtime.worker.paths.paged_attention import lanes_per_position
 
     assert [lanes_per_position(d) for d in (32, 64, 96, 128, 160, 256)] == [4, 8, 8, 16, 16, 32]
     for d in range(32, 257, 32):
@@ -214,7 +218,7 @@ def test_kernel_lanes_per_position_keep_16_bytes_per_lane():
 def test_hybrid_models_take_the_kernel_path_without_a_tail(arch, model_dir, monkeypatch):
     """Hybrid models keep writing each decode step's K/V to the pool (no decode tail); the
     kernel reads the step's own K/V as a one-position tail. Runs with the reference kernels."""
-    from runtime.worker.paged_attention import PagedAttention
+    from runtime.worker.paths.paged_attention import PagedAttention
 
     _reference_kernels(monkeypatch)
     lengths = []

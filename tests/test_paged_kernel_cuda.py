@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runtime.worker.paged_attention import PagedAttention, launch_shape
+from runtime.worker.paths.paged_attention import PagedAttention, launch_shape
 
 pytestmark = pytest.mark.skipif(not PagedAttention.kernel_available(), reason="needs MLX on a CUDA GPU")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.worker.prefill_shapes import (
+from runtime.worker.paths.prefill_shapes import (
     SDPA_CACHE_SIZE,
     SDPA_CACHE_VAR,
     continuation_length,

@@ -8,8 +8,8 @@ import pytest
 from harness import InProcessService
 from model_factory import reference_greedy
 
-from runtime.worker import compiled_decode as cd
-from runtime.worker import row_cache as rc
+from runtime.worker.paths.rows import compiled_decode as cd
+from runtime.worker.paths.rows import row_cache as rc
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "traced-each-step"])
@@ -53,7 +53,7 @@ def test_compact_and_scattered_rows_with_prefix_hits(arch, compiled, model_dir, 
 def test_decode_tokens_reach_the_pool_for_later_prefix_hits(pending_steps, model_dir, monkeypatch):
     """Decode K/V live in the row cache and are copied into the pool later; a prompt that
     extends a finished request's whole sequence must still reuse exact K/V."""
-    from runtime.worker import attention_paths
+    from runtime.worker.paths import attention_paths
 
     monkeypatch.setattr(attention_paths, "PENDING_STEPS", pending_steps)
     folder = model_dir("llama")

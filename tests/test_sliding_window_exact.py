@@ -15,7 +15,7 @@ import pytest
 from harness import InProcessService
 from model_factory import KV_HEADS, load_cached, make_model, reference_greedy
 
-from runtime.worker.discovery import discover
+from runtime.worker.model.discovery import discover
 
 WINDOW = 8
 BATCH_SIZES = sorted({1, 2, KV_HEADS, 5})
@@ -87,7 +87,7 @@ def test_windows_that_masking_cannot_reproduce_are_refused(folder):
     """Attention-sink positions (``keep``) and local layers of different windows."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    from runtime.worker.discovery import UnsupportedModel
+    from runtime.worker.model.discovery import UnsupportedModel
 
     model, _ = load_cached(folder)
     made = model.make_cache

@@ -18,7 +18,7 @@ from harness import InProcessService
 from model_factory import load_cached, make_model
 from near_tie import assert_greedy_like_mlx
 
-from runtime.worker.discovery import discover
+from runtime.worker.model.discovery import discover
 
 WINDOW = 8
 FAMILIES = {"gpt_oss": (WINDOW, None, WINDOW, None), "cohere2": (WINDOW, WINDOW, WINDOW, None),

@@ -23,14 +23,14 @@ def test_buffer_cache_limit_is_raised_but_never_lowered():
 
 
 def test_row_buckets():
-    from runtime.worker.decode_plan import row_bucket
+    from runtime.worker.paths.decode_plan import row_bucket
 
     assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 64)] == [1, 2, 4, 8, 8, 16, 16, 24, 64]
 
 
 def test_decode_plan_paths():
     from runtime.protocol.worker import DecodeBatch
-    from runtime.worker.decode_plan import plan_decode
+    from runtime.worker.paths.decode_plan import plan_decode
 
     lockstep = DecodeBatch(rows=[0, 1, 2], token_ids=[-1] * 3, positions=[40, 40, 40], slot_ids=[5, 6, 7],
                            temperatures=[0.0] * 3)
@@ -49,7 +49,7 @@ def test_decode_plan_paths():
 
 
 def test_length_buckets():
-    from runtime.worker.decode_plan import bucket_lengths, round_length
+    from runtime.worker.paths.decode_plan import bucket_lengths, round_length
 
     assert [round_length(n, 32, 100) for n in (1, 32, 33, 96, 97, 100)] == [32, 32, 64, 96, 100, 100]
     assert bucket_lengths(32, 100) == [32, 64, 96, 100]

@@ -16,20 +16,20 @@ from runtime.protocol.worker import (
     PrefillChunk,
     Step,
 )
-from runtime.worker.attention_paths import AttentionPaths
-from runtime.worker.aux_pool import AuxPool
-from runtime.worker.compiled_decode import CompiledDecode
-from runtime.worker.compiled_paged import CompiledPagedDecode
-from runtime.worker.decode_plan import bucket_lengths, plan_decode
-from runtime.worker.discovery import CacheLayout
-from runtime.worker.kv_pool import KVPool
-from runtime.worker.pool_cache import ForwardBatch, PoolLayerCache
-from runtime.worker.prefill_groups import prefill_groups
-from runtime.worker.prefill_shapes import (
+from runtime.worker.model.discovery import CacheLayout
+from runtime.worker.paths.attention_paths import AttentionPaths
+from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
+from runtime.worker.paths.decode_plan import bucket_lengths, plan_decode
+from runtime.worker.paths.prefill_groups import prefill_groups
+from runtime.worker.paths.prefill_shapes import (
     continuation_length,
     padded_rows,
     prefill_length,
 )
+from runtime.worker.paths.rows.compiled_decode import CompiledDecode
+from runtime.worker.pools.aux_pool import AuxPool
+from runtime.worker.pools.kv_pool import KVPool
+from runtime.worker.pools.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.sampler import RowSampler, StepDraws
 
 

@@ -12,15 +12,15 @@ import mlx.nn as nn
 
 from runtime.config import Config
 from runtime.worker import defaults
-from runtime.worker.aux_pool import AuxPool
-from runtime.worker.discovery import (
+from runtime.worker.model.discovery import (
     AttentionShape,
     CacheLayout,
     UnsupportedModel,
     discover,
 )
-from runtime.worker.fused_projections import fuse_projections, fusion_wanted
-from runtime.worker.kv_pool import KVPool
+from runtime.worker.model.fused_projections import fuse_projections, fusion_wanted
+from runtime.worker.pools.aux_pool import AuxPool
+from runtime.worker.pools.kv_pool import KVPool
 
 DEFAULT_MAX_CONTEXT = 4096  # for a model folder whose config names no context length
 

@@ -55,12 +55,12 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
     try:
         import mlx.core as mx
 
-        from runtime.worker.cuda_graphs import lift_graph_size_limit
         from runtime.worker.engine import Engine
         from runtime.worker.loader import buffer_cache_bytes, load
-        from runtime.worker.parallel_attention import default_streams
-        from runtime.worker.prefill_shapes import keep_attention_graphs
-        from runtime.worker.prefill_warmup import warm_prefill
+        from runtime.worker.paths.cuda.cuda_graphs import lift_graph_size_limit
+        from runtime.worker.paths.prefill_shapes import keep_attention_graphs
+        from runtime.worker.paths.prefill_warmup import warm_prefill
+        from runtime.worker.paths.rows.parallel_attention import default_streams
 
         lift_graph_size_limit(os.environ, mx.cuda.is_available())  # before the first device operation
         keep_attention_graphs(os.environ, mx.cuda.is_available())

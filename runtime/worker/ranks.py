@@ -36,7 +36,7 @@ import zmq
 
 from runtime.protocol.worker import LoadFailed, Ready, worker_reply_decoder
 from runtime.worker.defaults import Limits
-from runtime.worker.discovery import UnsupportedModel
+from runtime.worker.model.discovery import UnsupportedModel
 
 BACKENDS = {"auto": "any", "ring": "ring", "jaccl": "jaccl", "nccl": "nccl"}
 POLL_MS = 500

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from runtime.worker.discovery import AttentionShape
+from runtime.worker.model.discovery import AttentionShape
 
 
 class KVPool:

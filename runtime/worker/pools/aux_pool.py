@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from runtime.worker.discovery import CacheLayout
+from runtime.worker.model.discovery import CacheLayout
 
 
 class AuxPool:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from runtime.worker.deferred_steps import DeferredSteps
-from runtime.worker.kv_pool import KVPool
+from runtime.worker.paths.deferred_steps import DeferredSteps
+from runtime.worker.pools.kv_pool import KVPool
 
 
 class DecodeTail:

@@ -16,16 +16,16 @@ import mlx.nn as nn
 import numpy as np
 
 from runtime.protocol.worker import DecodeBatch, PrefillChunk
-from runtime.worker import attention_patch
-from runtime.worker.decode_plan import DecodePlan, row_bucket
-from runtime.worker.decode_tail import DecodeTail
-from runtime.worker.deferred_steps import DeferredSteps
-from runtime.worker.discovery import CacheLayout
-from runtime.worker.kv_pool import KVPool
-from runtime.worker.paged_attention import PagedAttention, launch_shape
-from runtime.worker.pool_cache import ForwardBatch, decode_mask
-from runtime.worker.prefill_shapes import front_padded_mask, key_length
-from runtime.worker.row_cache import MAX_BYTES, RowCache, RowSpan
+from runtime.worker.model import attention_patch
+from runtime.worker.model.discovery import CacheLayout
+from runtime.worker.paths.cuda.decode_tail import DecodeTail
+from runtime.worker.paths.decode_plan import DecodePlan, row_bucket
+from runtime.worker.paths.deferred_steps import DeferredSteps
+from runtime.worker.paths.paged_attention import PagedAttention, launch_shape
+from runtime.worker.paths.prefill_shapes import front_padded_mask, key_length
+from runtime.worker.paths.rows.row_cache import MAX_BYTES, RowCache, RowSpan
+from runtime.worker.pools.kv_pool import KVPool
+from runtime.worker.pools.pool_cache import ForwardBatch, decode_mask
 
 TAIL_STEPS = 16  # decode steps a DecodeTail holds before it is flushed into the pool
 PENDING_STEPS = 64  # row-cache decode steps not yet copied into the pool, at most

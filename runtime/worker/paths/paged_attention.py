@@ -12,9 +12,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from runtime.worker.decode_plan import bucket_lengths
-from runtime.worker.kv_pool import KVPool
-from runtime.worker.paged_kernels import (
+from runtime.worker.paths.cuda.paged_kernels import (
     APPEND_INPUTS,
     APPEND_OUTPUTS,
     COMBINE,
@@ -24,6 +22,8 @@ from runtime.worker.paged_kernels import (
     WRITE_PARTIAL,
     body,
 )
+from runtime.worker.paths.decode_plan import bucket_lengths
+from runtime.worker.pools.kv_pool import KVPool
 
 UNROLL = 1  # positions per lane group and warp pass: more costs registers, hence occupancy (1 measured best)
 MAX_WARPS = 16  # a block of few (row, KV head) pairs: its warps are the kernel's only parallelism

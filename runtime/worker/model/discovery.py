@@ -7,8 +7,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from runtime.worker.attention_probe import ProbedAttention, probe_attention, takes_cache
-from runtime.worker.cache_entries import EntryGroups, NestedCacheError
+from runtime.worker.model.attention_probe import (
+    ProbedAttention,
+    probe_attention,
+    takes_cache,
+)
+from runtime.worker.model.cache_entries import EntryGroups, NestedCacheError
 
 
 class UnsupportedModel(ValueError):

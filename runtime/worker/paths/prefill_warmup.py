@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from runtime.protocol.worker import PrefillChunk, Step
-from runtime.worker.prefill_shapes import (
+from runtime.worker.paths.prefill_shapes import (
     continuation_length,
     key_length,
     prefill_length,

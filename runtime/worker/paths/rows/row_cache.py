@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from runtime.worker.discovery import AttentionShape
-from runtime.worker.kv_pool import KVPool
+from runtime.worker.model.discovery import AttentionShape
+from runtime.worker.pools.kv_pool import KVPool
 
 MAX_BYTES = 2 * 2**30
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from runtime.worker.decode_tail import DecodeTail
-from runtime.worker.kv_pool import KVPool
-from runtime.worker.paged_attention import PagedAttention
-from runtime.worker.row_cache import RowSpan
+from runtime.worker.paths.cuda.decode_tail import DecodeTail
+from runtime.worker.paths.paged_attention import PagedAttention
+from runtime.worker.paths.rows.row_cache import RowSpan
+from runtime.worker.pools.kv_pool import KVPool
 
 
 def decode_mask(valid: mx.array, rank: int) -> mx.array:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import mlx.nn as nn
 
-from runtime.worker.discovery import model_layers
+from runtime.worker.model.discovery import model_layers
 
 _MARK = "_runtime_dispatch_original"
 
