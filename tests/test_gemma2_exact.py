@@ -29,7 +29,7 @@ def _prompts(seed: int, n: int) -> list[list[int]]:
 
 
 def test_discovery_records_the_grouped_query_layout(model_dir):
-    from runtime.worker.pools.pool_cache import decode_mask
+    from runtime.worker.paths.pool_cache import decode_mask
 
     gemma2, _ = load_cached(model_dir("gemma2"))
     llama, _ = load_cached(model_dir("llama"))

@@ -20,6 +20,7 @@ from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.paths.attention_paths import AttentionPaths
 from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
 from runtime.worker.paths.decode_plan import bucket_lengths, plan_decode
+from runtime.worker.paths.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.paths.prefill_groups import prefill_groups
 from runtime.worker.paths.prefill_shapes import (
     continuation_length,
@@ -29,7 +30,6 @@ from runtime.worker.paths.prefill_shapes import (
 from runtime.worker.paths.rows.compiled_decode import CompiledDecode
 from runtime.worker.pools.aux_pool import AuxPool
 from runtime.worker.pools.kv_pool import KVPool
-from runtime.worker.pools.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.sampler import RowSampler, StepDraws
 
 

@@ -22,10 +22,10 @@ from runtime.worker.paths.cuda.decode_tail import DecodeTail
 from runtime.worker.paths.decode_plan import DecodePlan, row_bucket
 from runtime.worker.paths.deferred_steps import DeferredSteps
 from runtime.worker.paths.paged_attention import PagedAttention, launch_shape
+from runtime.worker.paths.pool_cache import ForwardBatch, decode_mask
 from runtime.worker.paths.prefill_shapes import front_padded_mask, key_length
 from runtime.worker.paths.rows.row_cache import MAX_BYTES, RowCache, RowSpan
 from runtime.worker.pools.kv_pool import KVPool
-from runtime.worker.pools.pool_cache import ForwardBatch, decode_mask
 
 TAIL_STEPS = 16  # decode steps a DecodeTail holds before it is flushed into the pool
 PENDING_STEPS = 64  # row-cache decode steps not yet copied into the pool, at most

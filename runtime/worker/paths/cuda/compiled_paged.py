@@ -19,9 +19,9 @@ import mlx.nn as nn
 from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.paths.cuda.decode_tail import DecodeTail
 from runtime.worker.paths.paged_attention import PagedAttention
+from runtime.worker.paths.pool_cache import CacheStandIn, ForwardBatch
 from runtime.worker.paths.trace_cache import MAX_TRACES, TraceCache
 from runtime.worker.pools.kv_pool import KVPool
-from runtime.worker.pools.pool_cache import CacheStandIn, ForwardBatch
 
 
 class _Step:

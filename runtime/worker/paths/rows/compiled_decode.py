@@ -21,16 +21,16 @@ import mlx.nn as nn
 
 from runtime.worker.model.discovery import AttentionShape, CacheLayout
 from runtime.worker.paths.decode_plan import bucket_lengths, round_length
-from runtime.worker.paths.rows.parallel_attention import RowSplit
-from runtime.worker.paths.rows.row_cache import RowCache
-from runtime.worker.paths.trace_cache import MAX_TRACES, TraceCache
-from runtime.worker.pools.aux_pool import AuxPool
-from runtime.worker.pools.pool_cache import (
+from runtime.worker.paths.pool_cache import (
     CacheStandIn,
     decode_mask,
     narrower,
     window_decode_mask,
 )
+from runtime.worker.paths.rows.parallel_attention import RowSplit
+from runtime.worker.paths.rows.row_cache import RowCache
+from runtime.worker.paths.trace_cache import MAX_TRACES, TraceCache
+from runtime.worker.pools.aux_pool import AuxPool
 
 
 class _RowView(CacheStandIn):
