@@ -25,3 +25,18 @@ def test_paired_workload_runs_both_sides_on_the_same_prompts(tmp_path, capsys):
     assert all(r["output_tokens"] == 6 for r in data["runtime"] + data["mlx_lm"])
     assert len(data["decode_tok_s_pair_ratios"]) == 3
     assert "single stream in 3 alternating pairs" in capsys.readouterr().out
+
+
+def test_first_workload_starts_a_fresh_service_per_pair(tmp_path, capsys):
+    out = tmp_path / "first.json"
+    args = build_parser().parse_args([
+        "--synthetic", "tiny", "--work-dir", str(tmp_path), "--workloads", "first", "--pairs", "2",
+        "--prompt-len", "24", "--gen-len", "6", "--blas", "bundled", "--json", str(out),
+    ])
+    assert run(args) == 0
+    data = json.loads(out.read_text())["workloads"]["first"]
+    assert data["pairs"] == 2 and len(data["startup_s"]) == 2 and all(s > 0 for s in data["startup_s"])
+    assert data["tokens_match"] == [True, True]
+    assert all(r["output_tokens"] == 6 for r in data["runtime"] + data["mlx_lm"])
+    assert len(data["decode_tok_s_pair_ratios"]) == 2
+    assert "first request of a fresh service, 2 alternating pairs" in capsys.readouterr().out

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     pass
 
-WORKLOADS = ("single", "sweep", "prefix", "memory", "paired", "sampling", "http", "long", "mixed", "structured")
+WORKLOADS = ("single", "sweep", "prefix", "memory", "paired", "first", "sampling", "http", "long", "mixed", "structured")
 DEFAULT_WORKLOADS = "single,sweep,prefix"
 
 
@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-unique", type=_ints, default=[16, 64], help="min,max unique tokens per request")
     p.add_argument("--prefix-gen", type=int, default=32)
     p.add_argument("--pairs", type=int, default=8,
-                   help="paired: alternating single-stream runs per side (service and mlx-lm loaded together)")
+                   help="paired and first: alternating single-stream runs per side (paired: service and mlx-lm loaded "
+                        "together; first: a fresh service and a fresh mlx-lm load per pair)")
     p.add_argument("--memory-requests", type=int, default=2000)
     p.add_argument("--memory-concurrency", type=int, default=16)
     p.add_argument("--long-lens", type=_ints, default=[8192, 32768], help="long: prompt lengths, one at a time")
@@ -201,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
             report(plan.name, plan.outcome())
     if "paired" in chosen:
         report("paired", phases.paired_phase(args, model, bench, services, log))
+    if "first" in chosen:
+        report("first", phases.first_phase(args, model, bench, services, log))
     if "memory" in chosen:
         spec = phases.service_spec(args, model, ["memory"], cache=True)
         log("starting a fresh runtime for the memory workload")

@@ -85,6 +85,20 @@ def mlx_phase(model: Path, plans: list[Any], rep: int, log: Any) -> None:
     mlx.release()
 
 
+def first_phase(args: argparse.Namespace, model: Path, bench: Any, services: dict[str, Any], log: Any) -> Any:
+    """The ``first`` workload: fresh services and fresh mlx-lm loads, one request each, alternated."""
+    from runtime.bench.first_request import FirstRequest
+    from runtime.bench.mlx_side import MlxLm
+    from runtime.bench.service import Service
+
+    spec = service_spec(args, model, ["single"], cache=True)
+    services["first"] = vars(spec) | {"model": str(model)}
+    first = FirstRequest(bench, args.prompt_len, args.gen_len, args.pairs)
+    log(f"first: {args.pairs} pairs of a fresh service's first request and a fresh mlx-lm's: {spec}")
+    first.run(lambda: Service(spec, args.work_dir / "configs" / "first.toml"), lambda: MlxLm(model))
+    return first.outcome()
+
+
 def paired_phase(args: argparse.Namespace, model: Path, bench: Any, services: dict[str, Any], log: Any) -> Any:
     """The ``paired`` workload: a service and mlx-lm loaded together, single streams alternated."""
     from runtime.bench.mlx_side import MlxLm

@@ -1,0 +1,84 @@
+"""A fresh service's first request against a fresh mlx-lm's first ``generate_step``, in pairs.
+
+A service that is fast only once warm makes its first users wait: whatever its warm-up did
+not compile (decode traces, kernels) the first request pays. Each pair starts a new service
+(``runtime up``, as a user would) and sends it one single-stream request with no warm-up,
+then loads the model afresh in this process and runs ``generate_step`` once, the two sides in
+alternating order; the table gives each side's median and the median of the per-pair ratios,
+with their range. Start-up itself (the time to the "serving" line) is reported beside them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from runtime.bench import runtime_side
+from runtime.bench.mlx_side import MlxLm
+from runtime.bench.paired import paired_ratios
+from runtime.bench.report import table
+from runtime.bench.workloads import Bench, Outcome, single_view
+
+
+class FirstRequest:
+    """``pairs`` pairs of (fresh service, first request) and (fresh mlx-lm, first stream)."""
+
+    name = "first"
+
+    def __init__(self, bench: Bench, prompt_len: int, gen_len: int, pairs: int) -> None:
+        self.bench, self.prompt_len, self.gen_len = bench, prompt_len, gen_len
+        self.prompts = [bench.prompt(prompt_len) for _ in range(pairs)]
+        self.rt: list[dict[str, float]] = []
+        self.ml: list[dict[str, float]] = []
+        self.startup_s: list[float] = []
+        self.same: list[bool] = []
+
+    def run(self, service: Callable[[], AbstractContextManager[Any]], load_mlx: Callable[[], MlxLm]) -> None:
+        """``service()``: a context manager that starts a new service and yields it (``.address``)."""
+        for i, prompt in enumerate(self.prompts):
+            timings = {}
+            for side in (("runtime", "mlx") if i % 2 == 0 else ("mlx", "runtime")):
+                if side == "runtime":
+                    started = time.perf_counter()
+                    with service() as svc:
+                        self.startup_s.append(time.perf_counter() - started)
+                        timings[side] = runtime_side.run_together(svc.address, [prompt], [self.gen_len])[0]
+                else:
+                    mlx = load_mlx()
+                    try:
+                        timings[side] = mlx.single(prompt, self.gen_len)
+                    finally:
+                        mlx.release()
+            self.rt.append(single_view(timings["runtime"]))
+            self.ml.append(single_view(timings["mlx"]))
+            self.same.append(timings["runtime"].token_ids == timings["mlx"].token_ids)
+            self.bench.log(f"first/pair {i + 1}: runtime {self.rt[-1]['decode_tok_s']:.1f} tok/s, "
+                           f"mlx-lm {self.ml[-1]['decode_tok_s']:.1f} tok/s")
+
+    def outcome(self) -> Outcome:
+        rows = []
+        data: dict[str, Any] = {"prompt_len": self.prompt_len, "gen_len": self.gen_len, "pairs": len(self.rt),
+                                "runtime": self.rt, "mlx_lm": self.ml, "startup_s": self.startup_s,
+                                "tokens_match": self.same}
+        for name, key in (("decode tok/s", "decode_tok_s"), ("TTFT ms", "ttft_ms"), ("ITL p50 ms", "itl_p50_ms")):
+            ratios = paired_ratios([r[key] for r in self.rt], [m[key] for m in self.ml])
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+            rows.append([name, round(statistics.median(r[key] for r in self.rt), 2),
+                         round(statistics.median(m[key] for m in self.ml), 2),
+                         round(statistics.median(ratios), 2) if ratios else float("nan"), spread])
+            data[f"{key}_pair_ratios"] = ratios
+        rows.append(["service start-up s (to its serving line)", round(statistics.median(self.startup_s), 1), "-",
+                     "-", f"{min(self.startup_s):.1f}-{max(self.startup_s):.1f}"])
+        same = sum(self.same)
+        title = (f"first request of a fresh service, {len(self.rt)} alternating pairs: prompt {self.prompt_len}, "
+                 f"{self.gen_len} new tokens (tokens match mlx-lm in {same} of {len(self.same)} pairs)")
+        tab = table(title, ["metric", "runtime (median)", "mlx-lm (median)", "median of pair ratios",
+                            "pair ratios, range"], rows)
+        warnings = []
+        if same < len(self.same):
+            warnings.append(f"WARNING: first: runtime tokens differ from mlx-lm greedy tokens in "
+                            f"{len(self.same) - same} of {len(self.same)} pairs")
+        return Outcome(data, [tab], warnings)
