@@ -577,6 +577,14 @@ def _cfg_deepseek_v3() -> dict:
     return {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], **_mla_fields()}
 
 
+def _cfg_glm4_moe_lite() -> dict:
+    # GLM-4.x MoE-lite: deepseek_v3's latent cache (32-wide latent, 8-wide rotary key) with a
+    # low-rank query, layer 0 dense and layer 1 routed (4 experts, two per token, one shared).
+    return {"model_type": "glm4_moe_lite", "architectures": ["Glm4MoeLiteForCausalLM"], **_mla_fields(),
+            "q_lora_rank": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0}
+
+
 def _cfg_gpt_oss() -> dict:
     # Sliding-window layers (RotatingKVCache) alternating with full ones; every layer's
     # attention adds a learned per-head sink logit; experts everywhere (4, two per token).
@@ -786,6 +794,7 @@ _CONFIGS: Dict[str, Callable[[], dict]] = {
     "falcon_h1": _cfg_falcon_h1,
     "deepseek_v2": _cfg_deepseek_v2,
     "deepseek_v3": _cfg_deepseek_v3,
+    "glm4_moe_lite": _cfg_glm4_moe_lite,
     "gpt_oss": _cfg_gpt_oss,
     "cohere2": _cfg_cohere2,
     "exaone4": _cfg_exaone4,

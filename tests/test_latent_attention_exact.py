@@ -28,7 +28,8 @@ from runtime.worker.model.discovery import discover
 from runtime.worker.pools.kv_pool import KVPool
 
 # (n_kv_heads, stored key width, stored value width, routed) of the tiny models (model_factory).
-GEOMETRY = {"deepseek_v2": (HEADS, 24, 16, True), "deepseek_v3": (1, 32, 8, False)}
+GEOMETRY = {"deepseek_v2": (HEADS, 24, 16, True), "deepseek_v3": (1, 32, 8, False),
+            "glm4_moe_lite": (1, 32, 8, False)}
 PATHS = {"compiled": dict(compile_decode=True), "eager": dict(compile_decode=False),
          "pool-gather": dict(compile_decode=False, row_cache=False)}
 
