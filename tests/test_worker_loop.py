@@ -8,6 +8,7 @@ import pytest
 
 from runtime.protocol.worker import (
     DecodeBatch,
+    Masks,
     PrefillChunk,
     Shutdown,
     Step,
@@ -71,3 +72,36 @@ def test_first_tokens_are_reported_before_the_next_submit_steady_decode_after(ov
     # ...while a decode step's result waits for the next submit, so the device is never idle for it.
     assert events.index("submit 3") < events.index("send 2")
     assert [e for e in events if e.startswith("send")] == ["send 1", "send 2", "send 3"]
+
+
+@dataclass
+class MaskingEngine(FakeEngine):
+    """A fake engine whose steps with deferred rows wait for their ``Masks``."""
+
+    def build(self, step: Step) -> LaunchedStep:
+        launched = super().build(step)
+        if step.decode is not None and step.decode.deferred_rows:
+            launched.awaiting = step.decode
+        return launched
+
+    def apply_masks(self, launched: LaunchedStep, masks: list[bytes]) -> None:
+        self.events.append(f"masks {launched.step_id}")
+        launched.awaiting = None
+
+
+def test_a_step_that_waited_for_masks_is_reported_at_once_and_every_step_once():
+    """The scheduler needs a constrained step's tokens for the next step's masks: the step goes out
+    as soon as it is sampled, before the next one is built, and no step is reported twice."""
+    engine = MaskingEngine()
+    deferred = Step(step_id=3, prefills=[], decode=DecodeBatch(rows=[0], token_ids=[-1], positions=[11],
+                                                               slot_ids=[12], temperatures=[0.0], deferred_rows=[0]))
+    inbox = [worker_encoder.encode(c) for c in [_decode(1), _decode(2), deferred, Masks(step_id=3, masks=[b"\xff"]),
+                                                _decode(4), _decode(5), Shutdown()]]
+
+    def send(data: bytes) -> None:
+        engine.events.append(f"send {worker_reply_decoder.decode(data).step_id}")
+
+    assert _loop(engine, send, lambda: inbox.pop(0), lambda timeout_ms: bool(inbox), False, IdleClock(), parent=0) == 0
+    events = engine.events
+    assert [e for e in events if e.startswith("send")] == [f"send {i}" for i in range(1, 6)]
+    assert events.index("masks 3") < events.index("send 3") < events.index("submit 4")

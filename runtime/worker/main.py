@@ -201,8 +201,16 @@ def _loop(engine, send, recv, poll, overlap: bool, clock: IdleClock, parent: int
             engine.submit(built)
             if previous is not None:
                 send(worker_encoder.encode(previous))
-        if built.awaiting is not None and not _apply_masks(engine, built, inbox, parent):
-            return 0
+        if built.awaiting is not None:
+            if not _apply_masks(engine, built, inbox, parent):
+                return 0
+            # Its tokens go out at once: the next step's masks need them, and the scheduler
+            # computes those while this worker builds and runs that step. The forward is done
+            # by now (the masks took longer), so the read-back waits for the sampling only.
+            report(built)
+            clock.idle()
+            pending = None  # the step before it was reported above, with the submit
+            continue
         pending = built
 
 
