@@ -33,6 +33,10 @@ class PlannedStep:
     decode_reqs: list[Request]
     prefill_reqs: list[Request] = field(default_factory=list)
 
+    def requests(self) -> list[Request] | set[Request]:
+        """Every request the step works for, once (a request decodes at most once per step)."""
+        return set(self.decode_reqs) | set(self.prefill_reqs) if self.prefill_reqs else self.decode_reqs
+
 
 @dataclass
 class StepOutput:
@@ -132,18 +136,34 @@ class Scheduler:
         req.slots.extend(got)
         return got
 
+    def _alloc_decode(self, reqs: list[Request]) -> list[int]:
+        """One slot for each request's next decode token, in order (as ``_alloc(req, 1)`` each)."""
+        n = len(reqs)
+        if self.slots.free_count < n:
+            return [self._alloc(req, 1)[0] for req in reqs]  # evicts as it goes, like one at a time
+        got = self.slots.alloc(n)
+        assert got is not None
+        for req, slot in zip(reqs, got):
+            req.reserved -= 1
+            req.slots.append(slot)
+        self.reserved -= n
+        return got
+
     # ---- planning --------------------------------------------------------------------
     def next_step(self) -> PlannedStep | None:
         """Plan the next worker step, or None when there is nothing to run."""
         lim = self.limits
-        decoding = sum(1 for r in self.running if r.wants_decode)
+        decode_reqs = [r for r in self.running if r.wants_decode]
+        decoding = len(decode_reqs)
+        running_before = len(self.running)
         budget = lim.max_step_tokens - decoding
         # Chunks bound how long decoding rows wait for a step; with none decoding, a prompt
         # may take the whole step (a lone long prompt prefills in fewer, larger steps).
         chunk = lim.prefill_chunk if decoding else lim.max_step_tokens
         prefills: list[PrefillChunk] = []
         prefill_reqs: list[Request] = []
-        candidates = [r for r in self.running if not r.prefill_done]
+        # Every running request decoding: none is still prefilling.
+        candidates = [r for r in self.running if not r.prefill_done] if decoding < running_before else []
         while True:
             for req in candidates:
                 while budget > 0 and not req.prefill_done:
@@ -192,18 +212,20 @@ class Scheduler:
                 break  # prefill it first, so the next admission can match what it inserts
             if not candidates:
                 break
-        decode_reqs = [r for r in self.running if r.wants_decode]
+        if prefill_reqs or len(self.running) != running_before:
+            # Prompts finished or requests admitted: they may decode in this step too.
+            decode_reqs = [r for r in self.running if r.wants_decode]
         if not prefills and not decode_reqs:
             return None
         decode = None
         if decode_reqs:
-            decode = build_decode(decode_reqs, lambda req: self._alloc(req, 1)[0], self.aux is not None)
+            decode = build_decode(decode_reqs, self._alloc_decode(decode_reqs), self.aux is not None)
         samplings = [row_sampling(r, self.eos_ids) for r in self._new_rows if r.row >= 0 and not r.finished]
         self._new_rows = []
         step = Step(step_id=self._next_step_id, prefills=prefills, decode=decode, samplings=samplings)
         self._next_step_id += 1
         planned = PlannedStep(step, decode_reqs, prefill_reqs)
-        for req in set(decode_reqs) | set(prefill_reqs):
+        for req in planned.requests():
             req.inflight_steps += 1
         self.inflight[step.step_id] = planned
         return planned
@@ -249,26 +271,28 @@ class Scheduler:
         planned = self.inflight.pop(step_id)
         assert len(tokens) == len(planned.decode_reqs), "worker returned a wrong number of tokens"
         outputs = []
-        for req in set(planned.decode_reqs) | set(planned.prefill_reqs):
+        for req in planned.requests():
             req.inflight_steps -= 1
+        lps, top_ids, top_lps = logprobs if logprobs is not None and logprobs[0] else (None, None, None)
+        eos_ids = self.eos_ids
         for i, (req, token) in enumerate(zip(planned.decode_reqs, tokens)):
             if req.finished:
                 req.extra_ids.append(token)  # chained past its end: not returned, but its K/V is valid
                 continue
             req.output_ids.append(token)
+            params = req.params
             entry = None
-            if req.params.logprobs and logprobs is not None and logprobs[0]:
-                lps, top_ids, top_lps = logprobs
-                n = req.params.top_logprobs
+            if params.logprobs and lps is not None:
+                n = params.top_logprobs
                 # Tuples of numbers only: the collector stops tracking them, so a long stream's
                 # logprobs do not make every full collection slower.
-                top = tuple(zip(top_ids[i][:n], top_lps[i][:n])) if n else ()
-                entry = [(token, lps[i], top)]
-                req.logprobs.extend(entry)
+                top = tuple(zip(top_ids[i], top_lps[i]))[:n] if n else ()
+                req.logprobs.append(lp_entry := (token, lps[i], top))
+                entry = [lp_entry]
             reason = None
-            if token in req.params.stop_token_ids:
+            if token in params.stop_token_ids:
                 reason, req.stop_reason, req.ended_by_token = "stop", token, True
-            elif token in self.eos_ids and not req.params.ignore_eos:
+            elif token in eos_ids and not params.ignore_eos:
                 reason, req.ended_by_token = "stop", True
             elif req.constraint is not None and (error := req.constraint.advance(token)) is not None:
                 reason, req.error = "error", error

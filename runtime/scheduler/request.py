@@ -71,14 +71,16 @@ class Request:
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
 
+    # The properties below are read for every row of every step: each is written out in
+    # fields rather than through the others, which would cost a call per level.
     @property
     def prefill_target(self) -> int:
         """Positions that go through prefill: all but the last prompt token."""
-        return self.prompt_len - 1
+        return len(self.prompt_ids) - 1
 
     @property
     def prefill_done(self) -> bool:
-        return self.prefilled >= self.prefill_target
+        return self.prefilled >= len(self.prompt_ids) - 1
 
     @property
     def finished(self) -> bool:
@@ -86,7 +88,11 @@ class Request:
 
     @property
     def wants_decode(self) -> bool:
-        return self.prefill_done and not self.finished and self.decodes_launched < self.max_new
+        return (
+            self.prefilled >= len(self.prompt_ids) - 1  # prefill_done
+            and self.finish_reason is None
+            and self.decodes_launched < self.max_new
+        )
 
 
 def row_sampling(req: Request, eos_ids: frozenset[int]) -> RowSampling:

@@ -62,9 +62,12 @@ class Detokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
-        self.text = ""
+        # The text so far, in deltas: appending to one growing string would copy all of it
+        # at every token of a long stream.
+        self._pieces: list[str] = []
         self._stream = None
-        if tokenizer.backend is not None:
+        self._backend = tokenizer.backend
+        if self._backend is not None:
             from tokenizers.decoders import DecodeStream
 
             # The tokenizers library's own incremental decoder: a few µs per token.
@@ -74,10 +77,11 @@ class Detokenizer:
         """Append tokens; return the newly completed text."""
         if self._stream is not None:
             self.ids.extend(new_ids)
-            backend = self.tokenizer.backend
-            pieces = [self._stream.step(backend, token) for token in new_ids]
-            delta = "".join(p for p in pieces if p)
-            self.text += delta
+            if len(new_ids) == 1:  # a decode step's token
+                delta = self._stream.step(self._backend, new_ids[0]) or ""
+            else:
+                delta = "".join(self._stream.step(self._backend, token) or "" for token in new_ids)
+            self._pieces.append(delta)
             return delta
         self.ids.extend(new_ids)
         prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
@@ -87,12 +91,20 @@ class Detokenizer:
         delta = full_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
-        self.text += delta
+        self._pieces.append(delta)
         return delta
+
+    @property
+    def text(self) -> str:
+        """Every delta returned so far, joined."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def flush(self) -> str:
         """Whatever is held back, at the end of the request."""
         full = self.tokenizer.decode(self.ids)
-        delta = full[len(self.text) :] if full.startswith(self.text) else ""
-        self.text += delta
+        text = self.text
+        delta = full[len(text) :] if full.startswith(text) else ""
+        self._pieces.append(delta)
         return delta
