@@ -10,10 +10,11 @@ import zmq
 
 from runtime.protocol import client as cp
 from runtime.protocol.loop_socket import LoopSocket
-from runtime.scheduler.core import Scheduler, StepOutput
+from runtime.scheduler.core import Scheduler
 from runtime.scheduler.peers import Peer, PeerBusy, PeerGone, PeerTable, ReplyTo
 from runtime.scheduler.replies import done_message, text_delta, wire_logprobs
 from runtime.scheduler.request import Request
+from runtime.scheduler.step_results import StepOutput
 from runtime.scheduler.tokenizer import Tokenizer
 
 

@@ -11,7 +11,6 @@ then is it reported complete (``pop_completed``).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from runtime.protocol.worker import AUX_CONTINUE, Masks, PrefillChunk, Step
 from runtime.scheduler.admission import Limits, validate_request
@@ -22,30 +21,8 @@ from runtime.scheduler.radix import InsertResult, RadixCache
 from runtime.scheduler.request import Request, row_sampling
 from runtime.scheduler.rows import RowAllocator
 from runtime.scheduler.slots import SlotAllocator
+from runtime.scheduler.step_results import PlannedStep, StepOutput, take_token
 from runtime.scheduler.waiting import WaitingQueue
-
-
-@dataclass
-class PlannedStep:
-    """A step sent to the worker, with the requests whose tokens it will return."""
-
-    step: Step
-    decode_reqs: list[Request]
-    prefill_reqs: list[Request] = field(default_factory=list)
-
-    def requests(self) -> list[Request] | set[Request]:
-        """Every request the step works for, once (a request decodes at most once per step)."""
-        return set(self.decode_reqs) | set(self.prefill_reqs) if self.prefill_reqs else self.decode_reqs
-
-
-@dataclass
-class StepOutput:
-    """New tokens for one request after a step, whether it finished, and their logprobs if asked."""
-
-    req: Request
-    new_ids: list[int]
-    finished: bool
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 class Scheduler:
@@ -279,27 +256,14 @@ class Scheduler:
             if req.finished:
                 req.extra_ids.append(token)  # chained past its end: not returned, but its K/V is valid
                 continue
-            req.output_ids.append(token)
-            params = req.params
             entry = None
-            if params.logprobs and lps is not None:
-                n = params.top_logprobs
+            if req.params.logprobs and lps is not None:
+                n = req.params.top_logprobs
                 # Tuples of numbers only: the collector stops tracking them, so a long stream's
                 # logprobs do not make every full collection slower.
                 top = tuple(zip(top_ids[i], top_lps[i]))[:n] if n else ()
-                req.logprobs.append(lp_entry := (token, lps[i], top))
-                entry = [lp_entry]
-            reason = None
-            if token in params.stop_token_ids:
-                reason, req.stop_reason, req.ended_by_token = "stop", token, True
-            elif token in eos_ids and not params.ignore_eos:
-                reason, req.ended_by_token = "stop", True
-            elif req.constraint is not None and (error := req.constraint.advance(token)) is not None:
-                reason, req.error = "error", error
-            elif req.constraint is not None and req.constraint.done:
-                reason = "stop"  # the grammar is complete
-            elif len(req.output_ids) >= req.max_new:
-                reason = "length"
+                entry = [(token, lps[i], top)]
+            reason = take_token(req, token, eos_ids, entry[0] if entry else None)
             if reason is not None:
                 self.finish(req, reason)
             outputs.append(StepOutput(req, [token], reason is not None, entry))

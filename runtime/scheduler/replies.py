@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from runtime.protocol import client as cp
-from runtime.scheduler.core import StepOutput
 from runtime.scheduler.request import Request
+from runtime.scheduler.step_results import StepOutput
 from runtime.scheduler.tokenizer import Tokenizer
 
 
