@@ -82,7 +82,7 @@ def test_sharded_weights_have_a_complete_index(tmp_path):
 def test_parser_lists():
     args = build_parser().parse_args(["--synthetic", "tiny", "--concurrency", "1,4", "--workloads", "all"])
     assert args.concurrency == [1, 4]
-    assert args.workloads == ["single", "sweep", "prefix", "memory", "paired", "sampling", "http", "long", "mixed",
+    assert args.workloads == ["single", "sweep", "prefix", "memory", "paired", "first", "sampling", "http", "long", "mixed",
                               "structured"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--synthetic", "tiny", "--workloads", "nope"])
