@@ -18,7 +18,7 @@ from typing import Any
 
 from runtime.bench import runtime_side
 from runtime.bench.mlx_side import MlxLm
-from runtime.bench.paired import paired_ratios
+from runtime.bench.paired import pair_rows
 from runtime.bench.report import table
 from runtime.bench.workloads import Bench, Outcome, single_view
 
@@ -59,17 +59,11 @@ class FirstRequest:
                            f"mlx-lm {self.ml[-1]['decode_tok_s']:.1f} tok/s")
 
     def outcome(self) -> Outcome:
-        rows = []
         data: dict[str, Any] = {"prompt_len": self.prompt_len, "gen_len": self.gen_len, "pairs": len(self.rt),
                                 "runtime": self.rt, "mlx_lm": self.ml, "startup_s": self.startup_s,
                                 "tokens_match": self.same}
-        for name, key in (("decode tok/s", "decode_tok_s"), ("TTFT ms", "ttft_ms"), ("ITL p50 ms", "itl_p50_ms")):
-            ratios = paired_ratios([r[key] for r in self.rt], [m[key] for m in self.ml])
-            spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
-            rows.append([name, round(statistics.median(r[key] for r in self.rt), 2),
-                         round(statistics.median(m[key] for m in self.ml), 2),
-                         round(statistics.median(ratios), 2) if ratios else float("nan"), spread])
-            data[f"{key}_pair_ratios"] = ratios
+        rows = pair_rows(self.rt, self.ml, (("decode tok/s", "decode_tok_s"), ("TTFT ms", "ttft_ms"),
+                                            ("ITL p50 ms", "itl_p50_ms")), data)
         rows.append(["service start-up s (to its serving line)", round(statistics.median(self.startup_s), 1), "-",
                      "-", f"{min(self.startup_s):.1f}-{max(self.startup_s):.1f}"])
         same = sum(self.same)

@@ -53,18 +53,10 @@ class PairedSingle:
             self.same.append(timings["runtime"].token_ids == timings["mlx"].token_ids)
 
     def outcome(self) -> Outcome:
-        rows = []
         data: dict[str, Any] = {"prompt_len": self.prompt_len, "gen_len": self.gen_len, "pairs": len(self.rt),
                                 "runtime": self.rt, "mlx_lm": self.ml, "tokens_match": self.same}
-        for name, key in (("decode tok/s", "decode_tok_s"), ("end-to-end tok/s", "e2e_tok_s"),
-                          ("TTFT ms", "ttft_ms"), ("ITL p50 ms", "itl_p50_ms")):
-            pair_ratios = paired_ratios([r[key] for r in self.rt], [m[key] for m in self.ml])
-            rt = statistics.median(r[key] for r in self.rt)
-            ml = statistics.median(m[key] for m in self.ml)
-            spread = f"{min(pair_ratios):.2f}-{max(pair_ratios):.2f}" if pair_ratios else "-"
-            median_ratio = round(statistics.median(pair_ratios), 2) if pair_ratios else float("nan")
-            rows.append([name, round(rt, 2), round(ml, 2), median_ratio, spread])
-            data[f"{key}_pair_ratios"] = pair_ratios
+        rows = pair_rows(self.rt, self.ml, (("decode tok/s", "decode_tok_s"), ("end-to-end tok/s", "e2e_tok_s"),
+                                            ("TTFT ms", "ttft_ms"), ("ITL p50 ms", "itl_p50_ms")), data)
         same = sum(self.same)
         title = (f"single stream in {len(self.rt)} alternating pairs: prompt {self.prompt_len}, {self.gen_len} new "
                  f"tokens (tokens match mlx-lm in {same} of {len(self.same)} pairs)")
@@ -80,3 +72,17 @@ class PairedSingle:
 def paired_ratios(runtime: list[float], mlx: list[float]) -> list[float]:
     """runtime / mlx-lm for each pair (pairs with a zero or missing mlx-lm value left out)."""
     return [round(r / m, 4) for r, m in zip(runtime, mlx) if m and not math.isnan(m) and not math.isnan(r)]
+
+
+def pair_rows(rt: list[dict[str, float]], ml: list[dict[str, float]], metrics, data: dict[str, Any]) -> list[list]:
+    """A table row per (name, key) of ``metrics``: each side's median, the median of the per-pair
+    ratios and their range; the ratios go into ``data`` under ``{key}_pair_ratios``."""
+    rows = []
+    for name, key in metrics:
+        ratios = paired_ratios([r[key] for r in rt], [m[key] for m in ml])
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+        median_ratio = round(statistics.median(ratios), 2) if ratios else float("nan")
+        rows.append([name, round(statistics.median(r[key] for r in rt), 2), round(statistics.median(m[key] for m in ml), 2),
+                     median_ratio, spread])
+        data[f"{key}_pair_ratios"] = ratios
+    return rows
