@@ -38,3 +38,9 @@ def assert_greedy_like_mlx(folder: str | Path, prompt: Sequence[int], got: list[
     assert on_gpu and k < min(len(got), len(ref)), f"{label}: tokens differ from mlx-lm at {k}: {got} != {ref}"
     gap = logprob_gap(folder, list(prompt) + ref[:k], ref[k], got[k])
     assert abs(gap) < GPU_NEAR_TIE_NATS, f"{label}: differs from mlx-lm at {k} with logprob gap {gap:.4g} nats"
+
+
+def assert_requests_like_mlx(folder: str | Path, reqs) -> None:
+    """``assert_greedy_like_mlx`` for each finished in-process request (``harness.InProcessService``)."""
+    for r in reqs:
+        assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)

@@ -261,12 +261,11 @@ class Scheduler:
                 n = req.params.top_logprobs
                 # Tuples of numbers only: the collector stops tracking them, so a long stream's
                 # logprobs do not make every full collection slower.
-                top = tuple(zip(top_ids[i], top_lps[i]))[:n] if n else ()
-                entry = [(token, lps[i], top)]
-            reason = take_token(req, token, eos_ids, entry[0] if entry else None)
+                entry = (token, lps[i], tuple(zip(top_ids[i], top_lps[i]))[:n] if n else ())
+            reason = take_token(req, token, eos_ids, entry)
             if reason is not None:
                 self.finish(req, reason)
-            outputs.append(StepOutput(req, [token], reason is not None, entry))
+            outputs.append(StepOutput(req, [token], reason is not None, [entry] if entry else None))
         self._queue_masks(step_id + 1)
         for req in [r for r in self.draining if r.inflight_steps == 0]:
             self.draining.remove(req)

@@ -142,7 +142,11 @@ class Constraint:
         size = 4 * self.words
         if self.matcher.is_stopped() or self.matcher.is_error():
             return b"\xff" * size
-        raw = self.matcher.compute_bitmask()
+        return self.fit(self.matcher.compute_bitmask())
+
+    def fit(self, raw: bytes) -> bytes:
+        """llguidance's bitmask cut or zero-padded to the model's logits width."""
+        size = 4 * self.words
         return raw[:size] if len(raw) >= size else raw + bytes(size - len(raw))
 
     def advance(self, token: int) -> str | None:
@@ -173,7 +177,5 @@ def masks_of(constraints: list[Constraint]) -> list[bytes]:
     fill_next_token_bitmask_par(first.executor, [(constraints[i].matcher, k) for k, i in enumerate(live)], bits)
     out = [b"\xff" * (4 * c.words) for c in constraints]
     for k, i in enumerate(live):
-        raw = bits[k].tobytes()
-        size = 4 * constraints[i].words
-        out[i] = raw[:size] if len(raw) >= size else raw + bytes(size - len(raw))
+        out[i] = constraints[i].fit(bits[k].tobytes())
     return out

@@ -29,7 +29,7 @@ class StepOutput:
     req: Request
     new_ids: list[int]
     finished: bool
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] | None = None
 
 
 def take_token(req: Request, token: int, eos_ids: frozenset[int], logprob: tuple | None) -> str | None:
