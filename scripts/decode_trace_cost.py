@@ -1,7 +1,7 @@
 """What one compiled decode trace costs on this device, split into its parts.
 
 The GPU worker's start-up spends about 1 s per compiled decode variant, and decode batches
-past ``Engine.COMPILED_PAGED_MAX_ROWS`` rows run eagerly because a trace met in the middle of
+past ``HeldShapes.ALWAYS_ROWS`` rows run eagerly until their shape recurs, because a trace met in the middle of
 serving stalls every row. This times, for a few row counts: the trace itself (the compiled
 function's first call, nothing evaluated), its first evaluation (kernel builds), a replay,
 and the same step eager; and profiles one trace to show where its host time goes.

@@ -61,11 +61,6 @@ class Engine:
 
     LENGTH_BUCKET = 128
     COMPILED_LENGTH_BUCKET = 32  # finer: a compiled step's attention costs its whole bucket, and a new trace is cheap
-    # Batches of more rows decode eagerly on the kernel path: their step is device-bound, so
-    # tracing saves little host time, and mixed traffic meets a new (rows, tail, launch) trace
-    # on half its requests (H200, `runtime bench --workloads mixed`: 497 traces per 1,000 requests,
-    # up to 2.7 s per step spent building them).
-    COMPILED_PAGED_MAX_ROWS = 8
 
     def __init__(
         self,
@@ -160,7 +155,7 @@ class Engine:
         batch, in_place = self.paths.decode_batch(decode, plan)
         if plan.pad:
             inputs = mx.concatenate([inputs, mx.zeros((plan.pad,), dtype=inputs.dtype)])
-        if self.compiled_paged is not None and len(plan.rows) <= self.COMPILED_PAGED_MAX_ROWS:
+        if self.compiled_paged is not None and self.compiled_paged.takes(inputs.shape[0], batch):
             logits = self.compiled_paged.forward(inputs, batch)
         else:
             aux = self.aux_pool.caches(aux_slots) if self.aux_pool is not None else None

@@ -119,53 +119,58 @@ class RowSampler:
             draws = StepDraws(mx.argmax(logprobs, axis=-1).astype(mx.int32))
             self._count(decode, draws.tokens)
             return draws
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         params = self._params(decode, logits.shape[-1], logits.shape[0])
         x = logits
-        if params.bias is not None or params.penalties or decode.ban_stop or decode.mask_rows:
-            x = self._processed(x, decode, params)
-            logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
-        greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
-        tokens = greedy
-        if params.any_sampled:
-            positions = mx.array(list(decode.positions) + [0] * (logits.shape[0] - n), dtype=mx.uint32)
-            tokens = mx.where(params.sampled, self._draw(logprobs, positions, params), greedy)
+        if params.bias is not None or decode.ban_stop or decode.mask_rows:
+            x = self._restricted(x, decode, params)
+        positions = mx.array(list(decode.positions) + [0] * (logits.shape[0] - n), dtype=mx.uint32)
+        fn = self._core(params, logits.shape[-1])
+        unused = params.inv_temp  # any array: an input whose feature is off is ignored
+        outputs = fn(logits, x, self.counts if params.penalties else unused, params.rows,
+                     _or(params.repetition, unused), _or(params.presence, unused), _or(params.frequency, unused),
+                     positions, params.inv_temp, params.seeds, _or(params.top_k, unused), _or(params.top_p, unused),
+                     _or(params.log_min_p, unused), params.sampled)
+        tokens = outputs[0]
         draws = StepDraws(tokens[:n] if tokens.shape[0] > n else tokens)
         if params.logprobs:
-            fn = self._draws.get(("logprobs", params.top_n))
-            if fn is None:
-                fn = self._draws[("logprobs", params.top_n)] = _maybe_compile(partial(_logprobs, params.top_n),
-                                                                              self.compiled)
-            chosen, top_ids, top_values = (a[:n] for a in fn(logits, tokens))
-            draws.token_logprobs, draws.top_ids, draws.top_logprobs = chosen, top_ids, top_values
-            if not params.top_n:
-                draws.top_ids = draws.top_logprobs = None
+            chosen, top_ids, top_values = (a[:n] for a in outputs[1:])
+            draws.token_logprobs = chosen
+            if params.top_n:
+                draws.top_ids, draws.top_logprobs = top_ids, top_values
         self._count(decode, draws.tokens)
         return draws
+
+    def _core(self, params: _BatchParams, vocab: int):
+        """The compiled step for this batch's combination of features: penalties, the
+        log-softmax, greedy and drawn tokens, and the logprobs outputs, as one function (the
+        eager version launched some 40 kernels and as many Python calls per step)."""
+        penalties = (params.repetition is not None, params.presence is not None, params.frequency is not None)
+        draw = None
+        if params.any_sampled:
+            mode = ("top" if params.k_max < vocab
+                    else "sorted" if params.top_p is not None or params.top_k is not None else "all")
+            draw = (mode, params.k_max if mode == "top" else 0, params.top_k is not None, params.top_p is not None,
+                    params.log_min_p is not None)
+        top_n = params.top_n if params.logprobs else None
+        key = (penalties, draw, top_n)
+        fn = self._draws.get(key)
+        if fn is None:
+            fn = self._draws[key] = _maybe_compile(partial(_core, penalties, draw, top_n), self.compiled)
+        return fn
 
     def _count(self, decode: DecodeBatch, tokens: mx.array) -> None:
         if self.counts is not None:
             rows = mx.array(decode.rows, dtype=mx.int32)
             self.counts = self.counts.at[rows, tokens].add(1.0)
 
-    def _processed(self, logits: mx.array, decode: DecodeBatch, params: _BatchParams) -> mx.array:
-        """Logit bias, repetition / presence / frequency penalties, and stop tokens masked for min_tokens."""
+    def _restricted(self, logits: mx.array, decode: DecodeBatch, params: _BatchParams) -> mx.array:
+        """Logit bias, stop tokens masked for min_tokens, and structured-output masks (the
+        penalties follow, inside the compiled step; a masked token stays -inf through them)."""
         x = logits
         if params.bias is not None:
             ri, ti, vals = params.bias
             bias = mx.zeros(x.shape, dtype=x.dtype).at[mx.array(ri), mx.array(ti)].add(mx.array(vals, dtype=x.dtype))
             x = x + bias
-        if params.penalties:
-            assert self.counts is not None
-            counts = self.counts[params.rows]
-            seen = counts > 0
-            if params.repetition is not None:
-                rep = params.repetition[:, None].astype(x.dtype)
-                x = mx.where(seen, mx.where(x < 0, x * rep, x / rep), x)
-            if params.presence is not None:
-                x = x - (params.presence[:, None] * seen).astype(x.dtype)
-            if params.frequency is not None:
-                x = x - (params.frequency[:, None] * counts).astype(x.dtype)
         if decode.ban_stop:
             ri, ti = [], []
             for i in decode.ban_stop:
@@ -175,25 +180,12 @@ class RowSampler:
             if ri:
                 x = x.at[mx.array(ri), mx.array(ti)].add(mx.array(-float("inf"), dtype=x.dtype))
         if decode.mask_rows:
+            if x is logits:
+                x = mx.array(x)  # a new array: the assignment below must not change the raw logits
             index = mx.array(decode.mask_rows, dtype=mx.int32)
             allowed = grammar_allowed(decode.masks, x.shape[-1])
             x[index] = mx.where(allowed, x[index], mx.array(-float("inf"), dtype=x.dtype))
         return x
-
-    def _draw(self, logprobs: mx.array, positions: mx.array, params: _BatchParams) -> mx.array:
-        """Sampled tokens of the batch, from one compiled function per filter combination and shape."""
-        vocab = logprobs.shape[-1]
-        mode = "top" if params.k_max < vocab else "sorted" if params.top_p is not None or params.top_k is not None else "all"
-        key = (mode, params.k_max if mode == "top" else 0, params.top_k is not None, params.top_p is not None,
-               params.log_min_p is not None)
-        fn = self._draws.get(key)
-        if fn is None:
-            fn = self._draws[key] = _maybe_compile(partial(_draw, *key), self.compiled)
-        unused = params.inv_temp  # any array: a filter that is off ignores its input
-        return fn(logprobs, positions, params.inv_temp, params.seeds,
-                  params.top_k if params.top_k is not None else unused,
-                  params.top_p if params.top_p is not None else unused,
-                  params.log_min_p if params.log_min_p is not None else unused)
 
     def _params(self, decode: DecodeBatch, vocab: int, padded: int) -> _BatchParams:
         """The batch's parameters as arrays of ``padded`` rows (padding rows plain greedy)."""
@@ -240,6 +232,40 @@ class RowSampler:
         )
         self._cached = (key, params)
         return params
+
+
+def _or(value: mx.array | None, default: mx.array) -> mx.array:
+    return value if value is not None else default
+
+
+def _core(
+    penalties: tuple[bool, bool, bool], draw: tuple | None, top_n: int | None,
+    logits: mx.array, x: mx.array, counts: mx.array, rows: mx.array, repetition: mx.array, presence: mx.array,
+    frequency: mx.array, positions: mx.array, inv_temp: mx.array, seeds: mx.array, top_k: mx.array,
+    top_p: mx.array, log_min_p: mx.array, sampled: mx.array,
+) -> tuple[mx.array, ...]:
+    """One batch's tokens (and, for ``top_n`` not None, the logprobs outputs of ``_logprobs``
+    from the raw ``logits``). ``x``: the logits after bias and masks; the penalties
+    (repetition, presence, frequency as flagged) count each row's generated tokens in
+    ``counts[rows]``; then the log-softmax, greedy, and where ``sampled``, ``_draw``'s token."""
+    if any(penalties):
+        counts = counts[rows]
+        seen = counts > 0
+        if penalties[0]:
+            rep = repetition[:, None].astype(x.dtype)
+            x = mx.where(seen, mx.where(x < 0, x * rep, x / rep), x)
+        if penalties[1]:
+            x = x - (presence[:, None] * seen).astype(x.dtype)
+        if penalties[2]:
+            x = x - (frequency[:, None] * counts).astype(x.dtype)
+    logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    tokens = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    if draw is not None:
+        drawn = _draw(*draw, logprobs, positions, inv_temp, seeds, top_k, top_p, log_min_p)
+        tokens = mx.where(sampled, drawn, tokens)
+    if top_n is None:
+        return (tokens,)
+    return (tokens, *_logprobs(top_n, logits, tokens))
 
 
 def _draw(
