@@ -16,6 +16,9 @@ from collections import defaultdict
 
 import numpy as np
 
+SLOW_S = 0.1  # a submit this long is described in the summary
+SLOW_KEPT = 12
+
 
 class StepTrace:
     """Durations per phase (build, submit, finalize, send, recv, gc) since the worker was ready."""
@@ -26,6 +29,7 @@ class StepTrace:
         self.times: dict[str, list[float]] = defaultdict(list)
         self._gc_since = 0.0
         self._threads = _thread_cpu()
+        self.slow: list[tuple[float, float, str]] = []  # (seconds, at, what) of the slowest submits
         gc.callbacks.append(self._on_gc)
         # A service stopped by a signal to its process group still writes the summary.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -50,8 +54,36 @@ class StepTrace:
         return call
 
     def wrap_engine(self, engine) -> None:
-        for name in ("build", "submit", "finalize"):
+        for name in ("build", "finalize"):
             setattr(engine, name, self.timed(name, getattr(engine, name)))
+        submit, times = engine.submit, self.times["submit"]
+
+        def timed_submit(built) -> None:
+            before = engine.shapes_built
+            t0 = time.perf_counter()
+            try:
+                return submit(built)
+            finally:
+                took = time.perf_counter() - t0
+                times.append(took)
+                if took > SLOW_S:
+                    self._note_slow(took, built, before, engine.shapes_built)
+
+        engine.submit = timed_submit
+
+    def _note_slow(self, took: float, built, before: tuple[int, int], after: tuple[int, int]) -> None:
+        """One slow submit, described: what the step held and what it had to build."""
+        step = built.step
+        prefill_tokens = sum(len(c.token_ids) for c in step.prefills) if step is not None else 0
+        rows = len(step.decode.rows) if step is not None and step.decode is not None else 0
+        sampled = bool(step is not None and step.decode is not None and (step.decode.mask_rows or step.decode.deferred_rows
+                                                                          or max(step.decode.temperatures) > 0))
+        self.slow.append((took, time.perf_counter() - self.started, (
+            f"step {built.step_id}: {len(step.prefills) if step else 0} prefill chunks ({prefill_tokens} tokens), "
+            f"{rows} decode rows{' (sampled or masked)' if sampled else ''}; new prefill shapes "
+            f"{after[0] - before[0]}, new decode traces {after[1] - before[1]}")))
+        self.slow.sort(key=lambda s: -s[0])
+        del self.slow[SLOW_KEPT:]
 
     def summary(self) -> str:
         wall = time.perf_counter() - self.started
@@ -66,6 +98,8 @@ class StepTrace:
             )
         before, now = self._threads, _thread_cpu()
         used = sorted(((now[t] - before.get(t, 0.0), t) for t in now), reverse=True)
+        for took, at, what in self.slow:
+            lines.append(f"slow submit {took * 1e3:8.1f} ms at {at:7.1f} s: {what}")
         lines.append(f"gc: {gc.get_freeze_count()} objects frozen at start-up")
         lines.append(f"threads {len(now)}; busiest (CPU s since ready): "
                      + ", ".join(f"{name} {cpu:.3f}" for cpu, name in used[:6]))

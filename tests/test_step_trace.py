@@ -1,0 +1,39 @@
+"""The worker's diagnosis trace (``RUNTIME_WORKER_TRACE``): per-phase times and the slowest submits described."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from runtime.protocol.worker import DecodeBatch, PrefillChunk, Step
+from runtime.worker import step_trace
+from runtime.worker.step_trace import StepTrace
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.shapes_built = (0, 0)
+
+    def build(self, step):
+        return SimpleNamespace(step_id=step.step_id, step=step)
+
+    def submit(self, built) -> None:
+        self.shapes_built = (self.shapes_built[0] + len(built.step.prefills), self.shapes_built[1] + 1)
+
+    def finalize(self, built):
+        return []
+
+
+def test_slow_submits_are_described(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(step_trace, "SLOW_S", 0.0)
+    trace = StepTrace(str(tmp_path / "trace"))
+    engine = FakeEngine()
+    trace.wrap_engine(engine)
+    decode = DecodeBatch(rows=[0, 1], token_ids=[-1, -1], positions=[5, 7], slot_ids=[9, 10], temperatures=[0.0, 0.7])
+    prefill = PrefillChunk(row=2, start=0, token_ids=[1, 2, 3], slot_ids=[11, 12, 13])
+    engine.submit(engine.build(Step(step_id=4, prefills=[prefill], decode=decode)))
+    engine.finalize(None)
+    trace.write()
+    text = (tmp_path / "trace").read_text()
+    assert "submit" in text and "finalize" in text and "build" in text
+    assert ("step 4: 1 prefill chunks (3 tokens), 2 decode rows (sampled or masked); new prefill shapes 1, "
+            "new decode traces 1") in text
