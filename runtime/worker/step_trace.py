@@ -54,12 +54,21 @@ class StepTrace:
         return call
 
     def wrap_engine(self, engine) -> None:
-        for name in ("build", "finalize"):
-            setattr(engine, name, self.timed(name, getattr(engine, name)))
-        submit, times = engine.submit, self.times["submit"]
+        setattr(engine, "finalize", self.timed("finalize", engine.finalize))
+        build, submit = self.timed("build", engine.build), engine.submit
+        times = self.times["submit"]
+        built_at: dict[int, tuple[str, tuple[int, int]]] = {}  # step id -> (what it holds, shapes before its build)
+
+        def traced_build(step):
+            before = engine.shapes_built
+            built = build(step)
+            if len(built_at) > 64:
+                built_at.clear()  # steps whose submit never came (a failed build)
+            built_at[built.step_id] = (_describe(step), before)
+            return built
 
         def timed_submit(built) -> None:
-            before = engine.shapes_built
+            what, before = built_at.pop(built.step_id, ("?", engine.shapes_built))
             t0 = time.perf_counter()
             try:
                 return submit(built)
@@ -67,23 +76,14 @@ class StepTrace:
                 took = time.perf_counter() - t0
                 times.append(took)
                 if took > SLOW_S:
-                    self._note_slow(took, built, before, engine.shapes_built)
+                    after = engine.shapes_built
+                    self.slow.append((took, time.perf_counter() - self.started,
+                                      f"step {built.step_id}: {what}; new prefill shapes {after[0] - before[0]}, "
+                                      f"new decode traces {after[1] - before[1]}"))
+                    self.slow.sort(key=lambda s: -s[0])
+                    del self.slow[SLOW_KEPT:]
 
-        engine.submit = timed_submit
-
-    def _note_slow(self, took: float, built, before: tuple[int, int], after: tuple[int, int]) -> None:
-        """One slow submit, described: what the step held and what it had to build."""
-        step = built.step
-        prefill_tokens = sum(len(c.token_ids) for c in step.prefills) if step is not None else 0
-        rows = len(step.decode.rows) if step is not None and step.decode is not None else 0
-        sampled = bool(step is not None and step.decode is not None and (step.decode.mask_rows or step.decode.deferred_rows
-                                                                          or max(step.decode.temperatures) > 0))
-        self.slow.append((took, time.perf_counter() - self.started, (
-            f"step {built.step_id}: {len(step.prefills) if step else 0} prefill chunks ({prefill_tokens} tokens), "
-            f"{rows} decode rows{' (sampled or masked)' if sampled else ''}; new prefill shapes "
-            f"{after[0] - before[0]}, new decode traces {after[1] - before[1]}")))
-        self.slow.sort(key=lambda s: -s[0])
-        del self.slow[SLOW_KEPT:]
+        engine.build, engine.submit = traced_build, timed_submit
 
     def summary(self) -> str:
         wall = time.perf_counter() - self.started
@@ -109,6 +109,16 @@ class StepTrace:
         gc.callbacks.remove(self._on_gc)
         with open(self.path, "w") as f:
             f.write(self.summary())
+
+
+def _describe(step) -> str:
+    """What a step holds, in a few words: its prefill chunks and decode rows."""
+    tokens = sum(len(c.token_ids) for c in step.prefills)
+    decode = step.decode
+    rows = len(decode.rows) if decode is not None else 0
+    sampled = decode is not None and bool(decode.mask_rows or decode.deferred_rows or max(decode.temperatures) > 0)
+    return (f"{len(step.prefills)} prefill chunks ({tokens} tokens), {rows} decode rows"
+            + (" (sampled or masked)" if sampled else ""))
 
 
 def _thread_cpu() -> dict[str, float]:

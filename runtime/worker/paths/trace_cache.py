@@ -32,9 +32,6 @@ class TraceCache:
     def __len__(self) -> int:
         return len(self._compiled)
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._compiled
-
     def __call__(self, key: Hashable, *args: Any) -> Any:
         compiled = self._compiled.pop(key, None)
         if compiled is None:

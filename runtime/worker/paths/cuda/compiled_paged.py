@@ -69,35 +69,6 @@ class _TailView(CacheStandIn):
         return None  # the kernel takes each row's length
 
 
-class HeldShapes:
-    """Which decode steps take the compiled trace: every step of few rows (host-bound, and
-    traced at start-up), and a step of more rows once its trace key has come ``after`` times.
-
-    A step of many rows is mostly device time, but its eager graph is still 2-3 ms of host
-    work per step, which shows wherever the host cannot run ahead (a step that waits for
-    structured-output masks, a sampled step's extra work). Mixed traffic meets many keys once
-    (H200: 497 traces per 1,000 requests when every key was traced); a batch that holds its
-    shape meets each of its keys every ``TAIL_STEPS`` steps, so it is traced after a few
-    cycles and then replays.
-    """
-
-    ALWAYS_ROWS = 8
-    AFTER = 4
-    MAX_KEYS = 4096  # counts kept, at most (cleared past it: a bounded dict, not a leak)
-
-    def __init__(self, always_rows: int = ALWAYS_ROWS, after: int = AFTER) -> None:
-        self.always_rows, self.after = always_rows, after
-        self.seen: dict[tuple, int] = {}
-
-    def compiled(self, key: tuple, traced: TraceCache) -> bool:
-        if key[0] <= self.always_rows or key in traced:
-            return True
-        if len(self.seen) >= self.MAX_KEYS:
-            self.seen.clear()
-        n = self.seen[key] = self.seen.get(key, 0) + 1
-        return n >= self.after
-
-
 class CompiledPagedDecode:
     """``forward(tokens, batch)``: logits of a kernel-path decode step whose bookkeeping
     (``AttentionPaths.decode_batch``: table, tail flush, lengths, launch shape) is done; the
@@ -109,7 +80,6 @@ class CompiledPagedDecode:
         self.model, self.kv_index = model, list(layout.kv_index)
         self.pool, self.attention, self.tail = pool, attention, tail
         self.traces = TraceCache(self._forward, MAX_TRACES)
-        self.held = HeldShapes()
 
     def _forward(self, tokens: mx.array, positions: mx.array, lengths: mx.array, table: mx.array,
                  table_rows: mx.array, pool_keys: list[mx.array], pool_values: list[mx.array],
@@ -135,10 +105,6 @@ class CompiledPagedDecode:
                                            self.pool.keys, self.pool.values, tail_keys, tail_values, batch.launch)
         t.keys[:], t.values[:] = keys, values
         return logits
-
-    def takes(self, rows: int, batch: ForwardBatch) -> bool:
-        """Whether a step of ``rows`` padded rows runs compiled (see ``HeldShapes``)."""
-        return self.held.compiled(self.key(rows, batch), self.traces)
 
     def trace(self, rows: int, table: mx.array, launches: list[tuple[int, int]]) -> int:
         """Trace (without running) the step of ``rows`` rows over the device slot ``table`` at
