@@ -177,3 +177,25 @@ def test_padding_rows_change_nothing_for_the_batch_rows():
     exact, padded = run([]), run(padding)
     assert padded == exact
     assert len(padded[0][0][0]) == 3  # padding rows are dropped from every output
+
+
+def test_warm_up_leaves_no_row_behind() -> None:
+    """The start-up warm-up runs every feature on row 0 and then forgets it: a sampler that
+    warmed up draws exactly what a fresh one draws, penalties and logprobs included."""
+    spec = RowSampling(row=0, temperature=0.7, top_k=8, frequency_penalty=0.8, seed=5, logprobs=True, top_logprobs=3)
+    logits = mx.broadcast_to(_logits(3)[None], (2, VOCAB))
+
+    def run(sampler: RowSampler) -> list:
+        sampler.configure([spec])
+        out = []
+        for step in range(4):
+            batch = DecodeBatch(rows=[0, 1], token_ids=[-1, -1], positions=[step, step], slot_ids=[0, 0],
+                                temperatures=[0.0, 0.0])
+            draws = sampler.sample(logits, batch)
+            out.append((draws.tokens.tolist(), draws.top_ids.tolist(), draws.token_logprobs.tolist()))
+        return out
+
+    warmed = RowSampler(max_rows=2)
+    warmed.warm_up(VOCAB, mx.float32)
+    assert not warmed.specs and warmed.counts is None and warmed._draws  # compiled functions kept
+    assert run(warmed) == run(RowSampler(max_rows=2))

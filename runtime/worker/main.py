@@ -88,10 +88,15 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         started = time.perf_counter()
         variants = engine.warm_up()
         decode_s = time.perf_counter() - started
+        sampler_started = time.perf_counter()
+        if loaded.vocab_size > 0:
+            engine.sampler.warm_up(loaded.vocab_size, layout.kv_dtype)
+        sampler_s = time.perf_counter() - sampler_started
         shapes = warm_prefill(engine, loaded.limits.max_step_tokens, loaded.limits.prefill_chunk,
                               lambda line: print(line, flush=True))
         print(f"runtime worker: warmed up in {time.perf_counter() - started:.1f} s"
               + (f" ({variants} decode variants prepared in {decode_s:.1f} s)" if variants else "")
+              + f" (sampler {sampler_s:.1f} s)"
               + (f" ({shapes} prefill shapes)" if shapes else "")
               + f"; {time.perf_counter() - begun:.1f} s since the worker started", flush=True)
         ready = Ready(

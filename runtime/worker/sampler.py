@@ -93,6 +93,27 @@ class RowSampler:
             self._reset_rows.add(spec.row)
         self._cached = None
 
+    def warm_up(self, vocab: int, dtype: mx.Dtype) -> None:
+        """Run every sampling feature once on a row of zero logits, then forget that row.
+
+        MLX's CUDA gather and scatter kernels are compiled per dtype at their first use: the
+        first sampled step of a fresh H200 service took 94 s (worker trace, session 12), so
+        they are compiled here, before the service takes requests."""
+        full = RowSampling(row=0, temperature=0.8, top_k=50, top_p=0.95, min_p=0.05, repetition_penalty=1.1,
+                           presence_penalty=0.1, frequency_penalty=0.5, logit_bias=[(0, 0.5)], seed=1,
+                           stop_ids=[0], logprobs=True, top_logprobs=5)
+        nucleus = RowSampling(row=0, temperature=0.8, top_p=0.9, seed=1)  # top-p over the sorted vocabulary
+        logits = mx.zeros((1, vocab), dtype=dtype)
+        for spec in (full, nucleus):
+            self.configure([spec])
+            decode = DecodeBatch(rows=[0], token_ids=[0], positions=[1], slot_ids=[0], temperatures=[0.8],
+                                 ban_stop=[0] if spec.stop_ids else [], mask_rows=[0],
+                                 masks=[b"\xff" * (4 * -(-vocab // 32))])
+            mx.eval(self.sample(logits, decode).arrays(), *([self.counts] if self.counts is not None else []))
+        self.specs.clear()
+        self.counts, self._want_counts, self._cached = None, False, None
+        self._reset_rows.clear()
+
     def _prepare_counts(self, vocab: int) -> None:
         if self._want_counts and self.counts is None:
             self.counts = mx.zeros((self.max_rows, vocab), dtype=mx.float32)
@@ -283,10 +304,10 @@ def _draw(
     """
     vocab = logprobs.shape[-1]
     if mode == "top":
-        cand, values = top_candidates(logprobs, k_max)
+        cand, values = top_candidates(logprobs.astype(mx.float32), k_max)
     elif mode == "sorted":
-        cand = mx.argsort(-logprobs, axis=-1)
-        values = mx.take_along_axis(logprobs, cand, axis=-1)
+        cand = mx.argsort(-logprobs, axis=-1).astype(mx.int32)
+        values = mx.take_along_axis(logprobs.astype(mx.float32), cand, axis=-1)
     else:
         cand, values = None, logprobs
     ranked = cand is not None
@@ -299,24 +320,25 @@ def _draw(
         nucleus = above < top_p[:, None]
         keep = nucleus if keep is None else keep & nucleus
     if has_min_p:
-        best = values[:, :1] if ranked else mx.max(values, axis=-1, keepdims=True)
-        high = values >= best + log_min_p[:, None].astype(values.dtype)
+        own = values.astype(logprobs.dtype)  # compared in the logprobs' own dtype, as mlx-lm does
+        best = own[:, :1] if ranked else mx.max(own, axis=-1, keepdims=True)
+        high = own >= best + log_min_p[:, None].astype(own.dtype)
         keep = high if keep is None else keep & high
-    ids = cand if cand is not None else mx.broadcast_to(mx.arange(vocab, dtype=mx.uint32)[None, :], values.shape)
+    ids = cand if cand is not None else mx.broadcast_to(mx.arange(vocab, dtype=mx.int32)[None, :], values.shape)
     scores = values.astype(mx.float32) * inv_temp[:, None] + _gumbel(seeds, positions, ids)
     if keep is not None:
         scores = mx.where(keep, scores, mx.array(-float("inf"), dtype=mx.float32))
-    choice = mx.argmax(scores, axis=-1)
+    choice = mx.argmax(scores, axis=-1).astype(mx.int32)
     if cand is None:
-        return choice.astype(mx.int32)
-    return mx.take_along_axis(cand, choice[:, None], axis=-1)[:, 0].astype(mx.int32)
+        return choice
+    return mx.take_along_axis(cand, choice[:, None], axis=-1)[:, 0]
 
 
 CHUNK = 128
 
 
 def top_candidates(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """The ``k`` largest entries of each row of ``x`` [rows, n] as (ids, values), best first.
+    """The ``k`` largest entries of each row of ``x`` [rows, n] as (int32 ids, values), best first.
 
     Exact, without partitioning the whole row: every one of the k largest lies in one of the
     k chunks (of CHUNK entries) with the largest maxima, since fewer than k entries rank
@@ -326,17 +348,17 @@ def top_candidates(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
     rows, n = x.shape
     chunks = -(-n // CHUNK)
     if chunks <= k or n <= 4 * CHUNK:
-        ids = mx.argpartition(-x, kth=k - 1, axis=-1)[:, :k]
+        ids = mx.argpartition(-x, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
     else:
         padded = x if chunks * CHUNK == n else mx.pad(x, [(0, 0), (0, chunks * CHUNK - n)], constant_values=-float("inf"))
         blocks = padded.reshape(rows, chunks, CHUNK)
-        best_blocks = mx.argpartition(-blocks.max(axis=-1), kth=k - 1, axis=-1)[:, :k]
+        best_blocks = mx.argpartition(-blocks.max(axis=-1), kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
         inside = mx.take_along_axis(blocks, best_blocks[:, :, None], axis=1).reshape(rows, k * CHUNK)
-        block_ids = (best_blocks[:, :, None] * CHUNK + mx.arange(CHUNK, dtype=best_blocks.dtype)).reshape(rows, k * CHUNK)
-        pick = mx.argpartition(-inside, kth=k - 1, axis=-1)[:, :k]
+        block_ids = (best_blocks[:, :, None] * CHUNK + mx.arange(CHUNK, dtype=mx.int32)).reshape(rows, k * CHUNK)
+        pick = mx.argpartition(-inside, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
         ids = mx.take_along_axis(block_ids, pick, axis=-1)
     values = mx.take_along_axis(x, ids, axis=-1)
-    order = mx.argsort(-values, axis=-1)
+    order = mx.argsort(-values, axis=-1).astype(mx.int32)
     return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
 
 
@@ -364,7 +386,7 @@ def _logprobs(top_n: int, logits: mx.array, tokens: mx.array) -> tuple[mx.array,
     if not top_n:
         return chosen, chosen, chosen
     best, values = top_candidates(raw, top_n)
-    return chosen, best.astype(mx.int32), values
+    return chosen, best, values
 
 
 def _mix(x: mx.array) -> mx.array:
