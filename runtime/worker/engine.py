@@ -266,7 +266,9 @@ class Engine:
         """One element of every pool array: evaluating it runs every pending pool write,
         and only this small graph (not the pools themselves) holds the pools meanwhile."""
         arrays = self._state_arrays() if arrays is None else arrays
-        return mx.stack([a[0].reshape(-1)[0].astype(mx.float32) for a in arrays]).sum()
+        # One element by index on every axis: a view. (``a[0].reshape(-1)`` copied the whole
+        # first row of each array: 38 ms per prefill for a CPU row cache of 8192 positions.)
+        return mx.stack([a[(0,) * a.ndim].astype(mx.float32) for a in arrays]).sum()
 
     def submit(self, built: LaunchedStep) -> None:
         """Queue a built step on the device without waiting for it."""
