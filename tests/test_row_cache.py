@@ -83,3 +83,28 @@ def test_start_up_warm_up_leaves_later_requests_exact(model_dir):
     svc.run({0: reqs})
     for r in reqs:
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+def test_scattered_rows_run_as_padded_compact_batches_exactly(model_dir, monkeypatch):
+    """A scattered batch filling at least half of rows 0..R-1 runs compact with padding rows
+    (``CompiledDecode.forward_padded``); its tokens stay mlx-lm's, and the padding rows'
+    writes (the scratch position) never reach a row that is still in use."""
+    folder = model_dir("llama")
+    svc = InProcessService(folder, max_running=8)
+    padded_calls = []
+    forward_padded = cd.CompiledDecode.forward_padded
+
+    def spy(self, tokens, rows, positions, length, padded):
+        padded_calls.append((tuple(rows), padded))
+        return forward_padded(self, tokens, rows, positions, length, padded)
+
+    monkeypatch.setattr(cd.CompiledDecode, "forward_padded", spy)
+    rng = random.Random(3)
+    # Short and long replies: the short ones leave holes among rows 0..7 while the long ones decode.
+    reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(6 + 3 * i)], 3 if i % 3 == 0 else 14)
+            for i in range(8)]
+    late = [svc.request(f"late{i}", [rng.randrange(3, 250) for _ in range(9)], 8) for i in range(2)]
+    svc.run({0: reqs, 6: late})
+    assert any(len(rows) < padded for rows, padded in padded_calls), padded_calls
+    for r in reqs + late:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid

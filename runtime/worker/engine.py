@@ -148,6 +148,10 @@ class Engine:
         aux_slots = mx.array(plan.aux_slots, dtype=mx.int32) if self.aux_pool is not None else None
         if self.compiled is not None:
             self.paths.defer_dense(decode, plan)
+            padded = 0 if plan.compact else self.compiled.padded_rows(list(decode.rows))
+            if padded:
+                return self.compiled.forward_padded(inputs, list(decode.rows), list(decode.positions), plan.length,
+                                                    padded), True
             logits = self.compiled.forward(inputs, mx.array(plan.rows.astype(np.int32)),
                                            mx.array(plan.positions.astype(np.int32)), plan.compact, plan.length,
                                            aux_slots)

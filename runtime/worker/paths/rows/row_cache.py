@@ -27,8 +27,11 @@ class RowCache:
     A row's positions past its current length hold stale data; decode masks them out.
     """
 
+    SCRATCH = 1  # positions past max_context: where a decode step's padding rows write (never attended)
+
     def __init__(self, num_layers: int, rows: int, max_context: int, shape: AttentionShape, dtype: mx.Dtype) -> None:
-        dims = (rows, shape.n_kv_heads, max_context)
+        self.rows, self.max_context = rows, max_context
+        dims = (rows, shape.n_kv_heads, max_context + self.SCRATCH)
         self.keys = [mx.zeros(dims + (shape.head_dim,), dtype=dtype) for _ in range(num_layers)]
         self.values = [mx.zeros(dims + (shape.value_width,), dtype=dtype) for _ in range(num_layers)]
         self.heads = mx.arange(shape.n_kv_heads)[None, :]
@@ -36,7 +39,8 @@ class RowCache:
 
     @staticmethod
     def nbytes_for(num_layers: int, rows: int, max_context: int, shape: AttentionShape, dtype: mx.Dtype) -> int:
-        return num_layers * rows * max_context * shape.n_kv_heads * (shape.head_dim + shape.value_width) * dtype.size
+        positions = max_context + RowCache.SCRATCH
+        return num_layers * rows * positions * shape.n_kv_heads * (shape.head_dim + shape.value_width) * dtype.size
 
     def arrays(self) -> list[mx.array]:
         return self.keys + self.values
