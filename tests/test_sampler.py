@@ -144,7 +144,7 @@ def test_top_k_holds_beside_a_sampled_row_without_one():
 
 @pytest.mark.parametrize("n, k", [(1000, 5), (128256, 50), (5000, 20), (300, 7), (1030, 64)])
 def test_top_candidates_equal_a_full_sort(n, k):
-    from runtime.worker.sampler import top_candidates
+    from runtime.worker.sampling_ops import top_candidates
 
     rng = np.random.default_rng(n + k)
     x = mx.array(rng.normal(0, 3, (3, n)).astype(np.float32))
