@@ -18,8 +18,7 @@ from typing import Any
 
 from runtime.bench import runtime_side
 from runtime.bench.mlx_side import MlxLm
-from runtime.bench.paired import pair_rows
-from runtime.bench.report import table
+from runtime.bench.paired import pair_outcome, pair_rows
 from runtime.bench.workloads import Bench, Outcome, single_view
 
 
@@ -66,13 +65,5 @@ class FirstRequest:
                                             ("ITL p50 ms", "itl_p50_ms")), data)
         rows.append(["service start-up s (to its serving line)", round(statistics.median(self.startup_s), 1), "-",
                      "-", f"{min(self.startup_s):.1f}-{max(self.startup_s):.1f}"])
-        same = sum(self.same)
-        title = (f"first request of a fresh service, {len(self.rt)} alternating pairs: prompt {self.prompt_len}, "
-                 f"{self.gen_len} new tokens (tokens match mlx-lm in {same} of {len(self.same)} pairs)")
-        tab = table(title, ["metric", "runtime (median)", "mlx-lm (median)", "median of pair ratios",
-                            "pair ratios, range"], rows)
-        warnings = []
-        if same < len(self.same):
-            warnings.append(f"WARNING: first: runtime tokens differ from mlx-lm greedy tokens in "
-                            f"{len(self.same) - same} of {len(self.same)} pairs")
-        return Outcome(data, [tab], warnings)
+        return pair_outcome("first", f"first request of a fresh service, {len(self.rt)} alternating pairs: prompt "
+                            f"{self.prompt_len}, {self.gen_len} new tokens", rows, data, self.same)

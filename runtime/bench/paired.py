@@ -57,16 +57,8 @@ class PairedSingle:
                                 "runtime": self.rt, "mlx_lm": self.ml, "tokens_match": self.same}
         rows = pair_rows(self.rt, self.ml, (("decode tok/s", "decode_tok_s"), ("end-to-end tok/s", "e2e_tok_s"),
                                             ("TTFT ms", "ttft_ms"), ("ITL p50 ms", "itl_p50_ms")), data)
-        same = sum(self.same)
-        title = (f"single stream in {len(self.rt)} alternating pairs: prompt {self.prompt_len}, {self.gen_len} new "
-                 f"tokens (tokens match mlx-lm in {same} of {len(self.same)} pairs)")
-        tab = table(title, ["metric", "runtime (median)", "mlx-lm (median)", "median of pair ratios",
-                            "pair ratios, range"], rows)
-        warnings = []
-        if same < len(self.same):
-            warnings.append(f"WARNING: paired: runtime tokens differ from mlx-lm greedy tokens in "
-                            f"{len(self.same) - same} of {len(self.same)} pairs")
-        return Outcome(data, [tab], warnings)
+        return pair_outcome("paired", f"single stream in {len(self.rt)} alternating pairs: prompt {self.prompt_len}, "
+                            f"{self.gen_len} new tokens", rows, data, self.same)
 
 
 def paired_ratios(runtime: list[float], mlx: list[float]) -> list[float]:
@@ -86,3 +78,16 @@ def pair_rows(rt: list[dict[str, float]], ml: list[dict[str, float]], metrics, d
                      median_ratio, spread])
         data[f"{key}_pair_ratios"] = ratios
     return rows
+
+
+def pair_outcome(name: str, title: str, rows: list[list], data: dict[str, Any], same: list[bool]) -> Outcome:
+    """A paired workload's table (``rows`` from ``pair_rows``) and a warning for any pair whose
+    greedy tokens differ; ``title`` gets the count of matching pairs."""
+    matching = sum(same)
+    tab = table(f"{title} (tokens match mlx-lm in {matching} of {len(same)} pairs)",
+                ["metric", "runtime (median)", "mlx-lm (median)", "median of pair ratios", "pair ratios, range"], rows)
+    warnings = []
+    if matching < len(same):
+        warnings.append(f"WARNING: {name}: runtime tokens differ from mlx-lm greedy tokens in "
+                        f"{len(same) - matching} of {len(same)} pairs")
+    return Outcome(data, [tab], warnings)

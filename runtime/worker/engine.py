@@ -159,12 +159,8 @@ class Engine:
         batch, in_place = self.paths.decode_batch(decode, plan)
         if plan.pad:
             inputs = mx.concatenate([inputs, mx.zeros((plan.pad,), dtype=inputs.dtype)])
-        # Every row count decodes compiled on the kernel path. Session 11 ran batches of more
-        # than 8 rows eagerly; on the H200 that cost uniform batches a quarter of their speed
-        # (64 / 256 streams: 11.8k / 22.9k tok/s, against 15.5k / 28.8k compiled) and, on a
-        # fresh machine, 50-70 s of kernel builds inside the first large batch; a new trace
-        # costs about 5 ms plus 30 ms of first evaluation once its kernels exist
-        # (scripts/decode_trace_cost.py).
+        # Every row count decodes compiled: a new trace costs about 35 ms once its kernels exist
+        # (scripts/decode_trace_cost.py), while eager batches of many rows ran a quarter slower.
         if self.compiled_paged is not None:
             logits = self.compiled_paged.forward(inputs, batch)
         else:

@@ -145,9 +145,10 @@ class RowSampler:
         x = logits
         if params.bias is not None or decode.ban_stop or decode.mask_rows:
             x = self._restricted(x, decode, params)
-        positions = mx.array(list(decode.positions) + [0] * (logits.shape[0] - n), dtype=mx.uint32)
         fn = self._step_function(params, logits.shape[-1])
         unused = params.inv_temp  # any array: an input whose feature is off is ignored
+        positions = (mx.array(list(decode.positions) + [0] * (logits.shape[0] - n), dtype=mx.uint32)
+                     if params.any_sampled else unused)  # the draws' noise is keyed by position
         outputs = fn(logits, x, self.counts if params.penalties else unused, params.rows,
                      or_default(params.repetition, unused), or_default(params.presence, unused), or_default(params.frequency, unused),
                      positions, params.inv_temp, params.seeds, or_default(params.top_k, unused), or_default(params.top_p, unused),

@@ -116,7 +116,7 @@ def _describe(step) -> str:
     tokens = sum(len(c.token_ids) for c in step.prefills)
     decode = step.decode
     rows = len(decode.rows) if decode is not None else 0
-    sampled = decode is not None and bool(decode.mask_rows or decode.deferred_rows or max(decode.temperatures) > 0)
+    sampled = decode is not None and bool(decode.mask_rows or decode.deferred_rows or max(decode.temperatures, default=0.0) > 0)
     return (f"{len(step.prefills)} prefill chunks ({tokens} tokens), {rows} decode rows"
             + (" (sampled or masked)" if sampled else ""))
 

@@ -90,17 +90,13 @@ class CompiledPagedDecode:
         logits = self.model(tokens[:, None], cache=[views[i] for i in self.kv_index])[:, -1, :]
         return logits, step.new_keys, step.new_values
 
-    def key(self, rows: int, batch: ForwardBatch) -> tuple:
-        """The trace key of a step of ``rows`` (padded) rows: rows, tail length, launch shape."""
-        return (rows, len(self.tail.steps), batch.launch)
-
     def forward(self, tokens: mx.array, batch: ForwardBatch) -> mx.array:
         assert batch.tail is self.tail and batch.table is not None and batch.table_rows is not None
         assert batch.lengths is not None and batch.launch is not None and isinstance(batch.offset, mx.array)
         t = self.tail
         tail_keys = t.keys if t.keys[0] is not None else []
         tail_values = t.values if t.values[0] is not None else []
-        key = self.key(tokens.shape[0], batch)
+        key = (tokens.shape[0], len(self.tail.steps), batch.launch)
         logits, keys, values = self.traces(key, tokens, batch.offset, batch.lengths, batch.table, batch.table_rows,
                                            self.pool.keys, self.pool.values, tail_keys, tail_values, batch.launch)
         t.keys[:], t.values[:] = keys, values
