@@ -139,10 +139,17 @@ class Constraint:
         """Allowed next tokens: bit i of little-endian uint32 word i // 32 for token i. A finished
         grammar allows every token: a step already in flight still draws one for its row, which
         the scheduler drops (the request has ended)."""
-        size = 4 * self.words
-        if self.matcher.is_stopped() or self.matcher.is_error():
-            return b"\xff" * size
+        if self.ended:
+            return self.allow_all()
         return self.fit(self.matcher.compute_bitmask())
+
+    @property
+    def ended(self) -> bool:
+        """The grammar is finished or failed: its mask allows every token (see ``mask``)."""
+        return bool(self.matcher.is_stopped() or self.matcher.is_error())
+
+    def allow_all(self) -> bytes:
+        return b"\xff" * (4 * self.words)
 
     def fit(self, raw: bytes) -> bytes:
         """llguidance's bitmask cut or zero-padded to the model's logits width."""
@@ -167,7 +174,7 @@ def masks_of(constraints: list[Constraint]) -> list[bytes]:
     one mask of a 128k vocabulary takes about 60 us."""
     if not all(isinstance(c, Constraint) and c.executor is not None for c in constraints):
         return [c.mask() for c in constraints]
-    live = [i for i, c in enumerate(constraints) if not (c.matcher.is_stopped() or c.matcher.is_error())]
+    live = [i for i, c in enumerate(constraints) if not c.ended]
     if len(live) < 2:
         return [c.mask() for c in constraints]
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
@@ -175,7 +182,7 @@ def masks_of(constraints: list[Constraint]) -> list[bytes]:
     first = constraints[live[0]]
     bits = allocate_token_bitmask(len(live), first.vocab_size)
     fill_next_token_bitmask_par(first.executor, [(constraints[i].matcher, k) for k, i in enumerate(live)], bits)
-    out = [b"\xff" * (4 * c.words) for c in constraints]
+    out = [c.allow_all() for c in constraints]
     for k, i in enumerate(live):
         out[i] = constraints[i].fit(bits[k].tobytes())
     return out
