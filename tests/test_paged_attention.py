@@ -141,8 +141,15 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
     first = (one_row, warps_for(n_rep, shape.head_dim, -(-128 // one_row)))
     # With compile, warm-up also traces the one-row step at every tail length and launch shape.
     one_row_launches = {svc.engine.paths.launch(1, min(n, svc.engine.max_context)) for n in range(128, 640, 128)}
-    traces = tail_steps * len(one_row_launches) if compiled else 0
+    # ... and runs the first step of a new batch of every larger row class once.
+    lengths = range(128, svc.engine.max_context + 128, 128)
+    row_classes = {rows: {svc.engine.paths.launch(rows, min(n, svc.engine.max_context)) for n in lengths}
+                   for rows in (2, 4, 8)}
+    traces = tail_steps * len(one_row_launches) + sum(map(len, row_classes.values())) if compiled else 0
     assert svc.engine.warm_up() == len(warmed[0]) + traces and len(warmed[0]) > 0 and first in warmed[0]
+    if compiled:
+        kept = set(svc.engine.compiled_paged.traces._compiled)
+        assert all((rows, 1, launch) in kept for rows, launches in row_classes.items() for launch in launches)
     assert len(svc.engine.paths.tail.steps) == 0 and max(flushed) == tail_steps and sum(flushed) == tail_steps + 2
     flushed.clear()
     rng = random.Random(6)

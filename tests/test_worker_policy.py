@@ -25,7 +25,9 @@ def test_buffer_cache_limit_is_raised_but_never_lowered():
 def test_row_buckets():
     from runtime.worker.paths.decode_plan import row_bucket
 
-    assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 64)] == [1, 2, 4, 8, 8, 16, 16, 24, 64]
+    sizes = (1, 2, 3, 5, 8, 9, 16, 17, 64, 65, 100, 256, 257, 300)
+    assert [row_bucket(n) for n in sizes] == [1, 2, 4, 8, 8, 16, 16, 32, 64, 96, 128, 256, 320, 320]
+    assert len({row_bucket(n) for n in range(1, 257)}) == 14  # classes a 256-row service traces
 
 
 def test_decode_plan_paths():

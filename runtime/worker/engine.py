@@ -19,7 +19,7 @@ from runtime.protocol.worker import (
 from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.paths.attention_paths import AttentionPaths
 from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
-from runtime.worker.paths.decode_plan import bucket_lengths, plan_decode
+from runtime.worker.paths.decode_plan import bucket_lengths, plan_decode, row_bucket
 from runtime.worker.paths.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.paths.prefill_groups import prefill_groups
 from runtime.worker.paths.prefill_shapes import (
@@ -60,6 +60,7 @@ class Engine:
     """
 
     LENGTH_BUCKET = 128
+    ROW_WARM_S = 20.0  # start-up time for the first decode step of each row class (GPU kernel path)
     COMPILED_LENGTH_BUCKET = 32  # finer: a compiled step's attention costs its whole bucket, and a new trace is cheap
 
     def __init__(
@@ -335,8 +336,14 @@ class Engine:
             variants += self.compiled.trace(1)
         if self.compiled_paged is not None:
             assert self.paths.device_table is not None
-            launches = sorted({self.paths.launch(1, n) for n in bucket_lengths(self.LENGTH_BUCKET, self.max_context)})
-            variants += self.compiled_paged.trace(1, self.paths.device_table, launches)
+            lengths = bucket_lengths(self.LENGTH_BUCKET, self.max_context)
+
+            def launches(rows: int) -> list[tuple[int, int]]:
+                return sorted({self.paths.launch(rows, n) for n in lengths})
+
+            variants += self.compiled_paged.trace(1, self.paths.device_table, launches(1))
+            classes = sorted({row_bucket(n) for n in range(2, self.paths.max_rows + 1)})
+            variants += self.compiled_paged.warm_rows(classes, self.paths.device_table, launches, self.ROW_WARM_S)
         steps = (self.paths.tail.steps.max_steps if self.paths.tail is not None else 0) + 2
         n = min(64, self.max_context - steps, self.pool.num_slots - 1 - steps)
         if self.aux_pool is not None or n < 1:

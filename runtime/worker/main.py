@@ -58,12 +58,17 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         from runtime.worker.engine import Engine
         from runtime.worker.loader import buffer_cache_bytes, load
         from runtime.worker.paths.cuda.cuda_graphs import lift_graph_size_limit
+        from runtime.worker.paths.cuda.kernel_cache import keep_kernel_cache
         from runtime.worker.paths.prefill_shapes import keep_attention_graphs
         from runtime.worker.paths.prefill_warmup import warm_prefill
         from runtime.worker.paths.rows.parallel_attention import default_streams
 
         lift_graph_size_limit(os.environ, mx.cuda.is_available())  # before the first device operation
         keep_attention_graphs(os.environ, mx.cuda.is_available())
+        if mx.cuda.is_available():
+            kernels = keep_kernel_cache(os.environ, True, mx.__version__, str(mx.device_info().get("device_name", "")))
+            if kernels:
+                print(f"runtime worker: CUDA kernel cache {kernels}", flush=True)
         mx.random.seed(config.model.seed)
         group = None
         if role is not None:

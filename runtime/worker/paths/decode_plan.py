@@ -10,10 +10,14 @@ from runtime.protocol.worker import DecodeBatch
 
 
 def row_bucket(rows: int) -> int:
-    """Batch rows rounded up to a few size classes: powers of two to 8, then multiples of 8."""
+    """Batch rows rounded up to a few size classes: powers of two to 8, then multiples of 16 to
+    64, of 32 to 256, of 64 beyond. Each class is a compiled decode trace per tail length and
+    launch shape (on a GPU, kernel builds the first time): under mixed traffic the row count
+    changes every few steps, and a padding row costs a GPU decode step next to nothing."""
     if rows <= 8:
         return 1 << (rows - 1).bit_length()
-    return -(-rows // 8) * 8
+    step = 16 if rows <= 64 else 32 if rows <= 256 else 64
+    return -(-rows // step) * step
 
 
 def round_length(length: int, bucket: int, max_context: int) -> int:

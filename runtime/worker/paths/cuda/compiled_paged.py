@@ -13,6 +13,9 @@ one is read back.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -118,3 +121,24 @@ class CompiledPagedDecode:
                             self.pool.values, tail, tail, launch)  # outputs dropped
                 count += 1
         return count
+
+    def warm_rows(self, row_sizes: list[int], table: mx.array, launches: Callable[[int], list[tuple[int, int]]],
+                  budget_s: float) -> int:
+        """Trace and run once the first step of a new batch (tail length 1) of every row class
+        in ``row_sizes``, at each of its launch shapes, until ``budget_s`` is spent: mixed
+        traffic meets a new row class every few steps, and a step's first run costs tens of ms
+        (seconds where its kernels are not built yet) inside someone's request otherwise.
+        Writes nothing (the outputs are the tail's new arrays, dropped); how many traces."""
+        deadline = time.perf_counter() + budget_s
+        count = 0
+        for rows in row_sizes:
+            zeros = mx.zeros((rows,), dtype=mx.int32)
+            for launch in launches(rows):
+                if time.perf_counter() > deadline or len(self.traces) >= MAX_TRACES * 3 // 4:
+                    return count
+                logits, keys, values = self.traces((rows, 1, launch), zeros, zeros, zeros + 1, table, zeros,
+                                                   self.pool.keys, self.pool.values, [], [], launch)
+                mx.eval(logits, keys, values)
+                count += 1
+        return count
+
