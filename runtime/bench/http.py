@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from runtime.bench import runtime_side
 from runtime.bench.measure import StreamTiming, percentile, summarize
@@ -56,8 +57,10 @@ def http_together(url: str, prompts: Sequence[list[int]], gen_lens: Sequence[int
     return asyncio.run(_http_together(url, prompts, gen_lens))
 
 
-def wait_http(url: str, timeout_s: float = 120.0) -> None:
-    """Until the gateway's /health says 200."""
+def wait_http(url: str, service: Any = None, timeout_s: float = 900.0) -> None:
+    """Until the gateway's /health says 200 (503 while the worker warms up: minutes on a GPU
+    whose kernel cache is cold). With ``service`` (a started ``Service``), its exit ends the
+    wait at once, with its output in the error."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -67,8 +70,11 @@ def wait_http(url: str, timeout_s: float = 120.0) -> None:
                 return
         except httpx.HTTPError:
             pass
+        if service is not None and service.proc is not None and service.proc.poll() is not None:
+            raise RuntimeError(f"the service exited before its gateway at {url} answered:\n{service.log()}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the gateway at {url} did not answer /health within {timeout_s} s")
+            tail = f":\n{service.log()}" if service is not None else ""
+            raise RuntimeError(f"the gateway at {url} did not answer /health within {timeout_s} s{tail}")
         time.sleep(0.2)
 
 

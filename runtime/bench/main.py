@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         with Service(spec, work / "configs" / "http.toml") as svc:
             services["http"] = vars(spec) | {"model": str(model)}
             url = f"http://127.0.0.1:{args.http_port}"
-            wait_http(url)
+            wait_http(url, svc)
             log(svc.banner)
             report("http", Http(bench, n, args.prompt_len, args.gen_len).run(svc.address, url))
     if "mixed" in chosen:

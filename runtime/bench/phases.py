@@ -145,7 +145,7 @@ def mixed_phase(args: argparse.Namespace, model: Path, bench: Any, services: dic
     with Service(spec, args.work_dir / "configs" / "mixed.toml") as svc:
         services["mixed"] = vars(spec) | {"model": str(model)}
         url = f"http://127.0.0.1:{args.http_port}"
-        wait_http(url)
+        wait_http(url, svc)
         log(svc.banner)
 
         def shapes() -> tuple[int, int]:

@@ -132,7 +132,8 @@ class Service(Managed):
             start_new_session=True,
         )
         threading.Thread(target=self._drain, daemon=True).start()
-        deadline = time.monotonic() + self.startup_timeout_s
+        started = time.monotonic()
+        deadline = started + self.startup_timeout_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -143,6 +144,8 @@ class Service(Managed):
                 continue
             if line is None:
                 raise ServiceError(f"service exited during start-up:\n{self.log()}")
+            if line.startswith("runtime worker:"):  # progress: where a long start-up spends its time
+                print(f"[service {time.monotonic() - started:6.1f}s] {line.rstrip()}", file=sys.stderr, flush=True)
             match = _SERVING.search(line)
             if match:
                 self.address = match.group(1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -325,15 +327,24 @@ class Engine:
         """Bytes of every array a step updates in place (KV pool, aux pool, table, row cache)."""
         return sum(a.nbytes for a in self._state_arrays())
 
-    def warm_up(self) -> int:
+    def warm_up(self, progress: Callable[[str], None] | None = None) -> int:
         """Run one short request (prefill, chained decode, a decode-tail flush) and prepare the
         decode variants: compile the GPU kernel's, or trace the compiled one-row decode step at
         every length, so what compiles on first use compiles before the service takes
         requests, not inside one. Uses row 0 and low pool slots, which no request holds yet;
-        returns how many variants were prepared."""
-        variants = self.paths.warm_up(self.LENGTH_BUCKET)
+        returns how many variants were prepared. ``progress`` gets one line per stage."""
+        clock = time.perf_counter()
+
+        def stage(what: str, count: int) -> int:
+            nonlocal clock
+            if progress is not None and count:
+                progress(f"{what}: {count} in {time.perf_counter() - clock:.1f} s")
+            clock = time.perf_counter()
+            return count
+
+        variants = stage("decode kernel variants", self.paths.warm_up(self.LENGTH_BUCKET))
         if self.compiled is not None:
-            variants += self.compiled.trace(1)
+            variants += stage("one-row decode traces", self.compiled.trace(1))
         if self.compiled_paged is not None:
             assert self.paths.device_table is not None
             lengths = bucket_lengths(self.LENGTH_BUCKET, self.max_context)
@@ -341,9 +352,12 @@ class Engine:
             def launches(rows: int) -> list[tuple[int, int]]:
                 return sorted({self.paths.launch(rows, n) for n in lengths})
 
-            variants += self.compiled_paged.trace(1, self.paths.device_table, launches(1))
+            variants += stage("one-row decode traces", self.compiled_paged.trace(1, self.paths.device_table,
+                                                                                  launches(1)))
             classes = sorted({row_bucket(n) for n in range(2, self.paths.max_rows + 1)})
-            variants += self.compiled_paged.warm_rows(classes, self.paths.device_table, launches, self.ROW_WARM_S)
+            variants += stage(f"first decode steps of {len(classes)} row classes",
+                              self.compiled_paged.warm_rows(classes, self.paths.device_table, launches,
+                                                            self.ROW_WARM_S))
         steps = (self.paths.tail.steps.max_steps if self.paths.tail is not None else 0) + 2
         n = min(64, self.max_context - steps, self.pool.num_slots - 1 - steps)
         if self.aux_pool is not None or n < 1:

@@ -91,12 +91,13 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
                         compile_decode=config.worker.compile_decode,
                         attention_streams=config.worker.attention_threads or default_streams(os.cpu_count()))
         started = time.perf_counter()
-        variants = engine.warm_up()
+        variants = engine.warm_up(lambda line: print(f"runtime worker: warm-up: {line}", flush=True))
         decode_s = time.perf_counter() - started
         sampler_started = time.perf_counter()
         if loaded.vocab_size > 0:
             engine.sampler.warm_up(loaded.vocab_size, layout.kv_dtype)
         sampler_s = time.perf_counter() - sampler_started
+        print(f"runtime worker: warm-up: sampler in {sampler_s:.1f} s", flush=True)
         shapes = warm_prefill(engine, loaded.limits.max_step_tokens, loaded.limits.prefill_chunk,
                               lambda line: print(line, flush=True))
         print(f"runtime worker: warmed up in {time.perf_counter() - started:.1f} s"
