@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from runtime.bench.models import write_tokenizer
+from runtime.bench.models import write_byte_tokenizer, write_tokenizer
 from runtime.protocol import worker as wp
 from runtime.scheduler.admission import Limits
 from runtime.scheduler.client_out import ClientOut
@@ -115,9 +115,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--clients", type=int, default=1, help="client connections the rows are spread over")
     parser.add_argument("--profile", action="store_true", help="cProfile one run of each case instead")
+    parser.add_argument("--tokenizer", choices=("words", "bytes"), default="words",
+                        help="the bench's word-level tokenizer, or its byte-level BPE one (as real models have)")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp())
-    write_tokenizer(folder, VOCAB)
+    (write_byte_tokenizer if args.tokenizer == "bytes" else write_tokenizer)(folder, VOCAB)
     (folder / "config.json").write_text("{}")
     tokenizer = Tokenizer(str(folder))
     cases = {"greedy": False, f"logprobs (top {TOP})": True}
