@@ -63,12 +63,13 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         from runtime.worker.paths.prefill_warmup import warm_prefill
         from runtime.worker.paths.rows.parallel_attention import default_streams
 
-        lift_graph_size_limit(os.environ, mx.cuda.is_available())  # before the first device operation
-        keep_attention_graphs(os.environ, mx.cuda.is_available())
-        if mx.cuda.is_available():
-            kernels = keep_kernel_cache(os.environ, True, mx.__version__, str(mx.device_info().get("device_name", "")))
-            if kernels:
-                print(f"runtime worker: CUDA kernel cache {kernels}", flush=True)
+        cuda = mx.cuda.is_available()
+        lift_graph_size_limit(os.environ, cuda)  # before the first device operation
+        keep_attention_graphs(os.environ, cuda)
+        device_name = str(mx.device_info().get("device_name", "")) if cuda else ""
+        kernels = keep_kernel_cache(os.environ, cuda, mx.__version__, device_name)  # before the first kernel build
+        if kernels:
+            print(f"runtime worker: CUDA kernel cache {kernels}", flush=True)
         mx.random.seed(config.model.seed)
         group = None
         if role is not None:
@@ -102,7 +103,6 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
                               lambda line: print(line, flush=True))
         print(f"runtime worker: warmed up in {time.perf_counter() - started:.1f} s"
               + (f" ({variants} decode variants prepared in {decode_s:.1f} s)" if variants else "")
-              + f" (sampler {sampler_s:.1f} s)"
               + (f" ({shapes} prefill shapes)" if shapes else "")
               + f"; {time.perf_counter() - begun:.1f} s since the worker started", flush=True)
         ready = Ready(

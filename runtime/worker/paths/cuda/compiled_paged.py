@@ -141,4 +141,3 @@ class CompiledPagedDecode:
                 mx.eval(logits, keys, values)
                 count += 1
         return count
-
