@@ -134,4 +134,5 @@ def test_structured_workload_runs_half_constrained_rounds(model_dir, tmp_path, c
     assert data["streams"] == 4 and len(data["free_tok_s"]) == len(data["half_constrained_tok_s"]) == 1
     assert data["constrained_tokens"] == [2 * 12]  # two constrained streams ran to max_tokens
     assert data["ratio_median"] > 0
+    assert len(data["mask_ms_per_step"]) == 1 and data["mask_ms_per_step"][0] > 0  # the scheduler's mask clock
     assert "structured output cost" in capsys.readouterr().out

@@ -180,6 +180,18 @@ async def test_stop_token_ids_and_min_tokens(served):
     assert first not in held.token_ids[:4]
 
 
+async def test_min_tokens_holds_back_eos(served):
+    folder, svc = served
+    eos = AutoTokenizer.from_pretrained(folder).eos_token_id
+    force_eos = {eos: 100.0}  # EOS is the argmax at every position
+    async with Client(svc.address, timeout_s=60) as client:
+        at_once = await client.generate(token_ids=PROMPT, max_tokens=12, logit_bias=force_eos)
+        held = await client.generate(token_ids=PROMPT, max_tokens=12, logit_bias=force_eos, min_tokens=3)
+    assert at_once.token_ids == [eos] and at_once.finish_reason == "stop" and at_once.stop_reason is None
+    assert eos not in held.token_ids[:3] and held.token_ids[3] == eos and len(held.token_ids) == 4
+    assert held.finish_reason == "stop" and held.stop_reason is None  # EOS is not a stop token the request named
+
+
 async def test_chat_applies_the_template(served):
     folder, svc = served
     tok = AutoTokenizer.from_pretrained(folder)

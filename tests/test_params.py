@@ -33,10 +33,8 @@ def check(**changes: Any) -> SamplingChoice:
     return check_sampling(**{**OFF, **changes}, vocab_size=VOCAB)
 
 
-def test_all_off_is_the_default_choice_and_greedy_plain():
-    choice = check()
-    assert choice == SamplingChoice()
-    assert choice.greedy_plain
+def test_all_off_is_the_default_choice():
+    assert check() == SamplingChoice()
 
 
 def test_every_value_is_stored():
@@ -220,21 +218,5 @@ def test_request_rejected_is_a_value_error():
         check(top_p=0)
 
 
-@pytest.mark.parametrize(
-    ("changes", "greedy_plain"),
-    [
-        ({}, True),
-        ({"temperature": 1e-6}, True),  # below MIN_TEMPERATURE: greedy
-        ({"top_p": 0.5, "top_k": 3, "min_p": 0.1, "seed": 1, "stop": ["x"]}, True),
-        ({"temperature": 0.5}, False),
-        ({"repetition_penalty": 1.2}, False),
-        ({"presence_penalty": 0.1}, False),
-        ({"frequency_penalty": -0.1}, False),
-        ({"logit_bias": {1: 5.0}}, False),
-        ({"min_tokens": 1}, False),
-        ({"logprobs": True}, False),
-        ({"logprobs": True, "top_logprobs": 5}, False),
-    ],
-)
-def test_greedy_plain(changes, greedy_plain):
-    assert check(**changes).greedy_plain is greedy_plain
+def test_a_temperature_below_the_minimum_is_greedy():
+    assert check(temperature=1e-6).temperature == 0.0

@@ -199,3 +199,25 @@ def test_warm_up_leaves_no_row_behind() -> None:
     warmed.warm_up(VOCAB, mx.float32)
     assert not warmed.specs and warmed.counts is None and warmed._draws  # compiled functions kept
     assert run(warmed) == run(RowSampler(max_rows=2))
+
+
+def test_a_batch_of_plain_greedy_rows_skips_the_sampling_step(monkeypatch):
+    import runtime.worker.sampler as sampler_module
+
+    calls = []
+    real = sampler_module.sample_step
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sampler_module, "sample_step", counting)
+    sampler = RowSampler(max_rows=4, compiled=False)
+    sampler.configure([RowSampling(row=3, temperature=0.8, top_p=0.9, seed=1)])  # a sampled row, not in the batch
+    logits = mx.array(np.random.default_rng(0).normal(size=(2, 50)).astype(np.float32))
+    greedy = DecodeBatch(rows=[0, 1], token_ids=[1, 1], positions=[2, 2], slot_ids=[0, 0], temperatures=[0.0, 0.0])
+    assert sampler.sample(logits, greedy).tokens.tolist() == np.argmax(np.array(logits), axis=-1).tolist()
+    assert calls == []  # the fast path: an argmax, no sampling step
+    mixed = DecodeBatch(rows=[0, 3], token_ids=[1, 1], positions=[2, 2], slot_ids=[0, 0], temperatures=[0.0, 0.8])
+    mx.eval(sampler.sample(logits, mixed).tokens)
+    assert calls == [1]

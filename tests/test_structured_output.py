@@ -114,10 +114,17 @@ async def test_grammar_that_cannot_finish_ends_with_length_and_bad_ones_are_refu
         assert re.fullmatch(r"[a-z]{5,19}", long.text), long.text  # a prefix of a valid output
         lark = await client.generate(token_ids=[5, 6], max_tokens=20, grammar='start: "yes" | "no"')
         assert lark.finish_reason == "stop" and lark.text in ("yes", "no")
+        gbnf = await client.generate(token_ids=[5, 6], max_tokens=20, grammar='root ::= "yes" | "no"')
+        assert gbnf.finish_reason == "stop" and gbnf.text in ("yes", "no")  # GBNF, converted to Lark
         bad = await client.generate(token_ids=[5, 6], max_tokens=5, json_schema={"type": "object", "properties": 3})
         assert bad.finish_reason == "error" and "json_schema" in bad.error
+        bad_regex = await client.generate(token_ids=[5, 6], max_tokens=5, regex="[a-")
+        assert bad_regex.finish_reason == "error" and "regex" in bad_regex.error
+        bad_grammar = await client.generate(token_ids=[5, 6], max_tokens=5, grammar="start: undefined_rule")
+        assert bad_grammar.finish_reason == "error" and "grammar" in bad_grammar.error
         status = await client.status()
     assert status.running == 0
+    assert status.mask_steps > 0 and status.mask_s > 0  # the constrained requests' masks, timed
 
 
 def test_masked_greedy_takes_the_best_allowed_token():

@@ -4,17 +4,21 @@ Runtime only: it measures what structured output costs the batch. A constrained 
 last token before its next mask exists, so it takes every other step while the other rows stay
 chained; the target is at least 0.7x the unconstrained throughput with half the rows
 constrained. Unconstrained and half-constrained rounds alternate. The schema asks for a long
-array, so constrained requests run to ``max_tokens`` like the others (``ignore_eos``).
+array, so constrained requests run to ``max_tokens`` like the others (``ignore_eos``). Each
+constrained round also reports the scheduler's grammar-mask time per step that needed masks
+(``runtime status``'s ``mask_s`` / ``mask_steps`` before and after the round).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from runtime.bench import runtime_side
 from runtime.bench.measure import StreamTiming, percentile, ratio, summarize
 from runtime.bench.report import table
 from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome
+from runtime.client import Client
 
 SCHEMA = {
     "type": "object",
@@ -35,6 +39,7 @@ class Structured:
         self.half = [dict(json_schema=SCHEMA) if i % 2 == 0 else {} for i in range(streams)]
         self.free: list[list[StreamTiming]] = []
         self.mixed: list[list[StreamTiming]] = []
+        self.mask_ms: list[float] = []  # per constrained round: mask time per step that had masks
 
     def run_runtime(self, addresses: dict[str, str], rep: int) -> None:
         n, address = self.streams, addresses["on"]
@@ -42,10 +47,15 @@ class Structured:
         runtime_side.run_together(address, self.warm, [WARMUP_GEN] * n, params=self.half)
         for r in range(self.rounds):
             self.free.append(runtime_side.run_together(address, self.timed[2 * r], [self.gen_len] * n))
+            before = asyncio.run(_mask_clock(address))
             self.mixed.append(runtime_side.run_together(address, self.timed[2 * r + 1], [self.gen_len] * n,
                                                         params=self.half))
+            after = asyncio.run(_mask_clock(address))
+            steps = after[1] - before[1]
+            self.mask_ms.append(1e3 * (after[0] - before[0]) / steps if steps else float("nan"))
             f, m = summarize(self.free[-1])["total_tok_s"], summarize(self.mixed[-1])["total_tok_s"]
-            self.bench.log(f"structured/runtime round {r + 1}: free {f:.1f} tok/s, half constrained {m:.1f} tok/s")
+            self.bench.log(f"structured/runtime round {r + 1}: free {f:.1f} tok/s, half constrained {m:.1f} tok/s, "
+                           f"masks {self.mask_ms[-1]:.3f} ms per step")
 
     def run_mlx(self, mlx: Any, rep: int) -> None:
         """Nothing: this workload compares the runtime with itself."""
@@ -55,11 +65,19 @@ class Structured:
         mixed = [summarize(t)["total_tok_s"] for t in self.mixed]
         constrained_tokens = [sum(t.n_tokens for i, t in enumerate(ts) if i % 2 == 0) for ts in self.mixed]
         median = percentile([m / f for f, m in zip(free, mixed)], 50)  # of per-round ratios
-        rows = [[i + 1, self.streams, f, m, ratio(m, f)] for i, (f, m) in enumerate(zip(free, mixed))]
-        rows.append(["median", self.streams, "", "", f"{median:.2f}"])
+        masks = self.mask_ms + [float("nan")] * (len(free) - len(self.mask_ms))
+        rows = [[i + 1, self.streams, f, m, ratio(m, f), k] for i, (f, m, k) in enumerate(zip(free, mixed, masks))]
+        rows.append(["median", self.streams, "", "", f"{median:.2f}", percentile(self.mask_ms, 50)])
         title = (f"structured output cost ({self.streams} streams, half with a JSON schema; prompt {self.prompt_len}, "
                  f"{self.gen_len} new tokens, greedy)")
         data = {"streams": self.streams, "free_tok_s": free, "half_constrained_tok_s": mixed, "ratio_median": median,
-                "constrained_tokens": constrained_tokens, "schema": SCHEMA}
-        headers = ["round", "streams", "free tok/s", "half constrained tok/s", "ratio"]
+                "constrained_tokens": constrained_tokens, "schema": SCHEMA, "mask_ms_per_step": self.mask_ms}
+        headers = ["round", "streams", "free tok/s", "half constrained tok/s", "ratio", "mask ms per step"]
         return Outcome(data, [table(title, headers, rows)])
+
+
+async def _mask_clock(address: str) -> tuple[float, int]:
+    """The scheduler's grammar-mask seconds and steps so far."""
+    async with Client(address, timeout_s=60) as client:
+        status = await client.status()
+    return status.mask_s, status.mask_steps

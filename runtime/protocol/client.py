@@ -122,6 +122,8 @@ class StatusReply(msgspec.Struct, tag="status_reply"):
     ``prefill_chunk`` and ``max_context``: the limits the worker runs with (the config's, or
     chosen for the device). ``worker_prefill_shapes``/``worker_decode_traces``: distinct
     prefill shapes run and decode traces compiled by the worker so far (as of its last step).
+    ``mask_s``/``mask_steps``: seconds the scheduler spent computing grammar masks (structured
+    output) and the steps that needed them, since the worker last started.
     """
 
     rid: str
@@ -151,6 +153,8 @@ class StatusReply(msgspec.Struct, tag="status_reply"):
     prefill_chunk: int = 0
     worker_prefill_shapes: int = 0
     worker_decode_traces: int = 0
+    mask_s: float = 0.0
+    mask_steps: int = 0
 
 
 class ProtocolError(msgspec.Struct, tag="protocol_error"):

@@ -16,6 +16,7 @@ from runtime.protocol.worker import AUX_CONTINUE, Masks, PrefillChunk, Step
 from runtime.scheduler.admission import Limits, validate_request
 from runtime.scheduler.aux_state import AuxTracker
 from runtime.scheduler.decode_batch import build_decode, deferred_masks
+from runtime.scheduler.grammar import MaskClock
 from runtime.scheduler.invariants import check_scheduler
 from runtime.scheduler.radix import InsertResult, RadixCache
 from runtime.scheduler.request import Request, row_sampling
@@ -49,6 +50,7 @@ class Scheduler:
         self.draining: list[Request] = []
         self.completed: list[Request] = []
         self.inflight: dict[int, PlannedStep] = {}
+        self.mask_clock = MaskClock()
         self.reserved = 0
         self._next_step_id = 0
         self._masks_due: list[Masks] = []
@@ -196,7 +198,8 @@ class Scheduler:
             return None
         decode = None
         if decode_reqs:
-            decode = build_decode(decode_reqs, self._alloc_decode(decode_reqs), self.aux is not None)
+            decode = build_decode(decode_reqs, self._alloc_decode(decode_reqs), self.aux is not None,
+                                  self.mask_clock)
         samplings = [row_sampling(r, self.eos_ids) for r in self._new_rows if r.row >= 0 and not r.finished]
         self._new_rows = []
         step = Step(step_id=self._next_step_id, prefills=prefills, decode=decode, samplings=samplings)
@@ -276,7 +279,8 @@ class Scheduler:
 
     def _queue_masks(self, step_id: int) -> None:
         """The masks of step ``step_id``'s deferred rows, now that their last tokens are in."""
-        if (planned := self.inflight.get(step_id)) is not None and (masks := deferred_masks(planned.step, planned.decode_reqs)):
+        planned = self.inflight.get(step_id)
+        if planned is not None and (masks := deferred_masks(planned.step, planned.decode_reqs, self.mask_clock)):
             self._masks_due.append(masks)
 
     def take_masks(self) -> list[Masks]:

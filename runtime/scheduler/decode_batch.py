@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from runtime.protocol.worker import DecodeBatch, Masks, Step
-from runtime.scheduler.grammar import masks_of
+from runtime.scheduler.grammar import MaskClock
 from runtime.scheduler.request import Request
 
 
-def build_decode(reqs: list[Request], slot_ids: list[int], hybrid: bool) -> DecodeBatch:
+def build_decode(reqs: list[Request], slot_ids: list[int], hybrid: bool, clock: MaskClock) -> DecodeBatch:
     """A DecodeBatch for ``reqs`` (each launches one more decode into its slot in ``slot_ids``).
 
     A request's first decode takes its last prompt token; later ones chain (-1: the worker's
@@ -37,13 +37,13 @@ def build_decode(reqs: list[Request], slot_ids: list[int], hybrid: bool) -> Deco
         temps.append(params.temperature)
         req.decodes_launched = k + 1
     aux_slots = [r.aux_slot for r in reqs] if hybrid else []
-    masks = masks_of(constrained) if constrained else []
+    masks = clock.masks(constrained) if constrained else []
     return DecodeBatch(rows, tokens, positions, slot_ids, temps, aux_slots, ban_stop, mask_rows, masks, deferred)
 
 
-def deferred_masks(step: Step, reqs: list[Request]) -> Masks | None:
+def deferred_masks(step: Step, reqs: list[Request], clock: MaskClock) -> Masks | None:
     """The ``Masks`` of ``step``'s deferred rows (``reqs``: its decode's requests), once the
     tokens before them advanced their grammars; None when it has none."""
     if step.decode is None or not step.decode.deferred_rows:
         return None
-    return Masks(step.step_id, masks_of([reqs[i].constraint for i in step.decode.deferred_rows]))
+    return Masks(step.step_id, clock.masks([reqs[i].constraint for i in step.decode.deferred_rows]))

@@ -14,6 +14,7 @@ the step when the masks arrive.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,8 @@ def grammar_spec(msg: Generate) -> GrammarSpec | None:
         return None
     if len(asked) > 1:
         raise RequestRejected(f"at most one of json_schema, regex, grammar and json_object may be set, got {asked}")
-    from llguidance import LLMatcher, gbnf_to_lark
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import gbnf_to_lark
 
     kind = asked[0]
     try:
@@ -186,3 +188,20 @@ def masks_of(constraints: list[Constraint]) -> list[bytes]:
     for k, i in enumerate(live):
         out[i] = constraints[i].fit(bits[k].tobytes())
     return out
+
+
+@dataclass
+class MaskClock:
+    """Time the scheduler spent computing grammar masks, and how many steps needed them
+    (``runtime status`` shows both; the bench's structured workload reports their ratio)."""
+
+    seconds: float = 0.0
+    steps: int = 0
+
+    def masks(self, constraints: list[Constraint]) -> list[bytes]:
+        """``masks_of(constraints)``, timed as one step's masks."""
+        start = time.perf_counter()
+        out = masks_of(constraints)
+        self.seconds += time.perf_counter() - start
+        self.steps += 1
+        return out

@@ -37,23 +37,6 @@ class SamplingChoice:
     logprobs: bool = False
     top_logprobs: int = 0
 
-    @property
-    def greedy_plain(self) -> bool:
-        """Plain argmax: no penalties, bias, min_tokens or logprobs (the batch fast path).
-
-        top_p, top_k and min_p never exclude the argmax, and stop strings are matched in the
-        scheduler, so neither matters here.
-        """
-        return (
-            self.temperature == 0.0
-            and self.repetition_penalty == 1.0
-            and self.presence_penalty == 0.0
-            and self.frequency_penalty == 0.0
-            and not self.logit_bias
-            and self.min_tokens == 0
-            and not self.logprobs
-        )
-
 
 def check_sampling(
     *,

@@ -51,4 +51,6 @@ def status_reply(
         prefill_chunk=ready.prefill_chunk,
         worker_prefill_shapes=last_step.prefill_shapes if last_step is not None else 0,
         worker_decode_traces=last_step.decode_traces if last_step is not None else 0,
+        mask_s=s.mask_clock.seconds,
+        mask_steps=s.mask_clock.steps,
     )
