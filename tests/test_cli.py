@@ -102,6 +102,31 @@ def test_generate_sampling_flags_stop_and_chat(tmp_path):
     assert chat.returncode == 1 and "chat template" in json.loads(chat.stdout)["error"]  # the adder has none
 
 
+def test_generate_flags_reach_the_request(model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = model_dir("llama")  # random weights: sampling at a high temperature leaves greedy's path
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompt = "a b c"
+    ids = tok.encode(prompt)
+    chat_ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False)
+    flags = ("--json", "--max-tokens", "8", "--ignore-eos")
+    with running_service(tmp_path, folder, "[scheduler]\nmax_context = 128\n") as svc:
+        def run(*extra: str) -> dict:
+            done = _runtime("generate", "-a", svc.address, *flags, *extra, prompt)
+            assert done.returncode == 0, done.stdout + done.stderr
+            return json.loads(done.stdout)
+
+        top1 = run("--temperature", "5", "--top-k", "1", "--seed", "3")
+        hot = [run("--temperature", "5", "--seed", str(seed)) for seed in (3, 4)]
+        chat = run("--chat")
+    greedy = reference_greedy(folder, ids, 8)
+    assert top1["token_ids"] == greedy  # --top-k 1 at any temperature is greedy
+    assert hot[0]["token_ids"] != greedy and hot[0]["token_ids"] != hot[1]["token_ids"]  # temperature, seeds
+    assert chat["prompt_tokens"] == len(chat_ids) and chat["token_ids"] == reference_greedy(folder, chat_ids, 8)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_shuts_down_within_10s_leaving_no_process(model_dir, tmp_path, sig):
     folder = model_dir("llama")
