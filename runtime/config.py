@@ -160,14 +160,18 @@ class DistributedConfig:
     starting_port: int = 0
 
 
+MAX_GATEWAY_WORKERS = 64
+
+
 @dataclass(frozen=True)
 class HttpConfig:
     """``[http]``: the OpenAI-compatible HTTP gateway (``runtime/gateway/``); absent = none.
 
     ``address``: ``HOST:PORT`` it listens on. ``api_keys``: bearer keys a request must carry
     (empty: no authentication, allowed only on a loopback host). ``served_model_name``: the
-    model id clients see (empty: the model folder's name). ``workers``: gateway processes
-    (only 1 for now).
+    model id clients see (empty: the model folder's name). ``workers``: gateway processes,
+    all serving one listening socket (the kernel spreads connections over them); their
+    metrics are summed at every scrape.
     """
 
     address: str = "127.0.0.1:8000"
@@ -369,8 +373,8 @@ def _validate_distributed(config: Config) -> None:
 
 def _validate_http(http: HttpConfig) -> None:
     host = http.host  # raises on a malformed address
-    if http.workers != 1:
-        raise ConfigError(f"config key 'http.workers' must be 1 (several gateway processes are not supported yet), got {http.workers}")
+    if not 1 <= http.workers <= MAX_GATEWAY_WORKERS:
+        raise ConfigError(f"config key 'http.workers' must be 1..{MAX_GATEWAY_WORKERS}, got {http.workers}")
     if any(not key.strip() for key in http.api_keys):
         raise ConfigError("config key 'http.api_keys' must not hold empty keys")
     if not http.api_keys and not is_loopback(host):

@@ -337,7 +337,7 @@ def _up(config) -> subprocess.CompletedProcess:
     "http, needle",
     [
         ('address = "0.0.0.0:8123"', "http.api_keys"),
-        ("workers = 2", "http.workers"),
+        ("workers = 0", "http.workers"),
         ('address = "nope"', "http.address"),
         ("bogus = 1", "http.bogus"),
     ],

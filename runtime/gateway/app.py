@@ -80,7 +80,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def create_app(settings: GatewaySettings) -> FastAPI:
     """The app for one gateway process."""
     model = settings.served_model_name or Path(settings.model_path).name
-    gw = Gateway(settings, model, Metrics(model), TokenText(settings.model_path))
+    gw = Gateway(settings, model, Metrics(model, settings.metrics_dir), TokenText(settings.model_path))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

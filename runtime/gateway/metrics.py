@@ -3,20 +3,25 @@
 Each gateway has its own registry (no global state). Scheduler facts come from one
 ``Client.status()`` per scrape, held in ``Metrics.status`` while the registry is rendered,
 and from each request's final result (its time in the scheduler's queue).
+
+With several gateway processes (``[http] workers``), each keeps its counters and histograms in
+prometheus-client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``, set by ``runtime up``
+for them) and a scrape, served by any one of them, sums every process's values. The prefix
+cache hit ratio is computed at each scrape from the summed token counters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from runtime.client import GenerationResult
@@ -52,10 +57,36 @@ class _SchedulerCollector(Collector):
         yield restarts
 
 
-class Metrics:
-    """The gateway's registry; ``record_*`` are called per choice, ``render`` per scrape."""
+class _HitRatioCollector(Collector):
+    """``runtime_prefix_cache_hit_ratio``: cached / prompt tokens of the finished requests, from
+    the token counters as ``families`` collects them (one process's, or every process's summed)."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, families: Callable[[], Iterable[Metric]], model: str) -> None:
+        self._families, self._model = families, model
+
+    def collect(self) -> Iterator:
+        totals: dict[str, float] = {}
+        for family in self._families():
+            for sample in family.samples:
+                if sample.name in _TOKEN_TOTALS and sample.labels.get("model") == self._model:
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+        prompt = totals.get("runtime_prompt_tokens_total", 0.0)
+        ratio = totals.get("runtime_cached_prompt_tokens_total", 0.0) / prompt if prompt else 0.0
+        family = GaugeMetricFamily("runtime_prefix_cache_hit_ratio",
+                                   "Cached prompt tokens / prompt tokens of the requests the gateway served.",
+                                   labels=["model"])
+        family.add_metric([self._model], ratio)
+        yield family
+
+
+_TOKEN_TOTALS = ("runtime_prompt_tokens_total", "runtime_cached_prompt_tokens_total")
+
+
+class Metrics:
+    """The gateway's registry; ``record_*`` are called per choice, ``render`` per scrape.
+    ``multiprocess_dir``: the shared directory of several gateway processes (None: one)."""
+
+    def __init__(self, model: str, multiprocess_dir: str | None = None) -> None:
         self.model = model
         self.status: StatusReply | None = None
         self.registry = CollectorRegistry()
@@ -75,12 +106,16 @@ class Metrics:
                                      labels, registry=r)
         self.requests = Counter("runtime_requests", "Finished requests by finish reason.",
                                 ["model", "finish_reason"], registry=r)
-        self.hit_ratio = Gauge("runtime_prefix_cache_hit_ratio",
-                               "Cached prompt tokens / prompt tokens of requests seen by this gateway.",
-                               labels, registry=r)
-        self._prompt_seen = 0
-        self._cached_seen = 0
-        self.registry.register(_SchedulerCollector(self))
+        if multiprocess_dir is None:
+            self._scraped = self.registry
+            tokens = (self.prompt_tokens, self.cached_tokens)
+            self.registry.register(_HitRatioCollector(lambda: [f for c in tokens for f in c.collect()], model))
+        else:  # a scrape reads every process's files, not this registry
+            self._scraped = CollectorRegistry()
+            MultiProcessCollector(self._scraped, path=multiprocess_dir)
+            every = MultiProcessCollector(None, path=multiprocess_dir)
+            self._scraped.register(_HitRatioCollector(every.collect, model))
+        self._scraped.register(_SchedulerCollector(self))
         # The model's children, looked up once: ITL is recorded for every streamed chunk.
         self._ttft, self._itl, self._e2e = (h.labels(model) for h in (self.ttft, self.itl, self.e2e))
         self._queue_time = self.queue_time.labels(model)
@@ -104,12 +139,8 @@ class Metrics:
         self.requests.labels(self.model, result.finish_reason).inc()
         self.prompt_tokens.labels(self.model).inc(result.prompt_tokens)
         self.cached_tokens.labels(self.model).inc(result.cached_tokens)
-        self._prompt_seen += result.prompt_tokens
-        self._cached_seen += result.cached_tokens
-        if self._prompt_seen:
-            self.hit_ratio.labels(self.model).set(self._cached_seen / self._prompt_seen)
 
     def render(self, status: StatusReply | None) -> bytes:
         """The text exposition; ``status`` None (scheduler silent) leaves its gauges out."""
         self.status = status
-        return generate_latest(self.registry)
+        return generate_latest(self._scraped)

@@ -1,16 +1,21 @@
 """Start and stop the gateway process from ``runtime up``.
 
 ``bind`` takes the HTTP port before the model loads (a busy port is a one-line error);
-``start`` hands the socket to ``python -m runtime.gateway.main`` in the same process group
-and waits until ``/health`` answers 200. ``stop`` terminates it, then kills it.
+``start`` hands the socket to ``[http] workers`` processes of ``python -m runtime.gateway.main``
+in the same process group (each accepts on it: the kernel spreads the connections) and waits
+until ``/health`` answers 200. ``stop`` terminates them, then kills them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -46,26 +51,37 @@ def bind(http: HttpConfig) -> socket.socket:
 
 
 class GatewayProcess:
-    """A running gateway; its stdin pipe is how it notices this process is gone."""
+    """The running gateway processes; a stdin pipe each is how they notice this process is gone."""
 
-    def __init__(self, proc: subprocess.Popen, url: str) -> None:
-        self.proc = proc
+    def __init__(self, procs: list[subprocess.Popen], url: str, metrics_dir: str | None = None) -> None:
+        self.procs = procs
         self.url = url
+        self.metrics_dir = metrics_dir
 
     @classmethod
     async def start(cls, http: HttpConfig, sock: socket.socket, settings: GatewaySettings,
                     timeout_s: float = 60.0) -> GatewayProcess:
-        """Spawn the gateway on ``sock`` (closed here once handed over) and wait for /health 200."""
+        """Spawn the gateway processes on ``sock`` (closed here once handed over) and wait for /health 200."""
         host = sock.getsockname()[0]
         url = f"http://{f'[{host}]' if ':' in host else host}:{http.port}"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.gateway.main", "--settings", settings.to_json(),
-             "--fd", str(sock.fileno())],
-            stdin=subprocess.PIPE,
-            pass_fds=(sock.fileno(),),
-        )
-        sock.close()
-        gateway = cls(proc, url)
+        env, metrics_dir = None, None
+        if http.workers > 1:  # prometheus-client's multiprocess mode: one directory of files for all
+            metrics_dir = tempfile.mkdtemp(prefix="runtime-gateway-metrics-")
+            settings = dataclasses.replace(settings, metrics_dir=metrics_dir)
+            env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+        command = [sys.executable, "-m", "runtime.gateway.main", "--settings", settings.to_json(),
+                   "--fd", str(sock.fileno())]
+        procs: list[subprocess.Popen] = []
+        try:
+            for _ in range(http.workers):
+                procs.append(subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(sock.fileno(),), env=env))
+        except BaseException:
+            for proc in procs:
+                proc.kill()
+            raise
+        finally:
+            sock.close()
+        gateway = cls(procs, url, metrics_dir)
         try:
             await gateway._wait_healthy(timeout_s)
         except BaseException:
@@ -77,8 +93,9 @@ class GatewayProcess:
         deadline = time.monotonic() + timeout_s
         last = "no answer"
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise GatewayError(f"the HTTP gateway exited during start-up (status {self.proc.returncode})")
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    raise GatewayError(f"the HTTP gateway exited during start-up (status {proc.returncode})")
             # The socket already listens, so this waits in the backlog until the app serves it.
             status, last = await asyncio.to_thread(_get_health, self.url + "/health", deadline - time.monotonic())
             if status == 200:
@@ -87,16 +104,22 @@ class GatewayProcess:
         raise GatewayError(f"the HTTP gateway did not become healthy within {timeout_s:.0f} s ({last})")
 
     async def stop(self) -> None:
-        """SIGTERM, then SIGKILL after STOP_TIMEOUT_S; closing stdin also tells it to exit."""
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                await asyncio.to_thread(self.proc.wait, STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                await asyncio.to_thread(self.proc.wait)
+        """SIGTERM, then SIGKILL after STOP_TIMEOUT_S; closing stdin also tells them to exit."""
+        await asyncio.gather(*(_stop(proc) for proc in self.procs))
+        if self.metrics_dir is not None:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+
+async def _stop(proc: subprocess.Popen) -> None:
+    if proc.stdin is not None:
+        proc.stdin.close()
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            await asyncio.to_thread(proc.wait, STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
 
 
 def _get_health(url: str, timeout_s: float) -> tuple[int, str]:

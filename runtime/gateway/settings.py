@@ -15,6 +15,7 @@ class GatewaySettings:
     served_model_name: str
     api_keys: tuple[str, ...] = ()
     server_key: str | None = None  # the scheduler's CURVE public key when CURVE is on
+    metrics_dir: str | None = None  # several gateway processes: their shared Prometheus files
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
