@@ -244,11 +244,27 @@ def test_bad_parameters_and_long_prompts_are_400(gateway):
 
 
 def test_error_messages_map_to_statuses():
-    assert from_scheduler("top_p must be in (0, 1], got 2").status == 400
-    assert from_scheduler("overloaded: 5 requests are waiting (scheduler.max_waiting); retry later").status == 429
-    assert from_scheduler("worker unavailable, retrying (exit 1)").status == 503
-    assert from_scheduler("worker died (exit status -9)").status == 500
-    assert from_scheduler("worker stopped responding (no step for 120 s)").status == 500
+    cases = [  # the scheduler's messages, as runtime/scheduler/server.py and core.py word them
+        ("top_p must be in (0, 1] (1 = off), got 2", 400, None),
+        ("the prompt (300 tokens) and max_tokens (16) exceed the context of 256 tokens", 400, None),
+        ("invalid regex: worker died", 400, None),  # quoting the client's text is still the client's error
+        ("overloaded: 5 requests are waiting (scheduler.max_waiting); retry later", 429, "overloaded"),
+        ("worker unavailable, retrying (worker died (exit status -9)); send the request again shortly", 503,
+         "unavailable"),
+        ("the service is shutting down", 503, "unavailable"),
+        ("worker died (exit status -9)", 500, "worker_failed"),
+        ("worker disconnected", 500, "worker_failed"),
+        ("worker stopped responding (no step for 120 s)", 500, "worker_failed"),
+        ("the worker failed a step: RuntimeError('out of memory')", 500, "worker_failed"),
+        ("the grammar refused token 7: unexpected token", 500, "worker_failed"),
+        ("internal error: KeyError('x')", 500, "internal_error"),
+    ]
+    for message, status, code in cases:
+        error = from_scheduler(message)
+        assert (error.status, error.code, error.message) == (status, code, message), message
+        assert error.body()["error"]["message"] == message
+    assert from_scheduler("worker died (exit status -9)").body()["error"]["type"] == "server_error"
+    assert from_scheduler("the service is shutting down").body()["error"]["type"] == "service_unavailable"
 
 
 async def test_32_concurrent_streams_complete(gateway):

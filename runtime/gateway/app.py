@@ -192,12 +192,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             for i, r in enumerate(results):
                 message, reason = replies.message(i, r, convert.finish_reason(r))
                 out.append({"index": i, "message": message, "logprobs": logprobs(r.logprobs), "finish_reason": reason})
-            return envelope | {"object": "chat.completion", "choices": out, "usage": convert.usage(results, 1)}
+            return envelope | {"object": "chat.completion", "choices": out, "usage": convert.usage(results, len(results))}
 
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for i in range(len(requests))]
-        return await _respond(gw, body.stream, body.include_usage, requests, 1, envelope, choices, logprobs, whole,
-                              opening)
+        return await _respond(gw, body.stream, body.include_usage, requests, len(requests), envelope, choices,
+                              logprobs, whole, opening)
 
     return app
 

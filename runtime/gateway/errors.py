@@ -33,15 +33,33 @@ _TYPES = {
 }
 
 
+# How the scheduler's messages for failures that are the service's, not the client's, begin
+# (runtime/scheduler/server.py, core.py, step_results.py): prefix, status, code. Prefixes, so a
+# validation message that quotes the client's text cannot pass for one of these.
+_SERVICE_FAILURES = (
+    ("overloaded", 429, "overloaded"),
+    ("worker unavailable", 503, "unavailable"),
+    ("the service is shutting down", 503, "unavailable"),
+    ("the worker failed a step", 500, "worker_failed"),
+    ("worker died", 500, "worker_failed"),
+    ("worker disconnected", 500, "worker_failed"),
+    ("worker stopped responding", 500, "worker_failed"),
+    ("the grammar refused token", 500, "worker_failed"),
+    ("internal error", 500, "internal_error"),
+)
+
+
 def from_scheduler(message: str) -> ApiError:
-    """Map a failed request's error message to a status: validation errors are the client's (400)."""
+    """Map a failed request's error message to a status.
+
+    429 when the waiting queue is full, 503 while no worker serves (restarting, shutting down),
+    500 when the request failed in the worker or the scheduler; anything else is a validation
+    error of the client's (400).
+    """
     lowered = message.lower()
-    if lowered.startswith("overloaded"):
-        return ApiError(429, message, code="overloaded")
-    if "worker unavailable" in lowered or "no reply from" in lowered or "not taking requests" in lowered:
-        return ApiError(503, message, code="unavailable")
-    if "worker died" in lowered or "stopped responding" in lowered:
-        return ApiError(500, message, code="worker_failed")
+    for prefix, status, code in _SERVICE_FAILURES:
+        if lowered.startswith(prefix):
+            return ApiError(status, message, code=code)
     return ApiError(400, message)
 
 
@@ -52,7 +70,7 @@ def failure(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, RequestFailed):
-        return from_scheduler(exc.result.error or "the request failed")
+        return from_scheduler(exc.result.error or "internal error: the request failed without a reason")
     if isinstance(exc, ServiceUnavailable):
         return ApiError(503, f"the scheduler does not answer: {exc}", code="unavailable")
     return ApiError(500, f"internal error: {exc!r}")
