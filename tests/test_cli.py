@@ -147,9 +147,19 @@ def test_signal_shuts_down_within_10s_leaving_no_process(model_dir, tmp_path, si
 
 def test_default_config_serves_the_embedded_adder():
     """`runtime up -c configs/default.toml` plus one `runtime generate` gives a correct sum."""
+    import httpx
+
     with running_config(REPO / "configs" / "default.toml") as svc:
         done = _runtime("generate", "-a", svc.address, "123+456=")
         as_json = json.loads(_runtime("generate", "-a", svc.address, "--json", "250+250=").stdout)
+        # The README's curl line: the same config serves HTTP on 127.0.0.1:8000 once it says so.
+        deadline = time.monotonic() + 60
+        while not any("HTTP on http://127.0.0.1:8000" in line for line in list(svc.lines)):
+            assert time.monotonic() < deadline and svc.proc.poll() is None, svc.log()
+            time.sleep(0.05)  # polling the reader thread's list, bounded by the deadline
+        over_http = httpx.post("http://127.0.0.1:8000/v1/completions", timeout=30,
+                               json={"model": "adder", "prompt": "123+456=", "max_tokens": 8, "temperature": 0}).json()
+    assert over_http["choices"][0]["text"] == "579" and over_http["choices"][0]["finish_reason"] == "stop"
     assert done.returncode == 0 and done.stdout.strip() == "579"
     assert as_json["text"] == "500" and as_json["finish_reason"] == "stop"
 
