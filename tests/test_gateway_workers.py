@@ -55,6 +55,18 @@ def test_two_gateway_processes_serve_and_sum_their_metrics(model_dir, tmp_path):
             os.kill(pid, 0)
 
 
+def test_sigint_stops_every_gateway_process(model_dir, tmp_path):
+    with gateway_service(tmp_path, model_dir("llama"), "workers = 3") as gw:
+        gateways = _gateway_pids(gw.svc.proc.pid)
+        assert len(gateways) == 3
+        assert httpx.get(f"{gw.base}/health", timeout=10).status_code == 200
+        gw.svc.proc.send_signal(signal.SIGINT)
+        gw.svc.proc.wait(timeout=15)
+    for pid in gateways:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def test_workers_out_of_range_is_a_config_error():
     from runtime.config import ConfigError, parse_config
 
