@@ -76,14 +76,16 @@ def main() -> None:
         table = mx.array(perm.reshape(b, n).astype(np.int32))
         rows = mx.arange(b, dtype=mx.int32)
         lengths = mx.full((b,), args.context, dtype=mx.int32)
-        tail_k = mx.random.normal((b, n_kv, args.tail, d)).astype(dtype)
-        tail_v = mx.random.normal((b, n_kv, args.tail, d)).astype(dtype)
+        tail_k = mx.random.normal((b, n_kv, args.tail + 1, d)).astype(dtype)  # room for the appended row
+        tail_v = mx.random.normal((b, n_kv, args.tail + 1, d)).astype(dtype)
         new_k = mx.random.normal((b, n_kv, 1, d)).astype(dtype)
         new_v = mx.random.normal((b, n_kv, 1, d)).astype(dtype)
         q = mx.random.normal((b, n_q, 1, d)).astype(dtype)
         ck = mx.random.normal((b, n_kv, args.context, d)).astype(dtype)
         cv = mx.random.normal((b, n_kv, args.context, d)).astype(dtype)
         mx.eval(keys, values, table, tail_k, tail_v, new_k, new_v, q, ck, cv)
+        # ``args.tail`` positions in the tail: read them, or append one more.
+        full_len = old_len = mx.array([args.tail], dtype=mx.int32)
         launch = tuple(int(x) for x in args.launch.split(",")) if args.launch else \
             launch_shape(b, n_kv, n_q // n_kv, d, args.context)
         if args.sweep:
@@ -92,15 +94,16 @@ def main() -> None:
             for sp in splits_list:
                 for w in warps_list:
                     times = per_call(lambda: attn.attend_appending(q, keys, values, table, rows, lengths, tail_k,
-                                                                   tail_v, new_k, new_v, d**-0.5, (sp, w)), args.calls)
+                                                                   tail_v, old_len, new_k, new_v, d**-0.5, (sp, w)),
+                                     args.calls)
                     cells.append(f"{sp}x{w} {sum(times.values()):6.1f}")
             print(f"rows {b:4d} ctx {args.context} default {launch}: " + "  ".join(cells), flush=True)
             continue
         runs = {
             f"paged {launch}": lambda: attn.attend_appending(q, keys, values, table, rows, lengths, tail_k, tail_v,
-                                                             new_k, new_v, d**-0.5, launch),
+                                                             old_len, new_k, new_v, d**-0.5, launch),
             f"paged read {launch}": lambda: attn._kernel_attend(q, keys, values, table, rows, lengths - 1, tail_k, tail_v,
-                                                                d**-0.5, launch),
+                                                                full_len, d**-0.5, launch),
             "mx sdpa": lambda: mx.fast.scaled_dot_product_attention(q, ck, cv, scale=d**-0.5),
         }
         for label, fn in runs.items():

@@ -187,7 +187,7 @@ def check_kernel() -> None:
         for max_length in (0, t + tail):
             out = PagedAttention(True)._kernel_attend(
                 q, pool.keys[0], pool.values[0], mx.array(full), mx.array(order.astype(np.int32)),
-                mx.array((lengths + tail).astype(np.int32)), tail_k, tail_v, d**-0.5,
+                mx.array((lengths + tail).astype(np.int32)), tail_k, tail_v, mx.array([tail], dtype=mx.int32), d**-0.5,
                 launch_shape(b, n_kv, n_q // n_kv, d, max_length))
             err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
             splits = splits_for(b * n_kv, max_length)
@@ -218,11 +218,12 @@ def time_kernel(batches: list[int], context: int, calls: int = 64) -> None:
         k = mx.random.normal((b, n_kv, context, d)).astype(mx.bfloat16)
         v = mx.random.normal((b, n_kv, context, d)).astype(mx.bfloat16)
         attn = PagedAttention(True)
+        tail_len = mx.array([tail_k.shape[2]], dtype=mx.int32)
         runs = {
             "kernel 1 split": lambda x: attn._kernel_attend(x, pool.keys[0], pool.values[0], table, rows, lengths,
-                                                            tail_k, tail_k, d**-0.5),
+                                                            tail_k, tail_k, tail_len, d**-0.5),
             f"kernel {splits_for(b * n_kv, context)} splits": lambda x: attn._kernel_attend(
-                x, pool.keys[0], pool.values[0], table, rows, lengths, tail_k, tail_k, d**-0.5,
+                x, pool.keys[0], pool.values[0], table, rows, lengths, tail_k, tail_k, tail_len, d**-0.5,
                 launch_shape(b, n_kv, n_q // n_kv, d, context)),
             "mx.fast sdpa": lambda x: mx.fast.scaled_dot_product_attention(x, k, v, scale=d**-0.5),
         }

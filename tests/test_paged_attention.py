@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import sys
 
+import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from harness import InProcessService
@@ -68,29 +69,34 @@ def test_install_refuses_modules_it_cannot_route():
 
 
 def _table_reference(self, queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values,
-                     scale, launch):
+                     tail_len, scale, launch):
     """What the CUDA kernel computes, in plain MLX ops: pool positions through the device slot
-    table, then the decode tail's positions."""
+    table, then the first ``tail_len[0]`` positions of the decode tail (the rest unused)."""
     import mlx.core as mx
 
     index = table[table_rows]
+    capacity = tail_keys.shape[2]
     keys = mx.concatenate([keys_pool[index].transpose(0, 2, 1, 3), tail_keys], axis=2)
     values = mx.concatenate([values_pool[index].transpose(0, 2, 1, 3), tail_values], axis=2)
-    in_pool = mx.arange(index.shape[1])[None, :] < (lengths - tail_keys.shape[2])[:, None]
-    mask = mx.concatenate([in_pool, mx.ones((index.shape[0], tail_keys.shape[2]), dtype=mx.bool_)], axis=1)
+    in_pool = mx.arange(index.shape[1])[None, :] < (lengths - tail_len)[:, None]
+    in_tail = mx.broadcast_to(mx.arange(capacity)[None, :] < tail_len, (index.shape[0], capacity))
+    mask = mx.concatenate([in_pool, in_tail], axis=1)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask[:, None, None, :])
 
 
 def _append_reference(self, inputs, scale, launch):
-    """What the appending CUDA kernel computes: the tail extended by the step's K/V, and the
-    attention over the pool and that tail."""
+    """What the appending CUDA kernel computes: the tail with the step's K/V written after its
+    ``tail_len[0]`` positions (same capacity), and the attention over the pool and that tail."""
     import mlx.core as mx
 
-    queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values, new_keys, new_values = inputs
-    keys = mx.concatenate([tail_keys, new_keys], axis=2)
-    values = mx.concatenate([tail_values, new_values], axis=2)
-    out = _table_reference(self, queries, keys_pool, values_pool, table, table_rows, lengths, keys, values, scale,
-                           launch)
+    (queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values, tail_len, new_keys,
+     new_values) = inputs
+    capacity = tail_keys.shape[2]
+    at = (mx.arange(capacity) == tail_len)[None, None, :, None]
+    keys = mx.where(at, new_keys, tail_keys)
+    values = mx.where(at, new_values, tail_values)
+    out = _table_reference(self, queries, keys_pool, values_pool, table, table_rows, lengths, keys, values,
+                           tail_len + 1, scale, launch)
     return out, keys, values
 
 
@@ -139,17 +145,18 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
     n_rep = shape.n_heads // shape.n_kv_heads
     one_row = splits_for(shape.n_kv_heads, 128)  # the first decode of a single short request
     first = (one_row, warps_for(n_rep, shape.head_dim, -(-128 // one_row)))
-    # With compile, warm-up also traces the one-row step at every tail length and launch shape.
+    # With compile, warm-up also traces the one-row step at every launch shape (one trace
+    # serves every tail length: the length is an input array).
     one_row_launches = {svc.engine.paths.launch(1, min(n, svc.engine.max_context)) for n in range(128, 640, 128)}
     # ... and runs the first step of a new batch of every larger row class once.
     lengths = range(128, svc.engine.max_context + 128, 128)
     row_classes = {rows: {svc.engine.paths.launch(rows, min(n, svc.engine.max_context)) for n in lengths}
                    for rows in (2, 4, 8)}
-    traces = tail_steps * len(one_row_launches) + sum(map(len, row_classes.values())) if compiled else 0
+    traces = len(one_row_launches) + sum(map(len, row_classes.values())) if compiled else 0
     assert svc.engine.warm_up() == len(warmed[0]) + traces and len(warmed[0]) > 0 and first in warmed[0]
     if compiled:
         kept = set(svc.engine.compiled_paged.traces._compiled)
-        assert all((rows, 1, launch) in kept for rows, launches in row_classes.items() for launch in launches)
+        assert all((rows, launch) in kept for rows, launches in row_classes.items() for launch in launches)
     assert len(svc.engine.paths.tail.steps) == 0 and max(flushed) == tail_steps and sum(flushed) == tail_steps + 2
     flushed.clear()
     rng = random.Random(6)
@@ -241,3 +248,49 @@ def test_hybrid_models_take_the_kernel_path_without_a_tail(arch, model_dir, monk
     assert lengths and set(lengths) == {1}
     for r in reqs:
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, 8), r.rid
+
+
+def test_one_decode_trace_serves_every_tail_length(model_dir, monkeypatch):
+    """The decode tail's length is an input of the compiled step, not a shape: a request that
+    decodes through several tail lengths and flushes needs no trace beyond the warm-up's."""
+    from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
+
+    _reference_kernels(monkeypatch)
+    folder = model_dir("llama")
+    svc = InProcessService(folder, max_running=8, row_cache=False, compile_decode=True)
+    assert isinstance(svc.engine.compiled_paged, CompiledPagedDecode)
+    svc.engine.warm_up()
+    built = svc.engine.compiled_paged.traces.built
+    # Two rows (warm-up runs a row class's first step only) for 40 steps: the tail (16
+    # positions) fills and flushes twice.
+    reqs = [svc.request(f"r{i}", [5, 6, 7, 8 + i], 40) for i in range(2)]
+    svc.run({0: reqs})
+    for req in reqs:
+        assert req.output_ids == reference_greedy(folder, req.prompt_ids, 40)
+    assert svc.engine.compiled_paged.traces.built == built
+
+
+def test_a_kernel_that_fails_its_start_up_check_is_not_used(model_dir, monkeypatch, capfd):
+    """A paged kernel whose output is wrong never decodes: the worker checks it against MLX's
+    attention at start-up and attends through the gather path instead (still exact)."""
+    from runtime.worker.paths.cuda import kernel_check
+    from runtime.worker.paths.paged_attention import PagedAttention
+
+    _reference_kernels(monkeypatch)
+    assert kernel_check.check_paged_kernel(PagedAttention(True), mx.float32, 2, 2, 32) is None  # the reference passes
+
+    def off_by_a_bit(self, inputs, scale, launch):
+        out, keys, values = _append_reference(self, inputs, scale, launch)
+        return out + 0.1, keys, values
+
+    monkeypatch.setattr(PagedAttention, "_append_attend", off_by_a_bit)
+    problem = kernel_check.check_paged_kernel(PagedAttention(True), mx.float32, 2, 2, 32)
+    assert problem is not None and "differs from MLX's" in problem
+    folder = model_dir("llama")
+    svc = InProcessService(folder, max_running=4, row_cache=False, compile_decode=True)
+    assert "failed its start-up check" in capfd.readouterr().err
+    paths = svc.engine.paths
+    assert paths.device_table is None and paths.tail is None and not paths.attention.use_kernel
+    req = svc.request("r", [5, 6, 7, 8], 12)
+    svc.run({0: [req]})
+    assert req.output_ids == reference_greedy(folder, req.prompt_ids, 12)

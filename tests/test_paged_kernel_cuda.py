@@ -30,7 +30,8 @@ def _case(rows: int, n_q: int, n_kv: int, d: int, context: int, tail: int, seed:
     def normal(shape, k):
         return mx.random.normal(shape, key=mx.random.key(seed + k)).astype(mx.bfloat16)
     queries = normal((rows, n_q, 1, d), 2)
-    tail_k, tail_v = normal((rows, n_kv, tail, d), 3), normal((rows, n_kv, tail, d), 4)
+    # A tail of capacity tail + 3 holding ``tail`` positions: the kernels must not read the rest.
+    tail_k, tail_v = normal((rows, n_kv, tail + 3, d), 3), normal((rows, n_kv, tail + 3, d), 4)
     new_k, new_v = normal((rows, n_kv, 1, d), 5), normal((rows, n_kv, 1, d), 6)
     total = mx.array((lengths + tail + 1).astype(np.int32))
     pool_args = (queries, keys_pool, values_pool, mx.array(table), mx.array(order), total)
@@ -42,12 +43,16 @@ def test_the_appending_kernel_equals_reading_a_concatenated_tail(n_q, n_kv, d):
     attention = PagedAttention(True)
     for rows, (context, tail) in itertools.product((1, 5), ((40, 2), (700, 9))):
         pool_args, (tail_k, tail_v, new_k, new_v), lengths = _case(rows, n_q, n_kv, d, context, tail, rows + context)
-        keys, values = mx.concatenate([tail_k, new_k], axis=2), mx.concatenate([tail_v, new_v], axis=2)
+        keys = mx.concatenate([tail_k[:, :, :tail], new_k], axis=2)
+        values = mx.concatenate([tail_v[:, :, :tail], new_v], axis=2)
+        tail_len = mx.array([tail], dtype=mx.int32)
         for max_length in (0, context + tail + 1):
             launch = launch_shape(rows, n_kv, n_q // n_kv, d, max_length)
-            out, out_k, out_v = attention.attend_appending(*pool_args, tail_k, tail_v, new_k, new_v, d**-0.5, launch)
-            expected = attention._kernel_attend(*pool_args, keys, values, d**-0.5, launch)
-            assert mx.array_equal(out_k, keys) and mx.array_equal(out_v, values), launch
+            out, out_k, out_v = attention.attend_appending(*pool_args, tail_k, tail_v, tail_len, new_k, new_v,
+                                                           d**-0.5, launch)
+            assert out_k.shape == tail_k.shape and out_v.shape == tail_v.shape  # the tail keeps its capacity
+            assert mx.array_equal(out_k[:, :, : tail + 1], keys) and mx.array_equal(out_v[:, :, : tail + 1], values)
+            expected = attention._kernel_attend(*pool_args, out_k, out_v, tail_len + 1, d**-0.5, launch)
             assert mx.array_equal(out, expected), launch  # the same arithmetic in the same order
             # Against MLX's own attention over the gathered positions (rounding differs).
             q, kp, vp, table, order, _ = pool_args
@@ -61,10 +66,15 @@ def test_the_appending_kernel_equals_reading_a_concatenated_tail(n_q, n_kv, d):
             assert err < 2e-2, (launch, err)
 
 
-def test_the_first_step_after_a_flush_reads_its_own_keys_as_the_tail():
+def test_the_first_step_after_a_flush_appends_to_an_empty_tail():
     attention = PagedAttention(True)
-    pool_args, (_, _, new_k, new_v), _ = _case(3, 32, 8, 64, 100, 0, 7)
+    pool_args, (tail_k, tail_v, new_k, new_v), _ = _case(3, 32, 8, 64, 100, 0, 7)
     launch = launch_shape(3, 8, 4, 64, 101)
-    out, out_k, out_v = attention.attend_appending(*pool_args, None, None, new_k, new_v, 0.125, launch)
-    assert out_k is new_k and out_v is new_v
-    assert mx.array_equal(out, attention._kernel_attend(*pool_args, new_k, new_v, 0.125, launch))
+    one = mx.array([1], dtype=mx.int32)
+    alone = attention._kernel_attend(*pool_args, new_k, new_v, one, 0.125, launch)  # the step's K/V as the tail
+    out, out_k, out_v = attention.attend_appending(*pool_args, tail_k, tail_v, one - 1, new_k, new_v, 0.125, launch)
+    assert mx.array_equal(out_k[:, :, :1], new_k) and mx.array_equal(out_v[:, :, :1], new_v)
+    assert mx.array_equal(out, alone)
+    # Without a tail at all (a model without a DecodeTail) the step's K/V are returned as it.
+    out, out_k, out_v = attention.attend_appending(*pool_args, None, None, None, new_k, new_v, 0.125, launch)
+    assert out_k is new_k and out_v is new_v and mx.array_equal(out, alone)

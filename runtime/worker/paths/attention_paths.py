@@ -11,6 +11,8 @@ Prefill writes the pool (the prefix cache's source of truth) on every path.
 
 from __future__ import annotations
 
+import sys
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -19,6 +21,7 @@ from runtime.protocol.worker import DecodeBatch, PrefillChunk
 from runtime.worker.model import attention_patch
 from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.paths.cuda.decode_tail import DecodeTail
+from runtime.worker.paths.cuda.kernel_check import check_paged_kernel
 from runtime.worker.paths.decode_plan import DecodePlan, row_bucket
 from runtime.worker.paths.deferred_steps import DeferredSteps
 from runtime.worker.paths.paged_attention import PagedAttention, launch_shape
@@ -62,6 +65,12 @@ class AttentionPaths:
         paged = routed and layout.routed and not self.windowed and layout.kv_shape.same_widths
         self.attention = PagedAttention(PagedAttention.kernel_available()) if paged else None
         kernel = self.attention is not None and self.attention.supports(pool.shape.head_dim)
+        if kernel and (problem := check_paged_kernel(self.attention, pool.dtype, pool.shape.n_kv_heads,
+                                                     pool.shape.n_heads // pool.shape.n_kv_heads,
+                                                     pool.shape.head_dim)):
+            print(f"runtime worker: the paged attention kernel failed its start-up check ({problem}); "
+                  "decode attends through gathered K/V instead", file=sys.stderr, flush=True)
+            self.attention, kernel = PagedAttention(False), False
         self.row_cache: RowCache | None = None
         if (not kernel if row_cache is None else row_cache) and layout.kv_shape is not None:
             n_layers = len(layout.attention_layers)
@@ -170,7 +179,9 @@ class AttentionPaths:
             self.tail.steps.add(decode, plan.pad, rows, positions, plan.slot_ids)
         batch = ForwardBatch(write_slots=write_slots, gather_index=None, offset=offsets, mask=mask,
                              lengths=mx.array(positions32 + 1), attention=self.attention, table=self.device_table,
-                             table_rows=table_rows, tail=self.tail, launch=self.launch(len(rows), plan.length))
+                             table_rows=table_rows, tail=self.tail,
+                             tail_len=self.tail.old_length() if self.tail is not None else None,
+                             launch=self.launch(len(rows), plan.length))
         return batch, in_place
 
     def defer_dense(self, decode: DecodeBatch, plan: DecodePlan) -> None:

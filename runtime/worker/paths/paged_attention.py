@@ -96,13 +96,16 @@ class PagedAttention:
     ``queries``: (B, Hq, 1, D); the pool layer's K/V: (slots, Hkv, D); ``lengths``: (B,)
     int32 valid positions per row. The kernel reads row ``table_rows[b]`` of the device slot
     table ``table`` (rows, max_context) for all but the last R positions, which come from the
-    tail ((B, Hkv, R, D), see ``DecodeTail``), and writes the tail extended by the step's K/V.
+    tail ((B, Hkv, capacity, D) holding R = ``tail_len[0]`` positions, see ``DecodeTail``), and
+    writes the tail extended by the step's K/V. The tail's length is an array, not a shape,
+    so one compiled decode step serves every length.
     """
 
     def __init__(self, use_kernel: bool) -> None:
         self.use_kernel = use_kernel
         self._kernels: dict[tuple[str, bool], object] = {}
         self._scales: dict[float, mx.array] = {}
+        self._one = mx.array([1], dtype=mx.int32)  # a tail of this step's K/V alone
 
     @staticmethod
     def kernel_available() -> bool:
@@ -129,10 +132,11 @@ class PagedAttention:
         lengths: mx.array,
         tail_keys: mx.array,
         tail_values: mx.array,
+        tail_len: mx.array,
         scale: float,
         launch: tuple[int, int] | None = None,
     ) -> mx.array:
-        inputs = [queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values,
+        inputs = [queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values, tail_len,
                   self._scale(scale)]
         (out,) = self._launch(inputs, keys_pool.shape[1], launch)
         return out
@@ -147,28 +151,30 @@ class PagedAttention:
         lengths: mx.array,
         tail_keys: mx.array | None,
         tail_values: mx.array | None,
+        tail_len: mx.array | None,
         new_keys: mx.array,
         new_values: mx.array,
         scale: float,
         launch: tuple[int, int] | None,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """Decode attention whose last position is this step's ``new_keys``/``new_values``
-        ((B, Hkv, 1, D)), after the pool and the R - 1 positions of ``tail_keys``/``tail_values``
-        (None: none); returns the output and the tail with the new K/V appended, which one
-        kernel writes while it attends (no separate concatenation per layer and step)."""
-        if tail_keys is None or tail_values is None:
+        ((B, Hkv, 1, D)), after the pool and the ``tail_len[0]`` positions of
+        ``tail_keys``/``tail_values`` ((B, Hkv, capacity, D)); returns the output and the tail
+        of the same capacity with the new K/V appended, which one kernel writes while it attends
+        (no separate concatenation per layer and step). Without a tail (None: a model without
+        a ``DecodeTail``) the step's K/V are the whole tail and are returned as it."""
+        if tail_keys is None or tail_values is None or tail_len is None:
             out = self._kernel_attend(queries, keys_pool, values_pool, table, table_rows, lengths, new_keys,
-                                      new_values, scale, launch)
+                                      new_values, self._one, scale, launch)
             return out, new_keys, new_values
         return self._append_attend([queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys,
-                                    tail_values, new_keys, new_values], scale, launch)
+                                    tail_values, tail_len, new_keys, new_values], scale, launch)
 
     def _append_attend(self, inputs: list[mx.array], scale: float,
                        launch: tuple[int, int] | None) -> tuple[mx.array, mx.array, mx.array]:
         """The appending kernel on ``attend_appending``'s arrays, in its order (a tail present)."""
-        b, h, r, d = inputs[6].shape  # the old tail
         out, keys, values = self._launch(inputs + [self._scale(scale)], inputs[1].shape[1], launch,
-                                         tail_shape=(b, h, r + 1, d))
+                                         tail_shape=tuple(inputs[6].shape))
         return out, keys, values
 
     def _scale(self, scale: float) -> mx.array:
@@ -241,10 +247,11 @@ class PagedAttention:
         each launch shape reading a tail, and appending to one."""
         table = mx.zeros((1, 64), dtype=mx.int32)
         pool = mx.zeros((2, n_kv, head_dim), dtype=dtype)
-        tail = mx.zeros((1, n_kv, 1, head_dim), dtype=dtype)
+        tail = mx.zeros((1, n_kv, 2, head_dim), dtype=dtype)
+        new = mx.zeros((1, n_kv, 1, head_dim), dtype=dtype)
         queries = mx.zeros((1, n_kv * n_rep, 1, head_dim), dtype=dtype)
         lengths = mx.full((1,), 64, dtype=mx.int32)
         rows = mx.zeros((1,), dtype=mx.int32)
         for launch in sorted(variants):
-            args = (queries, pool, pool, table, rows, lengths, tail, tail)
-            mx.eval(self._kernel_attend(*args, 1.0, launch), *self._append_attend([*args, tail, tail], 1.0, launch))
+            args = (queries, pool, pool, table, rows, lengths, tail, tail, self._one)
+            mx.eval(self._kernel_attend(*args, 1.0, launch), *self._append_attend([*args, new, new], 1.0, launch))

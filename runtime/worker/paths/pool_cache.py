@@ -51,7 +51,8 @@ class ForwardBatch:
     to ``PoolLayerCache.paged_attend``): valid positions per row, and the kernel to use;
     ``table``/``table_rows``: the device slot table and each batch row's row in it (kernel
     path; the fallback gathers through ``gather_index``); ``tail``: where a kernel-path decode
-    puts its new K/V instead of the pool; ``launch``: the kernel's (splits, warps) for this
+    puts its new K/V instead of the pool, and ``tail_len`` how many it holds before this step
+    (an int32 array: ``DecodeTail.old_length``); ``launch``: the kernel's (splits, warps) for this
     batch, chosen once per step (``launch_shape``).
     """
 
@@ -64,6 +65,7 @@ class ForwardBatch:
     table: mx.array | None = None
     table_rows: mx.array | None = None
     tail: DecodeTail | None = None
+    tail_len: mx.array | None = None
     rows: RowSpan | None = None
     launch: tuple[int, int] | None = None
     window_masks: dict[int, mx.array] = field(default_factory=dict)
@@ -144,10 +146,10 @@ class PoolLayerCache(CacheStandIn):
         tail = b.tail
         # Without a tail (hybrid models) the pool holds this step's K/V too; the kernel reads
         # them as a one-position tail all the same.
-        old_k, old_v = (tail.keys[layer], tail.values[layer]) if tail is not None else (None, None)
+        old_k, old_v = tail.old(layer, self.new[0]) if tail is not None else (None, None)
         out, keys, values = b.attention.attend_appending(
             queries, self.pool.keys[layer], self.pool.values[layer], b.table, b.table_rows, b.lengths, old_k, old_v,
-            *self.new, scale, b.launch)
+            b.tail_len, *self.new, scale, b.launch)
         if tail is not None:
             tail.set(layer, keys, values)
         return out

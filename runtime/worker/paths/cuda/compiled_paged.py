@@ -3,7 +3,9 @@
 On a GPU a single stream's decode step is host-bound: building the graph layer by layer in
 Python took 0.9-1.3 ms of a 2.5-4 ms step on the lent H200 hosts (worker trace), and
 MLX's submit most of the rest. Compiled, each step replays a trace made once per (rows,
-decode-tail length, kernel launch shape): no Python per layer, and elementwise chains fused.
+kernel launch shape): no Python per layer, and elementwise chains fused. The decode tail's
+length is an input array of the trace, not a shape (``DecodeTail``), so a row class needs no
+trace per tail length.
 
 Nothing is written in place, as in the uncompiled path: the kernel reads the pool through the
 device slot table plus the decode tail (``DecodeTail``) and writes the tail extended by the
@@ -32,11 +34,12 @@ class _Step:
 
     def __init__(self, attention: PagedAttention, positions: mx.array, lengths: mx.array, table: mx.array,
                  table_rows: mx.array, pool_keys: list[mx.array], pool_values: list[mx.array],
-                 tail_keys: list[mx.array], tail_values: list[mx.array], launch: tuple[int, int]) -> None:
+                 tail_keys: list[mx.array], tail_values: list[mx.array], tail_len: mx.array,
+                 launch: tuple[int, int]) -> None:
         self.attention, self.positions, self.lengths = attention, positions, lengths
         self.table, self.table_rows, self.launch = table, table_rows, launch
         self.pool_keys, self.pool_values = pool_keys, pool_values
-        self.tail_keys, self.tail_values = tail_keys, tail_values
+        self.tail_keys, self.tail_values, self.tail_len = tail_keys, tail_values, tail_len
         n = len(pool_keys)
         self.new_keys: list[mx.array | None] = [None] * n
         self.new_values: list[mx.array | None] = [None] * n
@@ -62,10 +65,9 @@ class _TailView(CacheStandIn):
     def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
         s, i = self.step, self.kv_layer
         assert self.new is not None
-        old_k, old_v = (s.tail_keys[i], s.tail_values[i]) if s.tail_keys else (None, None)
         out, s.new_keys[i], s.new_values[i] = s.attention.attend_appending(
-            queries, s.pool_keys[i], s.pool_values[i], s.table, s.table_rows, s.lengths, old_k, old_v, *self.new,
-            scale, s.launch)
+            queries, s.pool_keys[i], s.pool_values[i], s.table, s.table_rows, s.lengths, s.tail_keys[i],
+            s.tail_values[i], s.tail_len, *self.new, scale, s.launch)
         return out
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> None:
@@ -86,9 +88,10 @@ class CompiledPagedDecode:
 
     def _forward(self, tokens: mx.array, positions: mx.array, lengths: mx.array, table: mx.array,
                  table_rows: mx.array, pool_keys: list[mx.array], pool_values: list[mx.array],
-                 tail_keys: list[mx.array], tail_values: list[mx.array], launch: tuple[int, int]):
+                 tail_keys: list[mx.array], tail_values: list[mx.array], tail_len: mx.array,
+                 launch: tuple[int, int]):
         step = _Step(self.attention, positions, lengths, table, table_rows, pool_keys, pool_values, tail_keys,
-                     tail_values, launch)
+                     tail_values, tail_len, launch)
         views = [_TailView(i, step) for i in range(len(pool_keys))]
         logits = self.model(tokens[:, None], cache=[views[i] for i in self.kv_index])[:, -1, :]
         return logits, step.new_keys, step.new_values
@@ -96,31 +99,41 @@ class CompiledPagedDecode:
     def forward(self, tokens: mx.array, batch: ForwardBatch) -> mx.array:
         assert batch.tail is self.tail and batch.table is not None and batch.table_rows is not None
         assert batch.lengths is not None and batch.launch is not None and isinstance(batch.offset, mx.array)
-        t = self.tail
-        tail_keys = t.keys if t.keys[0] is not None else []
-        tail_values = t.values if t.values[0] is not None else []
-        key = (tokens.shape[0], len(self.tail.steps), batch.launch)
-        logits, keys, values = self.traces(key, tokens, batch.offset, batch.lengths, batch.table, batch.table_rows,
-                                           self.pool.keys, self.pool.values, tail_keys, tail_values, batch.launch)
+        assert batch.tail_len is not None
+        rows, t = tokens.shape[0], self.tail
+        tail_keys, tail_values = self._old_tail(rows)
+        logits, keys, values = self.traces((rows, batch.launch), tokens, batch.offset, batch.lengths, batch.table,
+                                           batch.table_rows, self.pool.keys, self.pool.values, tail_keys, tail_values,
+                                           batch.tail_len, batch.launch)
         t.keys[:], t.values[:] = keys, values
         return logits
 
+    def _old_tail(self, rows: int) -> tuple[list[mx.array], list[mx.array]]:
+        """Every layer's tail before this step: the batch's first step gets an unused one."""
+        t = self.tail
+        if t.keys[0] is not None:
+            return list(t.keys), list(t.values)  # type: ignore[arg-type]
+        return self._empty_tail(rows)
+
     def trace(self, rows: int, table: mx.array, launches: list[tuple[int, int]]) -> int:
         """Trace (without running) the step of ``rows`` rows over the device slot ``table`` at
-        every tail length and launch shape, so no request waits for those traces later; how many."""
-        shape = self.pool.shape
+        every launch shape, so no request waits for those traces later; how many."""
         zeros = mx.zeros((rows,), dtype=mx.int32)
+        tail_keys, tail_values = self._empty_tail(rows)
         count = 0
-        for steps in range(self.tail.steps.max_steps):
-            tail = [mx.zeros((rows, shape.n_kv_heads, steps, shape.head_dim), dtype=self.pool.dtype)
-                    for _ in self.pool.keys] if steps else []
-            for launch in launches:
-                if count == MAX_TRACES // 2:
-                    return count  # half the cache at most: other shapes need room
-                self.traces((rows, steps + 1, launch), zeros, zeros, zeros + 1, table, zeros, self.pool.keys,
-                            self.pool.values, tail, tail, launch)  # outputs dropped
-                count += 1
+        for launch in launches:
+            if count == MAX_TRACES // 2:
+                return count  # half the cache at most: other shapes need room
+            self.traces((rows, launch), zeros, zeros, zeros + 1, table, zeros, self.pool.keys, self.pool.values,
+                        tail_keys, tail_values, zeros[:1], launch)  # outputs dropped
+            count += 1
         return count
+
+    def _empty_tail(self, rows: int) -> tuple[list[mx.array], list[mx.array]]:
+        """An unused tail for every layer (the traces take its shape, not its contents)."""
+        shape = self.pool.shape
+        empty = self.tail.empty(rows, shape.n_kv_heads, shape.head_dim, self.pool.dtype)
+        return [empty] * len(self.tail.keys), [empty] * len(self.tail.values)
 
     def warm_rows(self, row_sizes: list[int], table: mx.array, launches: Callable[[int], list[tuple[int, int]]],
                   budget_s: float) -> int:
@@ -133,11 +146,13 @@ class CompiledPagedDecode:
         count = 0
         for rows in row_sizes:
             zeros = mx.zeros((rows,), dtype=mx.int32)
+            tail_keys, tail_values = self._empty_tail(rows)
             for launch in launches(rows):
                 if time.perf_counter() > deadline or len(self.traces) >= MAX_TRACES * 3 // 4:
                     return count
-                logits, keys, values = self.traces((rows, 1, launch), zeros, zeros, zeros + 1, table, zeros,
-                                                   self.pool.keys, self.pool.values, [], [], launch)
+                logits, keys, values = self.traces((rows, launch), zeros, zeros, zeros + 1, table, zeros,
+                                                   self.pool.keys, self.pool.values, tail_keys, tail_values,
+                                                   zeros[:1], launch)
                 mx.eval(logits, keys, values)
                 count += 1
         return count

@@ -10,8 +10,13 @@ positions. The tail is flushed into the pool (and the device slot table) by the 
 that changes the batch — new rows, a prefill, a row that left — or after ``max_steps``
 steps; only such a step waits for the read-back.
 
-Invariant: for every row of the batch, its last ``len(steps)`` positions are in the tail (in
-step order) and not yet in the pool or the slot table; all earlier positions are.
+Each layer's tail has room for ``max_steps`` positions (its capacity, a fixed shape) and holds
+``len(steps)`` of them: the paged kernels take the length as an array, so a compiled decode
+step does not depend on it (one trace per row class and launch shape, not one per length).
+
+Invariant: for every row of the batch, its last ``len(steps)`` positions are the first
+``len(steps)`` of the tail (in step order) and not yet in the pool or the slot table; all
+earlier positions are.
 """
 
 from __future__ import annotations
@@ -23,30 +28,60 @@ from runtime.worker.pools.kv_pool import KVPool
 
 
 class DecodeTail:
-    """Per-layer (B, n_kv_heads, steps, head_dim) K/V of the current decode batch."""
+    """Per-layer (B, n_kv_heads, max_steps, head_dim) K/V of the current decode batch."""
 
     def __init__(self, num_layers: int, max_steps: int) -> None:
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
         self.steps = DeferredSteps(max_steps)
+        self._empty: dict[tuple, mx.array] = {}  # an unused tail per shape, for a batch's first step
+
+    @property
+    def capacity(self) -> int:
+        return self.steps.max_steps
+
+    def old_length(self) -> mx.array:
+        """How many positions the tail holds before this step (recorded in ``steps`` already),
+        as the int32 array the paged kernels read."""
+        return mx.array([len(self.steps) - 1], dtype=mx.int32)
+
+    def old(self, layer: int, new_keys: mx.array) -> tuple[mx.array, mx.array]:
+        """Layer ``layer``'s tail before this step, whose new K/V are ``new_keys`` (B, Hkv, 1,
+        D): the batch's first step gets an unused array of the tail's shape (its length is 0)."""
+        keys, values = self.keys[layer], self.values[layer]
+        if keys is not None and values is not None:
+            return keys, values
+        b, h, _, d = new_keys.shape
+        empty = self.empty(b, h, d, new_keys.dtype)
+        return empty, empty
+
+    def empty(self, rows: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> mx.array:
+        """An unused tail of this shape (zeros, kept per shape: one per row class at most)."""
+        key = (rows, n_kv_heads, head_dim, dtype)
+        empty = self._empty.get(key)
+        if empty is None:
+            empty = self._empty[key] = mx.zeros((rows, n_kv_heads, self.capacity, head_dim), dtype=dtype)
+        return empty
 
     def set(self, layer: int, keys: mx.array, values: mx.array) -> None:
-        """Make (B, n_kv_heads, steps, head_dim) K/V, ending with the current step's, the
-        layer's tail (the paged kernel writes them while it attends)."""
-        assert keys.shape[2] == len(self.steps), "one step's K/V per layer and step"
+        """Make (B, n_kv_heads, max_steps, head_dim) K/V, whose first ``len(steps)`` positions
+        end with the current step's, the layer's tail (the paged kernel writes them while it
+        attends)."""
+        assert keys.shape[2] == self.capacity, "a tail of the full capacity"
         self.keys[layer], self.values[layer] = keys, values
 
     def flush(self, pool: KVPool, device_table: mx.array) -> bool:
         """Write the tail into the pool and the slot table; False when it was empty."""
+        steps = len(self.steps)
         taken = self.steps.take()
         if taken is None:
             return False
         rows, positions, slots = taken  # step-major, like the K/V below
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
             assert k is not None and v is not None
-            b, h, steps, d = k.shape
-            pool.write(layer, slots, k.transpose(2, 0, 1, 3).reshape(steps * b, h, d),
-                       v.transpose(2, 0, 1, 3).reshape(steps * b, h, d))
+            b, h, _, d = k.shape
+            pool.write(layer, slots, k[:, :, :steps].transpose(2, 0, 1, 3).reshape(steps * b, h, d),
+                       v[:, :, :steps].transpose(2, 0, 1, 3).reshape(steps * b, h, d))
         device_table[rows, positions] = slots
         self.clear()
         return True

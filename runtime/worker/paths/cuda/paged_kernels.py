@@ -207,25 +207,28 @@ COMBINE = """
     out[(size_t)bhr * D + d] = static_cast<T>(value / sum);
 """
 
-INPUTS = ["queries", "keys", "values", "table", "rows", "lengths", "tail_keys", "tail_values", "scale"]
+INPUTS = ["queries", "keys", "values", "table", "rows", "lengths", "tail_keys", "tail_values", "tail_len", "scale"]
 APPEND_INPUTS = INPUTS[:-1] + ["new_keys", "new_values", "scale"]
 APPEND_OUTPUTS = ["keys_out", "values_out"]
 
-# The tail (B, HKV, R, D) holds a row's last R positions.
-_TAIL_LENGTH = "    const int R = tail_keys_shape[2];\n"
+# The tail (B, HKV, RCAP, D), of capacity RCAP, holds a row's last R = tail_len[0] positions (the
+# rest of it is unused): its length is a run-time value, so one compiled step serves every
+# tail length.
+_TAIL_LENGTH = "    const int RCAP = tail_keys_shape[2];\n    const int R = tail_len[0];\n"
 _TAIL_LOAD = """
-                const size_t base = ((size_t)bh * R + (t - n)) * D + gl * PER;
+                const size_t base = ((size_t)bh * RCAP + (t - n)) * D + gl * PER;
                 load_row<T, PER>(tail_keys + base, kr[u]);
                 load_row<T, PER>(tail_values + base, vr[u]);
 """
 
-# Appending: the last position is this step's new_keys/new_values (B, HKV, 1, D), the R - 1
-# before it the old tail; the blocks also write old tail + new row to keys_out / values_out
-# (B, HKV, R, D), the step's tail, so no separate concatenation is launched.
-_APPEND_LENGTH = "    const int R = tail_keys_shape[2] + 1;\n"
+# Appending: the last position is this step's new_keys/new_values (B, HKV, 1, D), the
+# R - 1 = tail_len[0] before it the old tail (capacity RCAP); the blocks also write old tail + new
+# row to the first R positions of keys_out / values_out (B, HKV, RCAP, D), the step's tail, so no
+# separate concatenation is launched.
+_APPEND_LENGTH = "    const int RCAP = tail_keys_shape[2];\n    const int R = tail_len[0] + 1;\n"
 _APPEND_LOAD = """
                 const bool old = t - n < R - 1;
-                const size_t base = (old ? ((size_t)bh * (R - 1) + (t - n)) * D : (size_t)bh * D) + gl * PER;
+                const size_t base = (old ? ((size_t)bh * RCAP + (t - n)) * D : (size_t)bh * D) + gl * PER;
                 load_row<T, PER>((old ? tail_keys : new_keys) + base, kr[u]);
                 load_row<T, PER>((old ? tail_values : new_values) + base, vr[u]);
 """
@@ -233,9 +236,9 @@ _APPEND_COPY = """
     {
         // Every block of the (row, KV head) copies a share, 16 bytes per thread and load where
         // aligned; a thread issues both loads before its stores (one memory wait, not R * 2).
-        const size_t old_base = (size_t)bh * (R - 1) * D;
+        const size_t old_base = (size_t)bh * RCAP * D;
         const size_t new_base = (size_t)bh * D;
-        const size_t out_base = (size_t)bh * R * D;
+        const size_t out_base = (size_t)bh * RCAP * D;
         constexpr int V = 16 / sizeof(T);
         const bool vec = D % V == 0 && ((reinterpret_cast<size_t>(tail_keys + old_base) |
             reinterpret_cast<size_t>(tail_values + old_base) | reinterpret_cast<size_t>(new_keys + new_base) |

@@ -1,0 +1,75 @@
+"""A start-up check of the paged decode kernels against MLX's own attention.
+
+The kernels are CUDA source built at run time and tested only where a GPU is at hand
+(``tests/test_paged_kernel_cuda.py``). Before the worker decodes with them, one small
+random batch (a pool read through the slot table, a partly filled decode tail, this step's
+K/V appended) is checked against gathered K/V and ``mx.fast.scaled_dot_product_attention``;
+a kernel that disagrees is not used (``AttentionPaths`` falls back to the gather path, which
+is slower but uses MLX's attention), so it can never produce a wrong token.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from runtime.worker.paths.paged_attention import PagedAttention, launch_shape
+
+TOLERANCE = 5e-2  # bf16 inputs, float32 accumulation in both: the outputs agree far closer than this
+ROWS, CONTEXT, TAIL, CAPACITY = 3, 40, 2, 4
+
+
+def check_paged_kernel(attention: PagedAttention, dtype: mx.Dtype, n_kv: int, n_rep: int, head_dim: int) -> str | None:
+    """None when the appending kernel agrees with MLX's attention on a small random batch
+    (output within ``TOLERANCE``, the new tail exact); else what was wrong."""
+    rng = np.random.default_rng(0)
+    slots = ROWS * CONTEXT + 1
+    key = mx.random.key(0)
+    k1, k2, k3, k4, k5, k6, k7 = mx.random.split(key, 7)
+    keys_pool = mx.random.normal((slots, n_kv, head_dim), key=k1).astype(dtype)
+    values_pool = mx.random.normal((slots, n_kv, head_dim), key=k2).astype(dtype)
+    in_pool = rng.integers(1, CONTEXT + 1, ROWS)
+    table = np.zeros((ROWS + 1, CONTEXT), dtype=np.int32)
+    for row in range(ROWS):
+        table[row, : in_pool[row]] = rng.choice(np.arange(1, slots), in_pool[row], replace=False)
+    queries = mx.random.normal((ROWS, n_kv * n_rep, 1, head_dim), key=k3).astype(dtype)
+    tail_k = mx.random.normal((ROWS, n_kv, CAPACITY, head_dim), key=k4).astype(dtype)
+    tail_v = mx.random.normal((ROWS, n_kv, CAPACITY, head_dim), key=k5).astype(dtype)
+    new_k = mx.random.normal((ROWS, n_kv, 1, head_dim), key=k6).astype(dtype)
+    new_v = mx.random.normal((ROWS, n_kv, 1, head_dim), key=k7).astype(dtype)
+    lengths = mx.array((in_pool + TAIL + 1).astype(np.int32))
+    rows = mx.arange(ROWS, dtype=mx.int32)
+    scale = head_dim**-0.5
+    splits, warps = launch_shape(ROWS, n_kv, n_rep, head_dim, CONTEXT + TAIL + 1)
+    for launch in sorted({(splits, warps), (2, warps)}):  # one block per row and head, and split in two
+        problem = _check_launch(attention, queries, keys_pool, values_pool, table, in_pool, rows, lengths, tail_k,
+                                tail_v, new_k, new_v, scale, launch)
+        if problem is not None:
+            return f"launch {launch}: {problem}"
+    return None
+
+
+def _check_launch(attention: PagedAttention, queries, keys_pool, values_pool, table, in_pool, rows, lengths, tail_k,
+                  tail_v, new_k, new_v, scale: float, launch: tuple[int, int]) -> str | None:
+    try:
+        out, out_k, out_v = attention.attend_appending(
+            queries, keys_pool, values_pool, mx.array(table), rows, lengths, tail_k, tail_v,
+            mx.array([TAIL], dtype=mx.int32), new_k, new_v, scale, launch)
+        mx.eval(out, out_k, out_v)
+    except Exception as exc:  # a kernel that does not build or launch
+        return f"{type(exc).__name__}: {exc}"
+    keys = mx.concatenate([tail_k[:, :, :TAIL], new_k], axis=2)
+    values = mx.concatenate([tail_v[:, :, :TAIL], new_v], axis=2)
+    if not (mx.array_equal(out_k[:, :, : TAIL + 1], keys) and mx.array_equal(out_v[:, :, : TAIL + 1], values)):
+        return "the appended decode tail differs from the old tail and the step's K/V"
+    index = mx.array(table[:ROWS])
+    all_k = mx.concatenate([keys_pool[index].transpose(0, 2, 1, 3), keys], axis=2).astype(mx.float32)
+    all_v = mx.concatenate([values_pool[index].transpose(0, 2, 1, 3), values], axis=2).astype(mx.float32)
+    valid = np.concatenate([np.arange(CONTEXT)[None, :] < in_pool[:, None], np.ones((ROWS, TAIL + 1), dtype=bool)],
+                           axis=1)
+    expected = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), all_k, all_v, scale=scale,
+                                                    mask=mx.array(valid)[:, None, None, :])
+    err = mx.abs(out.astype(mx.float32) - expected).max().item()
+    if not err <= TOLERANCE:  # also catches NaN
+        return f"attention output differs from MLX's by {err:.3g} (at most {TOLERANCE} expected)"
+    return None
