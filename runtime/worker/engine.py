@@ -82,7 +82,8 @@ class Engine:
         self.pool = pool
         self.aux_pool = aux_pool
         self.max_context = max_context
-        self.paths = AttentionPaths(model, layout, pool, max_rows, max_context, row_cache, aux_pool is not None)
+        self.paths = AttentionPaths(model, layout, pool, max_rows, max_context, row_cache, aux_pool is not None,
+                                    self.LENGTH_BUCKET)
         self.compiled: CompiledDecode | None = None
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
         # CPU only: on Metal the row-cache path is not yet measured or checked token-exact compiled.

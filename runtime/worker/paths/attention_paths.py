@@ -51,6 +51,7 @@ class AttentionPaths:
         max_context: int,
         row_cache: bool | None,
         hybrid: bool,
+        length_bucket: int = 128,
     ) -> None:
         self.pool = pool
         self.mask_rank = layout.mask_rank
@@ -65,9 +66,7 @@ class AttentionPaths:
         paged = routed and layout.routed and not self.windowed and layout.kv_shape.same_widths
         self.attention = PagedAttention(PagedAttention.kernel_available()) if paged else None
         kernel = self.attention is not None and self.attention.supports(pool.shape.head_dim)
-        if kernel and (problem := check_paged_kernel(self.attention, pool.dtype, pool.shape.n_kv_heads,
-                                                     pool.shape.n_heads // pool.shape.n_kv_heads,
-                                                     pool.shape.head_dim)):
+        if kernel and (problem := self._check_kernel(length_bucket)):
             print(f"runtime worker: the paged attention kernel failed its start-up check ({problem}); "
                   "decode attends through gathered K/V instead", file=sys.stderr, flush=True)
             self.attention, kernel = PagedAttention(False), False
@@ -84,6 +83,17 @@ class AttentionPaths:
         self.device_table = mx.zeros((max_rows + 1, max_context), dtype=mx.int32) if kernel else None
         self.tail = DecodeTail(len(layout.attention_layers), TAIL_STEPS) if kernel and not hybrid else None
         self.pending = DeferredSteps(PENDING_STEPS)  # row-cache decode steps not in the pool yet
+
+    def _check_kernel(self, length_bucket: int) -> str | None:
+        """The paged kernel's start-up check (``check_paged_kernel``) at two of the launch
+        shapes the warm-up builds anyway: the one-block-per-row kind and the most split one."""
+        assert self.attention is not None
+        shape = self.pool.shape
+        n_rep = shape.n_heads // shape.n_kv_heads
+        variants = PagedAttention.variants(shape.n_kv_heads, n_rep, shape.head_dim, self.max_rows, self.max_context,
+                                           row_bucket, length_bucket)
+        launches = sorted({min(variants), max(variants)})  # fewest splits first, most splits last
+        return check_paged_kernel(self.attention, self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, launches)
 
     @property
     def dense(self) -> bool:

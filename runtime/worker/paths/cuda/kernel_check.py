@@ -19,9 +19,12 @@ TOLERANCE = 5e-2  # bf16 inputs, float32 accumulation in both: the outputs agree
 ROWS, CONTEXT, TAIL, CAPACITY = 3, 40, 2, 4
 
 
-def check_paged_kernel(attention: PagedAttention, dtype: mx.Dtype, n_kv: int, n_rep: int, head_dim: int) -> str | None:
-    """None when the appending kernel agrees with MLX's attention on a small random batch
-    (output within ``TOLERANCE``, the new tail exact); else what was wrong."""
+def check_paged_kernel(attention: PagedAttention, dtype: mx.Dtype, n_kv: int, n_rep: int, head_dim: int,
+                       launches: list[tuple[int, int]] | None = None) -> str | None:
+    """None when the kernels agree with MLX's attention on a small random batch at each of
+    ``launches`` ((splits, warps); default: unsplit and split in two): the appending kernel
+    (output within ``TOLERANCE``, the new tail exact) and the kernel that reads the step's
+    own K/V as the whole tail (models without a decode tail); else what was wrong."""
     rng = np.random.default_rng(0)
     slots = ROWS * CONTEXT + 1
     key = mx.random.key(0)
@@ -40,8 +43,10 @@ def check_paged_kernel(attention: PagedAttention, dtype: mx.Dtype, n_kv: int, n_
     lengths = mx.array((in_pool + TAIL + 1).astype(np.int32))
     rows = mx.arange(ROWS, dtype=mx.int32)
     scale = head_dim**-0.5
-    splits, warps = launch_shape(ROWS, n_kv, n_rep, head_dim, CONTEXT + TAIL + 1)
-    for launch in sorted({(splits, warps), (2, warps)}):  # one block per row and head, and split in two
+    if launches is None:
+        splits, warps = launch_shape(ROWS, n_kv, n_rep, head_dim, CONTEXT + TAIL + 1)
+        launches = sorted({(splits, warps), (2, warps)})  # one block per row and head, and split in two
+    for launch in launches:
         problem = _check_launch(attention, queries, keys_pool, values_pool, table, in_pool, rows, lengths, tail_k,
                                 tail_v, new_k, new_v, scale, launch)
         if problem is not None:
@@ -72,4 +77,20 @@ def _check_launch(attention: PagedAttention, queries, keys_pool, values_pool, ta
     err = mx.abs(out.astype(mx.float32) - expected).max().item()
     if not err <= TOLERANCE:  # also catches NaN
         return f"attention output differs from MLX's by {err:.3g} (at most {TOLERANCE} expected)"
+    # Without a tail: the pool, then the step's own K/V.
+    try:
+        alone, _, _ = attention.attend_appending(queries, keys_pool, values_pool, mx.array(table), rows,
+                                                 mx.array((in_pool + 1).astype(np.int32)), None, None, None, new_k,
+                                                 new_v, scale, launch)
+        mx.eval(alone)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    own_k = mx.concatenate([keys_pool[index].transpose(0, 2, 1, 3), new_k], axis=2).astype(mx.float32)
+    own_v = mx.concatenate([values_pool[index].transpose(0, 2, 1, 3), new_v], axis=2).astype(mx.float32)
+    own_valid = np.concatenate([np.arange(CONTEXT)[None, :] < in_pool[:, None], np.ones((ROWS, 1), dtype=bool)], axis=1)
+    expected = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), own_k, own_v, scale=scale,
+                                                    mask=mx.array(own_valid)[:, None, None, :])
+    err = mx.abs(alone.astype(mx.float32) - expected).max().item()
+    if not err <= TOLERANCE:
+        return f"attention without a tail differs from MLX's by {err:.3g} (at most {TOLERANCE} expected)"
     return None
