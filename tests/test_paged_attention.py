@@ -294,3 +294,16 @@ def test_a_kernel_that_fails_its_start_up_check_is_not_used(model_dir, monkeypat
     req = svc.request("r", [5, 6, 7, 8], 12)
     svc.run({0: [req]})
     assert req.output_ids == reference_greedy(folder, req.prompt_ids, 12)
+
+
+def test_a_hybrid_model_decodes_through_the_kernel_without_a_tail(model_dir, monkeypatch):
+    """Hybrid models (no decode tail: their aux state is written in place) write each step's
+    K/V into the pool and the kernel reads them as a one-position tail."""
+    _reference_kernels(monkeypatch)
+    folder = model_dir("qwen3_next")
+    svc = InProcessService(folder, max_running=4, row_cache=False, compile_decode=True)
+    assert svc.engine.paths.device_table is not None and svc.engine.paths.tail is None
+    reqs = [svc.request(f"r{i}", [5, 6, 7, 8 + i], 10) for i in range(2)]
+    svc.run({0: reqs})
+    for req in reqs:
+        assert req.output_ids == reference_greedy(folder, req.prompt_ids, 10)
