@@ -212,7 +212,7 @@ class PagedAttention:
         appending = tail_shape is not None
         tails = [tail_shape, tail_shape] if tail_shape is not None else []
         template = [("T", queries.dtype), ("D", d), ("NREP", n_rep), ("HKV", n_kv), ("NWARPS", warps),
-                    ("UNROLL", UNROLL), ("SPLITS", splits), ("GL", lanes_per_position(d))]
+                    ("UNROLL", UNROLL), ("GL", lanes_per_position(d))]  # the splits come from the grid
         grid = (blocks * splits * warps * 32, 1, 1)
         if splits == 1:
             return self._kernel("single", appending)(
@@ -225,7 +225,7 @@ class PagedAttention:
             output_dtypes=[mx.float32] * 3 + [queries.dtype] * len(tails))
         (out,) = self._kernel("combine", False)(
             inputs=[part_acc, part_m, part_l],
-            template=[("T", queries.dtype), ("D", d), ("NREP", n_rep), ("SPLITS", splits)],
+            template=[("T", queries.dtype), ("D", d), ("NREP", n_rep)],
             grid=(blocks * n_rep * d, 1, 1), threadgroup=(d, 1, 1),
             output_shapes=[queries.shape], output_dtypes=[queries.dtype])
         return [out, *tail]
@@ -233,8 +233,9 @@ class PagedAttention:
     @staticmethod
     def variants(n_kv: int, n_rep: int, head_dim: int, max_rows: int, max_context: int,
                  row_sizes: Callable[[int], int], length_bucket: int) -> set[tuple[int, int]]:
-        """Every (splits, warps) a decode batch of up to ``max_rows`` rows can use: each is a
-        kernel compiled on first use, seconds on the GPU."""
+        """Every (splits, warps) a decode batch of up to ``max_rows`` rows can use. A kernel is
+        built (seconds on the GPU) per warps count and kind (unsplit or split), not per split
+        count: the kernels read the splits from their grid."""
         return {
             launch_shape(rows, n_kv, n_rep, head_dim, length)
             for rows in {row_sizes(n) for n in range(1, max_rows + 1)}

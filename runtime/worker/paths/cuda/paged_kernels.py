@@ -2,7 +2,10 @@
 
 Template parameters: ``T`` (K/V and query dtype), ``D`` (head dim), ``NREP`` (query heads per
 KV head), ``HKV`` (KV heads), ``NWARPS`` (warps per block), ``UNROLL`` (positions per lane
-group and pass), ``SPLITS`` (blocks per row and KV head), ``GL`` (lanes per position).
+group and pass), ``GL`` (lanes per position). ``SPLITS`` (blocks per row and KV head) is read
+from the launch's grid, not a template parameter: one built kernel serves every split count,
+so a worker's start builds fewer (each build is seconds of NVRTC, at every start: MLX keeps
+custom kernels in memory only).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __device__ inline void load_row(const T* p, float* out) {
 _BODY = """
     constexpr int PER = D / GL;
     constexpr int GROUPS = 32 / GL;
+    const int SPLITS = gridDim.x / (queries_shape[0] * HKV);  // the grid is (rows x KV heads x splits) blocks
     const int bh = blockIdx.x / SPLITS;
     const int split = blockIdx.x % SPLITS;
     const int b = bh / HKV;
@@ -189,6 +193,7 @@ WRITE_PARTIAL = """
 
 COMBINE = """
     const int bhr = blockIdx.x;  // (row, KV head, query head of the group)
+    const int SPLITS = part_m_shape[0] / gridDim.x;  // partial results per (row, KV head, query head)
     const int d = threadIdx.x;
     const int bh = bhr / NREP;
     const int r = bhr % NREP;
