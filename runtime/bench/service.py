@@ -34,7 +34,7 @@ class ServiceSpec:
     http_port: int = 0  # > 0: also serve HTTP (the gateway) on 127.0.0.1:http_port
 
     def toml(self) -> str:
-        """The config file text (keys as in runtime/config.py); a 0 row count, step budget or chunk is left out."""
+        """The config file text (keys as in runtime/config/sections.py); a 0 row count, step budget or chunk is left out."""
         scheduler = [f"max_context = {self.max_context}"]
         if self.max_running:
             scheduler.append(f"max_running = {self.max_running}")

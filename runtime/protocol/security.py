@@ -9,7 +9,6 @@ reply at all, which the client library reports as "no reply" (``ServiceUnavailab
 
 from __future__ import annotations
 
-import ipaddress
 import struct
 from typing import TYPE_CHECKING
 
@@ -17,6 +16,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
+
+from runtime.config import is_loopback
 
 if TYPE_CHECKING:
     from runtime.config import ServerConfig
@@ -137,20 +138,10 @@ def _tcp_host(address: str) -> str | None:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
-def is_loopback_host(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and ``localhost``; ``*``, ``0.0.0.0``, names and LAN IPs are not."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def check_bind_allowed(client_address: str, server: ServerConfig) -> None:
     """Refuse a TCP bind beyond loopback without CURVE, unless ``server.allow_insecure`` is set."""
     host = _tcp_host(client_address)
-    if host is None or is_loopback_host(host) or server.curve_secret_key or server.allow_insecure:
+    if host is None or is_loopback(host) or server.curve_secret_key or server.allow_insecure:
         return
     raise SecurityError(
         f"refusing to serve {client_address} without encryption: anyone on the network could use it; "
@@ -168,5 +159,4 @@ __all__ = [
     "client_keys",
     "secure_client",
     "check_bind_allowed",
-    "is_loopback_host",
 ]
