@@ -146,7 +146,11 @@ class PoolLayerCache(CacheStandIn):
         tail = b.tail
         # Without a tail (hybrid models) the pool holds this step's K/V too; the kernel reads
         # them as a one-position tail all the same.
-        old_k, old_v = tail.old(layer, self.new[0]) if tail is not None else (None, None)
+        old_k = old_v = None
+        if tail is not None:
+            b_rows, n_kv, _, head_dim = self.new[0].shape
+            keys, values = tail.old(b_rows, n_kv, head_dim, self.new[0].dtype)
+            old_k, old_v = keys[layer], values[layer]
         out, keys, values = b.attention.attend_appending(
             queries, self.pool.keys[layer], self.pool.values[layer], b.table, b.table_rows, b.lengths, old_k, old_v,
             b.tail_len, *self.new, scale, b.launch)

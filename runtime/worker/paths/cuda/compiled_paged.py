@@ -100,26 +100,19 @@ class CompiledPagedDecode:
         assert batch.tail is self.tail and batch.table is not None and batch.table_rows is not None
         assert batch.lengths is not None and batch.launch is not None and isinstance(batch.offset, mx.array)
         assert batch.tail_len is not None
-        rows, t = tokens.shape[0], self.tail
-        tail_keys, tail_values = self._old_tail(rows)
+        rows, t, shape = tokens.shape[0], self.tail, self.pool.shape
+        tail_keys, tail_values = t.old(rows, shape.n_kv_heads, shape.head_dim, self.pool.dtype)
         logits, keys, values = self.traces((rows, batch.launch), tokens, batch.offset, batch.lengths, batch.table,
                                            batch.table_rows, self.pool.keys, self.pool.values, tail_keys, tail_values,
                                            batch.tail_len, batch.launch)
         t.keys[:], t.values[:] = keys, values
         return logits
 
-    def _old_tail(self, rows: int) -> tuple[list[mx.array], list[mx.array]]:
-        """Every layer's tail before this step: the batch's first step gets an unused one."""
-        t = self.tail
-        if t.keys[0] is not None:
-            return list(t.keys), list(t.values)  # type: ignore[arg-type]
-        return self._empty_tail(rows)
-
     def trace(self, rows: int, table: mx.array, launches: list[tuple[int, int]]) -> int:
         """Trace (without running) the step of ``rows`` rows over the device slot ``table`` at
         every launch shape, so no request waits for those traces later; how many."""
         zeros = mx.zeros((rows,), dtype=mx.int32)
-        tail_keys, tail_values = self._empty_tail(rows)
+        tail_keys, tail_values = self._unused_tail(rows)
         count = 0
         for launch in launches:
             if count == MAX_TRACES // 2:
@@ -129,11 +122,9 @@ class CompiledPagedDecode:
             count += 1
         return count
 
-    def _empty_tail(self, rows: int) -> tuple[list[mx.array], list[mx.array]]:
-        """An unused tail for every layer (the traces take its shape, not its contents)."""
+    def _unused_tail(self, rows: int) -> tuple[list[mx.array], list[mx.array]]:
         shape = self.pool.shape
-        empty = self.tail.empty(rows, shape.n_kv_heads, shape.head_dim, self.pool.dtype)
-        return [empty] * len(self.tail.keys), [empty] * len(self.tail.values)
+        return self.tail.unused(rows, shape.n_kv_heads, shape.head_dim, self.pool.dtype)
 
     def warm_rows(self, row_sizes: list[int], table: mx.array, launches: Callable[[int], list[tuple[int, int]]],
                   budget_s: float) -> int:
@@ -146,7 +137,7 @@ class CompiledPagedDecode:
         count = 0
         for rows in row_sizes:
             zeros = mx.zeros((rows,), dtype=mx.int32)
-            tail_keys, tail_values = self._empty_tail(rows)
+            tail_keys, tail_values = self._unused_tail(rows)
             for launch in launches(rows):
                 if time.perf_counter() > deadline or len(self.traces) >= MAX_TRACES * 3 // 4:
                     return count

@@ -45,23 +45,22 @@ class DecodeTail:
         as the int32 array the paged kernels read."""
         return mx.array([len(self.steps) - 1], dtype=mx.int32)
 
-    def old(self, layer: int, new_keys: mx.array) -> tuple[mx.array, mx.array]:
-        """Layer ``layer``'s tail before this step, whose new K/V are ``new_keys`` (B, Hkv, 1,
-        D): the batch's first step gets an unused array of the tail's shape (its length is 0)."""
-        keys, values = self.keys[layer], self.values[layer]
-        if keys is not None and values is not None:
-            return keys, values
-        b, h, _, d = new_keys.shape
-        empty = self.empty(b, h, d, new_keys.dtype)
-        return empty, empty
+    def old(self, rows: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> tuple[list[mx.array], list[mx.array]]:
+        """Every layer's tail before this step; a layer without one yet (the batch's first
+        step: its length is 0) gets an ``unused`` one. Layer by layer, since a forward built
+        layer by layer replaces each layer's tail as it goes."""
+        empty_keys, empty_values = self.unused(rows, n_kv_heads, head_dim, dtype)
+        return ([k if k is not None else e for k, e in zip(self.keys, empty_keys)],
+                [v if v is not None else e for v, e in zip(self.values, empty_values)])
 
-    def empty(self, rows: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> mx.array:
-        """An unused tail of this shape (zeros, kept per shape: one per row class at most)."""
+    def unused(self, rows: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> tuple[list[mx.array], list[mx.array]]:
+        """A tail of this shape for every layer, never read (zeros, kept per shape: one per row
+        class at most); the kernels and the compiled steps take its shape, not its contents."""
         key = (rows, n_kv_heads, head_dim, dtype)
         empty = self._empty.get(key)
         if empty is None:
             empty = self._empty[key] = mx.zeros((rows, n_kv_heads, self.capacity, head_dim), dtype=dtype)
-        return empty
+        return [empty] * len(self.keys), [empty] * len(self.values)
 
     def set(self, layer: int, keys: mx.array, values: mx.array) -> None:
         """Make (B, n_kv_heads, max_steps, head_dim) K/V, whose first ``len(steps)`` positions
