@@ -59,14 +59,18 @@ class _SchedulerCollector(Collector):
 
 class _HitRatioCollector(Collector):
     """``runtime_prefix_cache_hit_ratio``: cached / prompt tokens of the finished requests, from
-    the token counters as ``families`` collects them (one process's, or every process's summed)."""
+    the token counters as ``families`` collects them (one process's, or every process's summed).
+    ``forward``: also yield those families (they are the scrape's: read once per scrape)."""
 
-    def __init__(self, families: Callable[[], Iterable[Metric]], model: str) -> None:
-        self._families, self._model = families, model
+    def __init__(self, families: Callable[[], Iterable[Metric]], model: str, forward: bool = False) -> None:
+        self._families, self._model, self._forward = families, model, forward
 
     def collect(self) -> Iterator:
+        families = list(self._families())
+        if self._forward:
+            yield from families
         totals: dict[str, float] = {}
-        for family in self._families():
+        for family in families:
             for sample in family.samples:
                 if sample.name in _TOKEN_TOTALS and sample.labels.get("model") == self._model:
                     totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
@@ -110,11 +114,10 @@ class Metrics:
             self._scraped = self.registry
             tokens = (self.prompt_tokens, self.cached_tokens)
             self.registry.register(_HitRatioCollector(lambda: [f for c in tokens for f in c.collect()], model))
-        else:  # a scrape reads every process's files, not this registry
+        else:  # a scrape reads every process's files once, not this registry
             self._scraped = CollectorRegistry()
-            MultiProcessCollector(self._scraped, path=multiprocess_dir)
             every = MultiProcessCollector(None, path=multiprocess_dir)
-            self._scraped.register(_HitRatioCollector(every.collect, model))
+            self._scraped.register(_HitRatioCollector(every.collect, model, forward=True))
         self._scraped.register(_SchedulerCollector(self))
         # The model's children, looked up once: ITL is recorded for every streamed chunk.
         self._ttft, self._itl, self._e2e = (h.labels(model) for h in (self.ttft, self.itl, self.e2e))
