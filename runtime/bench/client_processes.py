@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from runtime.bench.measure import StreamTiming
 
@@ -29,7 +29,9 @@ def _ready(barrier) -> None:
     barrier.wait()
 
 
-def _part(side: str, target: str, prompts: list[list[int]], gen_lens: list[int], start_at: float) -> list[StreamTiming]:
+def _part(side: str, target: str, prompts: list[list[int]], gen_lens: list[int],
+          start_at: float) -> tuple[list[StreamTiming], float, float]:
+    """This process's streams: (their timings, its CPU seconds and wall seconds while they ran)."""
     if side == "http":
         from runtime.bench.http import http_together as together
     else:
@@ -37,20 +39,30 @@ def _part(side: str, target: str, prompts: list[list[int]], gen_lens: list[int],
     delay = start_at - time.perf_counter()
     if delay > 0:
         time.sleep(delay)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     timings = together(target, prompts, gen_lens)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     for timing in timings:  # one start for every process's streams (connect time is ms)
         timing.start = start_at
-    return timings
+    return timings, cpu, wall
 
 
 def spread(side: str, target: str, prompts: Sequence[list[int]], gen_lens: Sequence[int],
-           per_process: int = STREAMS_PER_PROCESS) -> list[StreamTiming]:
+           per_process: int = STREAMS_PER_PROCESS, on_start: Callable[[], None] | None = None,
+           client_cores: list[float] | None = None) -> list[StreamTiming]:
     """Send all requests at once from ``ceil(len / per_process)`` processes; ``side`` is
     "http" (``target`` the gateway's URL) or "zmq" (``target`` the client address). One
-    process's share runs in this process's own client when one is enough."""
+    process's share runs in this process's own client when one is enough. ``on_start`` is
+    called at the shared start (after the processes are up); ``client_cores`` gets each client
+    process's CPU time over its streams' wall time (1.0: the client saturated its core)."""
     procs = math.ceil(len(prompts) / per_process)
     if procs <= 1:
-        return _part(side, target, list(prompts), list(gen_lens), time.perf_counter())
+        if on_start is not None:
+            on_start()
+        timings, cpu, wall = _part(side, target, list(prompts), list(gen_lens), time.perf_counter())
+        if client_cores is not None and wall > 0:
+            client_cores.append(cpu / wall)
+        return timings
     bounds = [len(prompts) * i // procs for i in range(procs + 1)]
     parts = [(list(prompts[a:b]), list(gen_lens[a:b])) for a, b in zip(bounds, bounds[1:])]
     context = multiprocessing.get_context("spawn")
@@ -59,4 +71,13 @@ def spread(side: str, target: str, prompts: Sequence[list[int]], gen_lens: Seque
         barrier.wait(timeout=120)
         start_at = time.perf_counter() + START_MARGIN_S
         pending = [pool.apply_async(_part, (side, target, p, g, start_at)) for p, g in parts]
-        return [timing for job in pending for timing in job.get()]
+        if on_start is not None:
+            time.sleep(max(0.0, start_at - time.perf_counter()))
+            on_start()
+        out: list[StreamTiming] = []
+        for job in pending:
+            timings, cpu, wall = job.get()
+            out.extend(timings)
+            if client_cores is not None and wall > 0:
+                client_cores.append(cpu / wall)
+        return out

@@ -4,7 +4,7 @@ One service with ``[http]``; runtime only (it compares the gateway with the clie
 Single stream: alternating pairs (ZMQ, then HTTP, then the other way round), inter-token
 latency p50 of each. Many streams: alternating rounds, total output tokens per second. HTTP
 requests are ``/v1/completions`` with token-id prompts, greedy, ``ignore_eos``, streamed as
-server-sent events; a token's arrival is its event's. Many streams come from several client
+server-sent events; a token's arrival is the network read that brought its event. Many streams come from several client
 processes on both sides (``client_processes``): one process could not parse the events of 64
 fast streams.
 """
@@ -20,6 +20,7 @@ from typing import Any
 from runtime.bench import runtime_side
 from runtime.bench.client_processes import spread
 from runtime.bench.measure import StreamTiming, percentile, summarize
+from runtime.bench.process_cpu import CpuWindow
 from runtime.bench.report import table
 from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome
 
@@ -28,18 +29,30 @@ async def _http_one(client, url: str, prompt: list[int], gen_len: int, timing: S
     body = {"prompt": prompt, "max_tokens": gen_len, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     total = 0
+    pending = b""
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        # Counted per network read, not parsed per event: a Python client parsing every event
+        # of 64 fast streams is slower than the gateway it measures.
+        async for block in response.aiter_raw():
+            now = time.perf_counter()
+            data = pending + block
+            cut = data.rfind(b"\n\n")
+            if cut < 0:
+                pending = data
                 continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"HTTP stream error: {event['error']}")
-            if event.get("choices"):
-                timing.add([0])  # an event per scheduler chunk: one token each in steady decode
-            if event.get("usage"):
-                total = event["usage"]["completion_tokens"]
+            events, pending = data[:cut], data[cut + 2:]
+            # JSON strings escape their quotes, so this pattern is only ever a chunk's own key.
+            timing.add([0] * events.count(b'"choices":[{'), at=now)
+            if b'"error"' in events or b'"usage":{' in events:
+                for line in events.split(b"\n"):
+                    if not line.startswith(b"data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(f"HTTP stream error: {event['error']}")
+                    if event.get("usage"):
+                        total = event["usage"]["completion_tokens"]
     if total > timing.n_tokens and timing.arrivals:  # chunks that carried several tokens
         timing.add([0] * (total - timing.n_tokens), at=timing.arrivals[-1][0])
 
@@ -92,19 +105,21 @@ class Http:
         self.many = [bench.prompts(streams, prompt_len) for _ in range(6)]
         self.itl: dict[str, list[float]] = {"zmq": [], "http": []}
         self.tok_s: dict[str, list[float]] = {"zmq": [], "http": []}
+        self.cpu: dict[str, list[dict[str, float]]] = {"zmq": [], "http": []}  # cores busy per role, per round
 
-    def run(self, address: str, url: str) -> Outcome:
+    def run(self, address: str, url: str, service_pid: int | None = None) -> Outcome:
+        """``service_pid``: the ``runtime up`` process, to report its processes' CPU per round."""
         log = self.bench.log
         sides = {
             "zmq": lambda ps, gs: runtime_side.run_together(address, ps, gs),
             "http": lambda ps, gs: http_together(url, ps, gs),
         }
         # Many streams come from several client processes on both sides (client_processes).
-        many = {"zmq": lambda ps, gs: spread("zmq", address, ps, gs), "http": lambda ps, gs: spread("http", url, ps, gs)}
+        targets = {"zmq": address, "http": url}
         log("http: warm-up through both")
         for name, side in sides.items():
             side([self.single[0]], [WARMUP_GEN])
-            many[name](self.many[0], [WARMUP_GEN] * self.streams)
+            spread(name, targets[name], self.many[0], [WARMUP_GEN] * self.streams)
         for i in range(self.pairs):
             order = ("zmq", "http") if i % 2 == 0 else ("http", "zmq")
             for k, name in enumerate(order):
@@ -114,8 +129,18 @@ class Http:
         for r in range(2):
             order = ("zmq", "http") if r == 0 else ("http", "zmq")
             for k, name in enumerate(order):
-                self.tok_s[name].append(summarize(many[name](self.many[2 + 2 * r + k], [self.gen_len] * self.streams))
-                                        ["total_tok_s"])
+                # CPU per service process over the streams' span, and each client process's own.
+                window = CpuWindow(service_pid) if service_pid else None
+                clients: list[float] = []
+                timings = spread(name, targets[name], self.many[2 + 2 * r + k], [self.gen_len] * self.streams,
+                                 on_start=window.start if window else None, client_cores=clients)
+                self.tok_s[name].append(summarize(timings)["total_tok_s"])
+                shares = window.stop().shares() if window is not None else {}
+                if clients:
+                    shares["client (busiest)"] = max(clients)
+                self.cpu[name].append(shares)
+                log(f"http: round {r + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(shares.items()))
+                    + " cores busy")
             log(f"http: {self.streams} streams round {r + 1}: zmq {self.tok_s['zmq'][-1]:.1f} tok/s, "
                 f"http {self.tok_s['http'][-1]:.1f} tok/s")
         return self.outcome()
@@ -130,9 +155,17 @@ class Http:
             [f"{self.streams} streams, tok/s (median of rounds; ratio: median of per-round ratios)",
              _median(self.tok_s["zmq"]), _median(self.tok_s["http"]), f"{percentile(thr_ratios, 50):.3f}", "at least 0.9"],
         ]
-        data = {"itl_ms": self.itl, "tok_s": self.tok_s, "itl_ratio_median": med, "throughput_ratios": thr_ratios}
+        data = {"itl_ms": self.itl, "tok_s": self.tok_s, "itl_ratio_median": med, "throughput_ratios": thr_ratios,
+                "cpu_cores": self.cpu}
         title = f"HTTP gateway vs ZMQ client (prompt {self.prompt_len}, {self.gen_len} new tokens, greedy)"
-        return Outcome(data, [table(title, ["measure", "zmq", "http", "http/zmq", "target"], rows)])
+        tables = [table(title, ["measure", "zmq", "http", "http/zmq", "target"], rows)]
+        roles = sorted({role for side in self.cpu.values() for shares in side for role in shares})
+        if roles:  # which process would saturate a core first
+            cpu_rows = [[role] + [_median([s.get(role, 0.0) for s in self.cpu[side]]) for side in ("zmq", "http")]
+                        for role in roles]
+            tables.append(table(f"CPU cores busy per process during the {self.streams}-stream rounds (median)",
+                                ["process", "zmq", "http"], cpu_rows))
+        return Outcome(data, tables)
 
 
 def _median(values: list[float]) -> float:

@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling-rounds", type=int, default=3, help="sampling and structured: alternating runs of each kind")
     p.add_argument("--http-streams", type=int, default=64, help="http: concurrent streams")
     p.add_argument("--http-port", type=int, default=18431, help="http and mixed: the gateway's loopback port")
+    p.add_argument("--http-workers", type=int, default=1, help="http: gateway processes ([http] workers)")
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--prefix-unique", type=_ints, default=[16, 64], help="min,max unique tokens per request")
@@ -231,14 +232,15 @@ def run(args: argparse.Namespace) -> int:
         seq = args.prompt_len + args.gen_len
         spec = phases.service_spec(args, model, [], cache=True)
         spec = dataclasses.replace(spec, max_running=max(spec.max_running, n), max_context=max(spec.max_context, seq + 16),
-                                   kv_slots=args.kv_slots or n * (seq + 16) + 4 * seq, http_port=args.http_port)
+                                   kv_slots=args.kv_slots or n * (seq + 16) + 4 * seq, http_port=args.http_port,
+                                   http_workers=args.http_workers)
         log("starting a runtime with the HTTP gateway")
         with Service(spec, work / "configs" / "http.toml") as svc:
             services["http"] = vars(spec) | {"model": str(model)}
             url = f"http://127.0.0.1:{args.http_port}"
             wait_http(url, svc)
             log(svc.banner)
-            report("http", Http(bench, n, args.prompt_len, args.gen_len).run(svc.address, url))
+            report("http", Http(bench, n, args.prompt_len, args.gen_len).run(svc.address, url, svc.pid))
     if "mixed" in chosen:
         report("mixed", phases.mixed_phase(args, model, bench, services, log))
     results["warnings"] = warnings

@@ -32,6 +32,7 @@ class ServiceSpec:
     blas: str = "auto"
     fuse_projections: str = "auto"
     http_port: int = 0  # > 0: also serve HTTP (the gateway) on 127.0.0.1:http_port
+    http_workers: int = 1  # [http] workers: gateway processes
 
     def toml(self) -> str:
         """The config file text (keys as in runtime/config/sections.py); a 0 row count, step budget or chunk is left out."""
@@ -52,6 +53,7 @@ class ServiceSpec:
             f"kv_slots = {self.kv_slots}\n\n"
             f"[worker]\nblas = {self.blas!r}\nfuse_projections = {self.fuse_projections!r}\n"
             + (f'\n[http]\naddress = "127.0.0.1:{self.http_port}"\n' if self.http_port else "")
+            + (f"workers = {self.http_workers}\n" if self.http_port and self.http_workers != 1 else "")
         )
 
 
