@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from harness import InProcessService
-from model_factory import reference_greedy
+from near_tie import assert_greedy_like_mlx, assert_requests_like_mlx
 
 from runtime.worker.model import attention_patch
 
@@ -29,8 +29,7 @@ def test_decode_reads_the_pool_through_the_dispatcher(arch, model_dir):
     reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(9 + 7 * i)], 8) for i in range(3)]
     svc.run({0: reqs[:2], 3: reqs[2:]})
     assert calls and all(shape[2] == 1 for shape in calls), "decode must attend through the pool, one token per row"
-    for r in reqs:
-        assert r.output_ids == reference_greedy(folder, r.prompt_ids, 8), r.rid
+    assert_requests_like_mlx(folder, reqs)  # strict on the CPU; on a GPU, up to a shown near-tie
 
 
 def test_install_is_idempotent_and_keeps_the_original(model_dir):
@@ -173,7 +172,7 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
     assert sum(r.prefix_len > 0 for r in reqs) >= 2
     assert max(flushed) > 1 and (tail_steps > 3 or max(flushed) == tail_steps), flushed
     for r in reqs + [follow]:
-        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+        assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)
     assert bool(steps) == compiled
 
 
@@ -247,7 +246,7 @@ def test_hybrid_models_take_the_kernel_path_without_a_tail(arch, model_dir, monk
     svc.run({0: reqs[:2], 3: reqs[2:]})
     assert lengths and set(lengths) == {1}
     for r in reqs:
-        assert r.output_ids == reference_greedy(folder, r.prompt_ids, 8), r.rid
+        assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, 8, r.rid)
 
 
 def test_one_decode_trace_serves_every_tail_length(model_dir, monkeypatch):
@@ -266,7 +265,7 @@ def test_one_decode_trace_serves_every_tail_length(model_dir, monkeypatch):
     reqs = [svc.request(f"r{i}", [5, 6, 7, 8 + i], 40) for i in range(2)]
     svc.run({0: reqs})
     for req in reqs:
-        assert req.output_ids == reference_greedy(folder, req.prompt_ids, 40)
+        assert_greedy_like_mlx(folder, req.prompt_ids, req.output_ids, 40)
     assert svc.engine.compiled_paged.traces.built == built
 
 
@@ -293,7 +292,7 @@ def test_a_kernel_that_fails_its_start_up_check_is_not_used(model_dir, monkeypat
     assert paths.device_table is None and paths.tail is None and not paths.attention.use_kernel
     req = svc.request("r", [5, 6, 7, 8], 12)
     svc.run({0: [req]})
-    assert req.output_ids == reference_greedy(folder, req.prompt_ids, 12)
+    assert_greedy_like_mlx(folder, req.prompt_ids, req.output_ids, 12)
 
 
 def test_a_hybrid_model_decodes_through_the_kernel_without_a_tail(model_dir, monkeypatch):
@@ -306,4 +305,4 @@ def test_a_hybrid_model_decodes_through_the_kernel_without_a_tail(model_dir, mon
     reqs = [svc.request(f"r{i}", [5, 6, 7, 8 + i], 10) for i in range(2)]
     svc.run({0: reqs})
     for req in reqs:
-        assert req.output_ids == reference_greedy(folder, req.prompt_ids, 10)
+        assert_greedy_like_mlx(folder, req.prompt_ids, req.output_ids, 10)

@@ -132,9 +132,18 @@ class Http:
                 # CPU per service process over the streams' span, and each client process's own.
                 window = CpuWindow(service_pid) if service_pid else None
                 clients: list[float] = []
+                before = _status(address)
                 timings = spread(name, targets[name], self.many[2 + 2 * r + k], [self.gen_len] * self.streams,
                                  on_start=window.start if window else None, client_cores=clients)
-                self.tok_s[name].append(summarize(timings)["total_tok_s"])
+                after = _status(address)
+                summary = summarize(timings)
+                self.tok_s[name].append(summary["total_tok_s"])
+                span = after.worker_uptime_s - before.worker_uptime_s
+                idle = (after.worker_idle_s - before.worker_idle_s) / span if span > 0 else float("nan")
+                log(f"http: round {r + 1} {name}: wall {summary['wall_s']:.2f} s, TTFT p50 / p95 "
+                    f"{summary['ttft_p50_ms']:.0f} / {summary['ttft_p95_ms']:.0f} ms, ITL p50 / p95 "
+                    f"{summary['itl_p50_ms']:.2f} / {summary['itl_p95_ms']:.2f} ms, {after.steps - before.steps} steps, "
+                    f"worker idle {100 * idle:.1f}%")
                 shares = window.stop().shares() if window is not None else {}
                 if clients:
                     shares["client (busiest)"] = max(clients)
@@ -166,6 +175,16 @@ class Http:
             tables.append(table(f"CPU cores busy per process during the {self.streams}-stream rounds (median)",
                                 ["process", "zmq", "http"], cpu_rows))
         return Outcome(data, tables)
+
+
+def _status(address: str):
+    from runtime.client import Client
+
+    async def ask():
+        async with Client(address) as client:
+            return await client.status()
+
+    return asyncio.run(ask())
 
 
 def _median(values: list[float]) -> float:
