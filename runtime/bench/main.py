@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-streams", type=int, default=64, help="http: concurrent streams")
     p.add_argument("--http-port", type=int, default=18431, help="http and mixed: the gateway's loopback port")
     p.add_argument("--http-workers", type=int, default=1, help="http: gateway processes ([http] workers)")
+    p.add_argument("--pin-clients", action="store_true",
+                   help="http: service and client processes on separate halves of the physical cores")
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--prefix-unique", type=_ints, default=[16, 64], help="min,max unique tokens per request")
@@ -135,7 +137,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen workloads; services are always torn down on the way out."""
-    from runtime.bench import phases, prefix_memory, workloads
+    from runtime.bench import phases, pinning, prefix_memory, workloads
     from runtime.bench.measure import Progress
     from runtime.bench.models import model_vocab, synthetic_model
     from runtime.bench.report import format_header, header, loadavg, write_json
@@ -234,13 +236,18 @@ def run(args: argparse.Namespace) -> int:
         spec = dataclasses.replace(spec, max_running=max(spec.max_running, n), max_context=max(spec.max_context, seq + 16),
                                    kv_slots=args.kv_slots or n * (seq + 16) + 4 * seq, http_port=args.http_port,
                                    http_workers=args.http_workers)
+        split = pinning.split_cpus() if args.pin_clients else None
+        if args.pin_clients:
+            log(f"http: service on CPUs {sorted(split[0])}, clients on {sorted(split[1])}" if split
+                else "http: --pin-clients: fewer than 4 physical cores, nothing pinned")
         log("starting a runtime with the HTTP gateway")
-        with Service(spec, work / "configs" / "http.toml") as svc:
+        with Service(spec, work / "configs" / "http.toml", cpus=split[0] if split else None) as svc:
             services["http"] = vars(spec) | {"model": str(model)}
             url = f"http://127.0.0.1:{args.http_port}"
             wait_http(url, svc)
             log(svc.banner)
-            report("http", Http(bench, n, args.prompt_len, args.gen_len).run(svc.address, url, svc.pid))
+            with pinning.pinned(split[1] if split else None):  # the bench's clients and their processes
+                report("http", Http(bench, n, args.prompt_len, args.gen_len).run(svc.address, url, svc.pid))
     if "mixed" in chosen:
         report("mixed", phases.mixed_phase(args, model, bench, services, log))
     results["warnings"] = warnings

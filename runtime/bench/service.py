@@ -106,8 +106,10 @@ class ServiceError(RuntimeError):
 class Service(Managed):
     """A ``python -m runtime.cli up`` process group, killed on ``stop()`` / context exit."""
 
-    def __init__(self, spec: ServiceSpec, config_path: Path, startup_timeout_s: float = 900.0) -> None:
+    def __init__(self, spec: ServiceSpec, config_path: Path, startup_timeout_s: float = 900.0,
+                 cpus: set[int] | None = None) -> None:
         self.spec = spec
+        self.cpus = cpus  # the CPUs the service's processes may run on (None: any)
         self.config_path = config_path
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -132,6 +134,7 @@ class Service(Managed):
             cwd=REPO_ROOT,
             env=env,
             start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,
         )
         threading.Thread(target=self._drain, daemon=True).start()
         started = time.monotonic()
