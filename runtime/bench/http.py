@@ -57,20 +57,23 @@ async def _http_one(client, url: str, prompt: list[int], gen_len: int, timing: S
         timing.add([0] * (total - timing.n_tokens), at=timing.arrivals[-1][0])
 
 
-async def _http_together(url: str, prompts: Sequence[list[int]], gen_lens: Sequence[int]) -> list[StreamTiming]:
+async def _http_together(url: str, prompts: Sequence[list[int]], gen_lens: Sequence[int],
+                         start_at: float | None) -> list[StreamTiming]:
     import httpx
 
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
-        start = time.perf_counter()
+        start = await runtime_side.wait_for_start(start_at)  # the client is built (imports, TLS defaults) before t=0
         timings = [StreamTiming(start=start) for _ in prompts]
         await asyncio.gather(*(_http_one(client, url, p, g, t) for p, g, t in zip(prompts, gen_lens, timings)))
     return timings
 
 
-def http_together(url: str, prompts: Sequence[list[int]], gen_lens: Sequence[int]) -> list[StreamTiming]:
-    """Send all requests at once over HTTP (one connection each); the shared start is t=0."""
-    return asyncio.run(_http_together(url, prompts, gen_lens))
+def http_together(url: str, prompts: Sequence[list[int]], gen_lens: Sequence[int],
+                  start_at: float | None = None) -> list[StreamTiming]:
+    """Send all requests at once over HTTP (one connection each); the shared start is t=0
+    (``start_at``, as in ``runtime_side.run_together``)."""
+    return asyncio.run(_http_together(url, prompts, gen_lens, start_at))
 
 
 def wait_http(url: str, service: Any = None, timeout_s: float = 900.0) -> None:

@@ -26,11 +26,12 @@ async def _stream_one(
 
 
 async def _together(
-    address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int], params: dict | Sequence[dict] | None = None
+    address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int], params: dict | Sequence[dict] | None = None,
+    start_at: float | None = None,
 ) -> list[StreamTiming]:
     async with Client(address, timeout_s=REPLY_TIMEOUT_S) as client:
         before = await client.status()
-        start = time.perf_counter()
+        start = await wait_for_start(start_at)
         timings = [StreamTiming(start=start) for _ in prompts]
         each = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         await asyncio.gather(*(_stream_one(client, p, g, t, q) for p, g, t, q in zip(prompts, gen_lens, timings, each)))
@@ -45,11 +46,21 @@ async def _together(
 
 
 def run_together(
-    address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int], params: dict | Sequence[dict] | None = None
+    address: str, prompts: Sequence[list[int]], gen_lens: Sequence[int], params: dict | Sequence[dict] | None = None,
+    start_at: float | None = None,
 ) -> list[StreamTiming]:
     """Send all requests at once (one client, concurrent streams); the shared start is t=0 for TTFT.
-    ``params``: extra generate keywords for every request, or a list of them, one per request."""
-    return asyncio.run(_together(address, prompts, gen_lens, params))
+    ``params``: extra generate keywords for every request, or a list of them, one per request.
+    ``start_at`` (``time.perf_counter``): connect first, then send at that moment, which is t=0."""
+    return asyncio.run(_together(address, prompts, gen_lens, params, start_at))
+
+
+async def wait_for_start(start_at: float | None) -> float:
+    """Wait until ``start_at`` (if given, and not past) and return the start time (t=0)."""
+    if start_at is None:
+        return time.perf_counter()
+    await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+    return start_at
 
 
 async def _pooled(
