@@ -4,20 +4,19 @@ One service with ``[http]``; runtime only (it compares the gateway with the clie
 Single stream: alternating pairs (ZMQ, then HTTP, then the other way round), inter-token
 latency p50 of each. Many streams: alternating rounds, total output tokens per second. HTTP
 requests are ``/v1/completions`` with token-id prompts, greedy, ``ignore_eos``, streamed as
-server-sent events; a token's arrival is the network read that brought its event. Many streams come from several client
-processes on both sides (``client_processes``): one process could not parse the events of 64
-fast streams.
+server-sent events, read by the bench's light client (``sse_load``); a token's arrival is the
+network read that brought its event. Many streams come from several client processes on both
+sides (``client_processes``): one process could not parse the events of 64 fast streams.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from runtime.bench import runtime_side
+from runtime.bench import runtime_side, sse_load
 from runtime.bench.client_processes import spread
 from runtime.bench.measure import StreamTiming, percentile, summarize
 from runtime.bench.process_cpu import CpuWindow
@@ -25,47 +24,19 @@ from runtime.bench.report import table
 from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome
 
 
-async def _http_one(client, url: str, prompt: list[int], gen_len: int, timing: StreamTiming) -> None:
+async def _http_one(url: str, prompt: list[int], gen_len: int, timing: StreamTiming) -> None:
     body = {"prompt": prompt, "max_tokens": gen_len, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    total = 0
-    pending = b""
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        # Counted per network read, not parsed per event: a Python client parsing every event
-        # of 64 fast streams is slower than the gateway it measures.
-        async for block in response.aiter_raw():
-            now = time.perf_counter()
-            data = pending + block
-            cut = data.rfind(b"\n\n")
-            if cut < 0:
-                pending = data
-                continue
-            events, pending = data[:cut], data[cut + 2:]
-            # JSON strings escape their quotes, so this pattern is only ever a chunk's own key.
-            timing.add([0] * events.count(b'"choices":[{'), at=now)
-            if b'"error"' in events or b'"usage":{' in events:
-                for line in events.split(b"\n"):
-                    if not line.startswith(b"data: {"):
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise RuntimeError(f"HTTP stream error: {event['error']}")
-                    if event.get("usage"):
-                        total = event["usage"]["completion_tokens"]
+    total = await sse_load.stream(url, "/v1/completions", body, timing)
     if total > timing.n_tokens and timing.arrivals:  # chunks that carried several tokens
         timing.add([0] * (total - timing.n_tokens), at=timing.arrivals[-1][0])
 
 
 async def _http_together(url: str, prompts: Sequence[list[int]], gen_lens: Sequence[int],
                          start_at: float | None) -> list[StreamTiming]:
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
-        start = await runtime_side.wait_for_start(start_at)  # the client is built (imports, TLS defaults) before t=0
-        timings = [StreamTiming(start=start) for _ in prompts]
-        await asyncio.gather(*(_http_one(client, url, p, g, t) for p, g, t in zip(prompts, gen_lens, timings)))
+    start = await runtime_side.wait_for_start(start_at)
+    timings = [StreamTiming(start=start) for _ in prompts]
+    await asyncio.gather(*(_http_one(url, p, g, t) for p, g, t in zip(prompts, gen_lens, timings)))
     return timings
 
 
