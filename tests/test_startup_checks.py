@@ -149,6 +149,41 @@ def test_missing_model_folder_says_so(tmp_path):
     assert seconds < QUICK_S
 
 
+def _session_members(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (``runtime up`` runs in a session of its own)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
+                members.append(int(entry.name))
+    return members
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads sessions from /proc")
+def test_a_broken_tokenizer_fails_the_start_and_stops_the_launched_worker(model_dir, tmp_path, short_dir):
+    # The worker is launched before the tokenizer loads (their start-ups overlap); a tokenizer
+    # that cannot load must still end the service with one line and leave no worker behind.
+    folder = tmp_path / "broken-tokenizer"
+    shutil.copytree(model_dir("llama"), folder)
+    (folder / "tokenizer.json").write_text("{ not json")
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "up", "-c",
+                             str(_config(tmp_path, folder, f"ipc://{short_dir}/s.sock"))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=60)
+        left = _session_members(proc.pid)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 1
+    assert "runtime: cannot load the tokenizer from" in err and "Traceback" not in err
+    assert left == [], f"processes left behind by the failed start: {left}"
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "*"])
 def test_non_loopback_without_curve_is_refused(unloadable_model, tmp_path, host):
     address = f"tcp://{host}:{_free_port()}"

@@ -53,7 +53,18 @@ class Server:
         self._client_sock, self._auth = open_client_socket(self.ctx, addresses, config.server)
         self.clients: LoopSocket | None = None  # wraps the socket once the loop runs (start)
         self.supervisor = WorkerSupervisor(config, self.ctx, addresses.worker)
-        self.tokenizer = Tokenizer(config.model.path)
+        # The worker boots (seconds of imports, model load and warm-up) while this process loads
+        # the tokenizer (transformers: seconds too), instead of after it.
+        self.supervisor.launch()
+        try:
+            self.tokenizer = Tokenizer(config.model.path)
+        except BaseException:
+            self.supervisor.shutdown()
+            self._client_sock.close(0)
+            if self._auth is not None:
+                self._auth.stop()
+            self.ctx.term()
+            raise
         self.intake = Intake(self.tokenizer, config.scheduler.max_context or 4096)
         self.out = ClientOut(self.tokenizer, config.server.slow_client_timeout_s)
         self.peers = self.out.peers
@@ -81,7 +92,8 @@ class Server:
         return Scheduler(limits, self.tokenizer.eos_ids, debug_invariants=self.config.scheduler.debug_invariants)
 
     async def start(self) -> None:
-        self.ready = await self.supervisor.start()
+        """Wait for the worker launched in ``__init__``; raises WorkerStartError."""
+        self.ready = await self.supervisor.wait_ready()
         self.scheduler = self._new_scheduler(self.ready)
         self.clients = self.out.socket = LoopSocket(self._client_sock)
 

@@ -42,6 +42,7 @@ class WorkerSupervisor:
         self.restarts = 0
         self.last_progress = time.monotonic()
         self._attempts: deque[float] = deque()
+        self._launched_at = 0.0
 
     @property
     def pid(self) -> int:
@@ -52,6 +53,12 @@ class WorkerSupervisor:
 
     async def start(self) -> wp.Ready:
         """Start a worker and wait for it to load the model; raises WorkerStartError."""
+        self.launch()
+        return await self.wait_ready()
+
+    def launch(self) -> None:
+        """Bind the worker socket and start the worker process; its start-up (imports, model
+        load, warm-up) runs on its own from here, while the caller does its own (the tokenizer)."""
         if self.sock is not None:
             self.sock.close()
         sock = self.ctx.socket(zmq.PAIR)
@@ -59,8 +66,14 @@ class WorkerSupervisor:
         sock.bind(self.address)
         self.sock = LoopSocket(sock)
         self.process.start()
+        self._launched_at = time.monotonic()
+
+    async def wait_ready(self) -> wp.Ready:
+        """Wait for the launched worker's Ready (``worker.startup_timeout_s`` from its launch);
+        raises WorkerStartError."""
+        assert self.sock is not None, "launch() first"
         timeout = self.config.worker.startup_timeout_s
-        deadline = time.monotonic() + timeout
+        deadline = self._launched_at + timeout
         while time.monotonic() < deadline:
             payload = await self.sock.recv(WORKER_POLL_S)
             if payload is not None:
