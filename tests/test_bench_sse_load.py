@@ -49,11 +49,12 @@ def test_counts_choice_events_and_reads_usage(split):
         server, url, seen = await _serve(200, _chunked(frames), split)
         async with server:
             timing = StreamTiming(start=0.0)
-            total = await sse_load.stream(url, "/v1/completions", {"prompt": [1, 2]}, timing)
-        return timing, total, seen
+            usage = await sse_load.stream(url, "/v1/completions", {"prompt": [1, 2]},
+                                          lambda now, events: timing.add([0] * sse_load.choice_events(events), at=now))
+        return timing, usage, seen
 
-    timing, total, seen = asyncio.run(run())
-    assert total == 5
+    timing, usage, seen = asyncio.run(run())
+    assert usage == {"completion_tokens": 5}
     assert timing.n_tokens == 3  # three choice events, whatever the text inside them holds
     assert json.loads(seen[0]) == {"prompt": [1, 2]}
 
@@ -62,9 +63,17 @@ def test_error_status_and_error_event_raise():
     async def run(status: int, body: bytes):
         server, url, _ = await _serve(status, body, 64)
         async with server:
-            await sse_load.stream(url, "/v1/completions", {}, StreamTiming(start=0.0))
+            await sse_load.stream(url, "/v1/completions", {}, lambda now, events: None)
 
     with pytest.raises(sse_load.HttpStreamError, match="HTTP 400"):
         asyncio.run(run(400, _chunked([b'{"error":{"message":"bad"}}'])))
     with pytest.raises(sse_load.HttpStreamError, match="worker died"):
         asyncio.run(run(200, _chunked([_frame({"error": {"message": "worker died"}})])))
+
+
+def test_counts_text_events_in_either_json_spacing():
+    # The gateway's compact JSON and mlx_lm.server's json.dumps spacing; an empty text is no token.
+    compact = b'data: {"choices":[{"text":"a"}]}\n\ndata: {"choices":[{"text":""}]}\n\n'
+    spaced = b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": ""}]}\n\n: keepalive\n\n'
+    for events in (compact, spaced):
+        assert sse_load.choice_events(events) == 2 and sse_load.text_events(events) == 1

@@ -27,7 +27,9 @@ from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome
 async def _http_one(url: str, prompt: list[int], gen_len: int, timing: StreamTiming) -> None:
     body = {"prompt": prompt, "max_tokens": gen_len, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    total = await sse_load.stream(url, "/v1/completions", body, timing)
+    usage = await sse_load.stream(url, "/v1/completions", body,
+                                  lambda now, events: timing.add([0] * sse_load.choice_events(events), at=now))
+    total = int(usage["completion_tokens"]) if usage else 0
     if total > timing.n_tokens and timing.arrivals:  # chunks that carried several tokens
         timing.add([0] * (total - timing.n_tokens), at=timing.arrivals[-1][0])
 

@@ -10,12 +10,12 @@ the runtime's gateway and ``mlx_lm.server`` speak this protocol, so one driver s
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from runtime.bench import sse_load
 from runtime.bench.measure import percentile
 
 REPLY_TIMEOUT_S = 900.0  # a queued request may see no byte for long under overload
@@ -57,32 +57,25 @@ class RequestTiming:
         return (self.last - self.first) / (self.tokens - 1)
 
 
-async def _one(client, url: str, req: Request, timing: RequestTiming) -> None:
+async def _one(url: str, req: Request, timing: RequestTiming) -> None:
     await asyncio.sleep(max(0.0, timing.due - time.perf_counter()))
     timing.send = time.perf_counter()
     body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    chunks, usage, ended = 0, None, math.nan
+    chunks, ended = 0, math.nan
+
+    def on_events(now: float, events: bytes) -> None:
+        nonlocal chunks, ended
+        if sse_load.choice_events(events):
+            ended = now
+        texts = sse_load.text_events(events)
+        if texts:
+            if not chunks:
+                timing.first = now
+            timing.last, chunks = now, chunks + texts
+
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                raise RuntimeError(f"HTTP {response.status_code}: {text[:300]}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue  # also mlx_lm.server's ": keepalive" comments during prefill
-                event = json.loads(line[6:])
-                if event.get("error"):
-                    raise RuntimeError(f"stream error: {event['error']}")
-                choices = event.get("choices") or []
-                if choices:
-                    ended = time.perf_counter()
-                if any(c.get("text") for c in choices):
-                    if not chunks:
-                        timing.first = ended
-                    timing.last, chunks = ended, chunks + 1
-                if event.get("usage"):
-                    usage = event["usage"]
+        usage = await sse_load.stream(url, "/v1/completions", body, on_events, REPLY_TIMEOUT_S)
     except Exception as exc:  # any failure is the request's, reported with it, never dropped
         timing.error = f"{type(exc).__name__}: {exc}"
         return
@@ -96,18 +89,15 @@ async def _one(client, url: str, req: Request, timing: RequestTiming) -> None:
 
 async def _run(url: str, requests: Sequence[Request], on_done: Callable[[int], None] | None,
                ) -> tuple[float, list[RequestTiming]]:
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
-    # trust_env off: loopback traffic must not go through a proxy from the environment.
-    async with httpx.AsyncClient(timeout=REPLY_TIMEOUT_S, limits=limits, trust_env=False) as client:
-        t0 = time.perf_counter() + START_DELAY_S
-        timings = [RequestTiming(due=t0 + r.at) for r in requests]
-        tasks = [asyncio.create_task(_one(client, url, r, t)) for r, t in zip(requests, timings)]
-        for done, task in enumerate(asyncio.as_completed(tasks), start=1):
-            await task
-            if on_done is not None:
-                on_done(done)
+    # The light SSE client (runtime/bench/sse_load.py): one process reads every stream of the
+    # schedule, so parsing each event with httpx would make the client the bottleneck.
+    t0 = time.perf_counter() + START_DELAY_S
+    timings = [RequestTiming(due=t0 + r.at) for r in requests]
+    tasks = [asyncio.create_task(_one(url, r, t)) for r, t in zip(requests, timings)]
+    for done, task in enumerate(asyncio.as_completed(tasks), start=1):
+        await task
+        if on_done is not None:
+            on_done(done)
     return t0, timings
 
 
