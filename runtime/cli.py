@@ -57,6 +57,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
         pass
 
     async def run() -> int:
+        # SIGINT / SIGTERM stop the service from here on, start-up included (a GPU worker's
+        # warm-up can take minutes); a terminal's Ctrl-C reaches the worker too, which ignores it.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
         try:
             server = Server(config, addresses)
         except (SecurityError, AddressError) as exc:
@@ -65,12 +71,20 @@ def _cmd_up(args: argparse.Namespace) -> int:
         except Exception as exc:
             print(f"runtime: cannot load the tokenizer from {config.model.path}: {exc}", file=sys.stderr)
             return 1
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        print(f"runtime: starting the worker for {config.model.path} (pid {server.supervisor.pid}); "
+              "Ctrl-C stops", flush=True)
+        starting = asyncio.create_task(server.start())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if not starting.done():  # stopped before the worker was ready
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            await server.shutdown()
+            print("runtime: stopped during start-up", flush=True)
+            return 0
         try:
-            await server.start()
+            starting.result()
         except (SecurityError, AddressError) as exc:
             print(f"runtime: {exc}", file=sys.stderr)
             await server.shutdown()

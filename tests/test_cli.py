@@ -127,6 +127,14 @@ def test_generate_flags_reach_the_request(model_dir, tmp_path):
     assert chat["prompt_tokens"] == len(chat_ids) and chat["token_ids"] == reference_greedy(folder, chat_ids, 8)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_shuts_down_within_10s_leaving_no_process(model_dir, tmp_path, sig):
     folder = model_dir("llama")
@@ -143,6 +151,26 @@ def test_signal_shuts_down_within_10s_leaving_no_process(model_dir, tmp_path, si
         for pid in children:
             with pytest.raises(ProcessLookupError):
                 os.kill(int(pid), 0)
+
+
+def test_ctrl_c_to_the_whole_group_stops_quietly(model_dir, tmp_path):
+    # A terminal's Ctrl-C sends SIGINT to every process of the foreground group: the scheduler,
+    # the worker and the gateway at once. The service stops with its own line, no tracebacks.
+    port = _free_port()
+    config = tmp_path / "c.toml"
+    config.write_text(f'[model]\npath = "{model_dir("llama")}"\n[server]\naddress = "ipc://"\n'
+                      f'[http]\naddress = "127.0.0.1:{port}"\n')
+    with running_config(config) as svc:
+        deadline = time.monotonic() + 60
+        while not any("HTTP on" in line for line in list(svc.lines)):
+            assert time.monotonic() < deadline and svc.proc.poll() is None, svc.log()
+            time.sleep(0.05)  # polling the reader thread's list, bounded by the deadline
+        os.killpg(svc.proc.pid, signal.SIGINT)
+        svc.proc.wait(timeout=15)
+        time.sleep(0.5)  # the reader thread drains the last lines of the closed pipe
+        log = svc.log()
+    assert "runtime: stopped" in log, log
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
 
 
 def test_default_config_serves_the_embedded_adder():

@@ -184,6 +184,33 @@ def test_a_broken_tokenizer_fails_the_start_and_stops_the_launched_worker(model_
     assert left == [], f"processes left behind by the failed start: {left}"
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads sessions from /proc")
+def test_ctrl_c_during_a_worker_start_that_never_ends_stops_at_once(model_dir, tmp_path, short_dir):
+    # Weights behind a FIFO nobody writes: the worker's load blocks forever, like a long GPU
+    # warm-up. Ctrl-C (SIGINT to the whole group) must still end the service in seconds.
+    folder = tmp_path / "blocking-weights"
+    shutil.copytree(model_dir("llama"), folder)
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+        os.mkfifo(weights)
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "up", "-c",
+                             str(_config(tmp_path, folder, f"ipc://{short_dir}/s.sock"))],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # printed once Ctrl-C is handled, before the worker is waited for
+        assert first.startswith("runtime: starting the worker for"), first
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)
+        left = _session_members(proc.pid)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out
+    assert "runtime: stopped during start-up" in out and "Traceback" not in out, out
+    assert left == [], f"processes left behind: {left}"
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "*"])
 def test_non_loopback_without_curve_is_refused(unloadable_model, tmp_path, host):
     address = f"tcp://{host}:{_free_port()}"
