@@ -153,9 +153,11 @@ def test_signal_shuts_down_within_10s_leaving_no_process(model_dir, tmp_path, si
                 os.kill(int(pid), 0)
 
 
-def test_ctrl_c_to_the_whole_group_stops_quietly(model_dir, tmp_path):
-    # A terminal's Ctrl-C sends SIGINT to every process of the foreground group: the scheduler,
-    # the worker and the gateway at once. The service stops with its own line, no tracebacks.
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_whole_group_stops_quietly(model_dir, tmp_path, sig):
+    # A terminal's Ctrl-C (SIGINT) or a service manager's stop (systemd: SIGTERM to the whole
+    # control group) reaches the scheduler, the worker and the gateway at once. The service
+    # stops with its own line: no tracebacks, and no restart of a worker taken for crashed.
     port = _free_port()
     config = tmp_path / "c.toml"
     config.write_text(f'[model]\npath = "{model_dir("llama")}"\n[server]\naddress = "ipc://"\n'
@@ -165,12 +167,13 @@ def test_ctrl_c_to_the_whole_group_stops_quietly(model_dir, tmp_path):
         while not any("HTTP on" in line for line in list(svc.lines)):
             assert time.monotonic() < deadline and svc.proc.poll() is None, svc.log()
             time.sleep(0.05)  # polling the reader thread's list, bounded by the deadline
-        os.killpg(svc.proc.pid, signal.SIGINT)
+        os.killpg(svc.proc.pid, sig)
         svc.proc.wait(timeout=15)
         time.sleep(0.5)  # the reader thread drains the last lines of the closed pipe
         log = svc.log()
     assert "runtime: stopped" in log, log
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    assert "restarting the worker" not in log, log
 
 
 def test_default_config_serves_the_embedded_adder():

@@ -302,9 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=None, help="tensor-parallel rank (worker.tensor_parallel > 1)")
     parser.add_argument("--followers", nargs="*", default=[], help="rank 0: the fan-out address of each other rank")
     args = parser.parse_args(argv)
-    # A terminal's Ctrl-C reaches the whole process group; the scheduler owns the shutdown (it
-    # sends Shutdown, then stops this process), and a dead scheduler is noticed by the loop.
+    # A terminal's Ctrl-C, or a service manager's SIGTERM, reaches the whole process group;
+    # the scheduler owns this process's end (Shutdown, then SIGKILL if it does not go), so a
+    # worker killed by the same signal is not mistaken for a crash and restarted. A dead
+    # scheduler is noticed by the loop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config = parse_config(json.loads(args.config_json))
     role = None
     if args.rank is not None:

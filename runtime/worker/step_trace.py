@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
-import sys
 import time
 from collections import defaultdict
 
@@ -31,8 +29,6 @@ class StepTrace:
         self._threads = _thread_cpu()
         self.slow: list[tuple[float, float, str]] = []  # (seconds, at, what) of the slowest submits
         gc.callbacks.append(self._on_gc)
-        # A service stopped by a signal to its process group still writes the summary.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
