@@ -3,157 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import signal
-import socket
 import sys
-from typing import TYPE_CHECKING
-
-from runtime.config import Config, ConfigError, load_config
-from runtime.heap import freeze_startup_heap
-
-if TYPE_CHECKING:
-    from runtime.gateway.process import GatewayProcess
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"runtime: {exc}", file=sys.stderr)
-        return 2
-    if not os.path.isdir(config.model.path):
-        print(f"runtime: no such folder: {config.model.path} (model.path in {args.config})", file=sys.stderr)
-        return 1
-    from runtime.protocol.security import SecurityError, check_bind_allowed
-    from runtime.scheduler.addresses import AddressError, resolve
+    from runtime.up import up
 
-    addresses = resolve(config.server.address, config.server.host)
-    try:
-        check_bind_allowed(addresses.client, config.server)  # before the heavy imports
-    except SecurityError as exc:
-        addresses.cleanup()
-        print(f"runtime: {exc}", file=sys.stderr)
-        return 1
-    http_socket = None
-    if config.http is not None:
-        from runtime.gateway.process import GatewayError, bind
-
-        try:
-            http_socket = bind(config.http)  # a busy port fails here, before the model loads
-        except GatewayError as exc:
-            addresses.cleanup()
-            print(f"runtime: {exc}", file=sys.stderr)
-            return 1
-    from runtime.scheduler.server import Server, WorkerStartError
-
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:  # uvloop is optional on platforms without it
-        pass
-
-    async def run() -> int:
-        # SIGINT / SIGTERM stop the service from here on, start-up included (a GPU worker's
-        # warm-up can take minutes); a terminal's Ctrl-C reaches the worker too, which ignores it.
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            server = Server(config, addresses)
-        except (SecurityError, AddressError) as exc:
-            print(f"runtime: {exc}", file=sys.stderr)
-            return 1
-        except Exception as exc:
-            print(f"runtime: cannot load the tokenizer from {config.model.path}: {exc}", file=sys.stderr)
-            return 1
-        print(f"runtime: starting the worker for {config.model.path} (pid {server.supervisor.pid}); "
-              "Ctrl-C stops", flush=True)
-        starting = asyncio.create_task(server.start())
-        stopper = asyncio.create_task(stop.wait())
-        await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        stopper.cancel()
-        if not starting.done():  # stopped before the worker was ready
-            starting.cancel()
-            await asyncio.gather(starting, return_exceptions=True)
-            await server.shutdown()
-            print("runtime: stopped during start-up", flush=True)
-            return 0
-        try:
-            starting.result()
-        except (SecurityError, AddressError) as exc:
-            print(f"runtime: {exc}", file=sys.stderr)
-            await server.shutdown()
-            return 1
-        except WorkerStartError as exc:
-            print(f"runtime: the worker could not load the model: {exc}", file=sys.stderr)
-            await server.shutdown()
-            return 1
-        ready = server.ready
-        assert ready is not None
-        freeze_startup_heap()  # the tokenizer's and transformers' objects, out of the collector's way
-        if ready.limits:  # before the "serving" line, which tells scripts the service is up
-            print(f"runtime: limits: {ready.limits}", flush=True)
-        print(
-            f"runtime: serving {config.model.path} ({ready.model_type}, {ready.num_slots} KV slots "
-            f"{ready.dtype} {(ready.pool_bytes + ready.aux_bytes) / 2**20:.1f} MiB, context {ready.max_context}) "
-            f"on {addresses.client}",
-            flush=True,
-        )
-        serve = asyncio.create_task(server.serve_forever())
-        stopper = asyncio.create_task(stop.wait())
-        gateway = None
-        code = 0
-        if http_socket is not None:
-            gateway, code = await _start_gateway(config, addresses.client, http_socket, stop)
-        done, _ = await asyncio.wait({serve, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if serve in done and serve.exception() is not None:
-            print(f"runtime: stopped: {serve.exception()}", file=sys.stderr)
-            code = 1
-        if gateway is not None:
-            await gateway.stop()
-        serve.cancel()
-        stopper.cancel()
-        await server.shutdown()
-        print("runtime: stopped", flush=True)
-        return code
-
-    try:
-        return asyncio.run(run())
-    finally:
-        if http_socket is not None:
-            http_socket.close()
-        addresses.cleanup()
-
-
-async def _start_gateway(
-    config: Config, scheduler_address: str, sock: socket.socket, stop: asyncio.Event
-) -> tuple[GatewayProcess | None, int]:
-    """Start the HTTP gateway once the scheduler serves; on failure, print why and set ``stop``.
-
-    Returns (the gateway or None, the exit status so far).
-    """
-    from runtime.gateway.process import GatewayError, GatewayProcess, settings_for
-
-    starting = asyncio.create_task(GatewayProcess.start(config.http, sock, settings_for(config, scheduler_address)))
-    stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    stopper.cancel()
-    if not starting.done():  # SIGINT/SIGTERM during start-up
-        starting.cancel()
-        await asyncio.gather(starting, return_exceptions=True)
-        return None, 0
-    if isinstance(starting.exception(), GatewayError):
-        print(f"runtime: {starting.exception()}", file=sys.stderr)
-        stop.set()
-        return None, 1
-    gateway = starting.result()
-    print(f"runtime: HTTP on {gateway.url}", flush=True)
-    return gateway, 0
+    return up(args.config)
 
 
 def _client_keys(args: argparse.Namespace) -> dict[str, str]:
