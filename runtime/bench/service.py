@@ -149,7 +149,7 @@ class Service(Managed):
                 continue
             if line is None:
                 raise ServiceError(f"service exited during start-up:\n{self.log()}")
-            if line.startswith("runtime worker:"):  # progress: where a long start-up spends its time
+            if line.startswith(("runtime worker:", "runtime: starting the worker")):  # where a start-up spends its time
                 print(f"[service {time.monotonic() - started:6.1f}s] {line.rstrip()}", file=sys.stderr, flush=True)
             match = _SERVING.search(line)
             if match:
