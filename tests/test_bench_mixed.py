@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import statistics
 from pathlib import Path
@@ -138,6 +139,11 @@ def test_mixed_and_long_workloads_run_both_sides(tmp_path, capsys):
         assert st["ttft_p50_ms"] > 0 and st["ttft_p99_ms"] >= st["ttft_p50_ms"]
         assert 0 <= st["goodput"] <= 1 and st["prefix_wave"]["requests"] == 3
     assert mixed["runtime"]["prefix_wave"]["cached_tokens"] > 0
+    if os.path.isdir("/proc"):  # CPU per process over each side's schedule (read from /proc)
+        cpu = mixed["cpu_cores"]
+        assert set(cpu) == {"runtime", "mlx_lm"}
+        assert {"scheduler", "worker", "gateway", "bench client"} <= set(cpu["runtime"])
+        assert cpu["runtime"]["worker"] > 0 and cpu["mlx_lm"]["server"] > 0
     shapes = mixed["runtime_shapes"]
     assert shapes["prefill_shapes_warm"] >= 1 and shapes["prefill_shapes_new"] >= 1  # CPU: no length buckets
     assert mixed["ratios"]["throughput_tok_s_runtime_over_mlx"] > 0

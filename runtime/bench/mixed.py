@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 from runtime.bench.measure import ratio
 from runtime.bench.open_loop import Request, RequestTiming, run_schedule, summarize_open
+from runtime.bench.process_cpu import CpuWindow
 from runtime.bench.report import table
 from runtime.bench.service import ServiceError
 from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome
@@ -94,6 +96,7 @@ class Mixed:
             raise ValueError(f"mixed: needs at least one request and a positive rate, got {shape}")
         self.bench, self.shape = bench, shape
         self.shapes: dict[str, int] = {}
+        self.cpu: dict[str, dict[str, float]] = {}  # per side: CPU cores busy by process over the schedule
         self.tokenizer = AutoTokenizer.from_pretrained(str(bench.model))
         self.draws = schedule(bench.rng, shape)
         prefix = bench.prompt(shape.prefix_len)
@@ -123,10 +126,12 @@ class Mixed:
         """A service context that holds the longest prompt and the largest reply, with slack."""
         return max(self.prompt_tokens) + self.shape.gen[1] + 16
 
-    def run(self, side: str, url: str, shapes: Callable[[], tuple[int, int]] | None = None) -> None:
+    def run(self, side: str, url: str, shapes: Callable[[], tuple[int, int]] | None = None,
+            pid: int | None = None) -> None:
         """Warm ``url`` up with other texts, then send the whole schedule. ``shapes``: the
         service's (prefill shapes, decode traces) built so far, read after the warm-up and
-        after the run (runtime side only)."""
+        after the run (runtime side only). ``pid``: the server's process, whose CPU (by
+        process role) and the bench client's own are reported over the schedule."""
         log = self.bench.log
         log(f"mixed/{SIDES[side]}: warm-up ({len(self.warm)} requests)")
         _, warm = run_schedule(url, self.warm)
@@ -140,7 +145,16 @@ class Mixed:
             if done % PROGRESS_EVERY == 0 or done == self.count:
                 log(f"mixed/{SIDES[side]}: {done}/{self.count} requests done")
 
+        window = CpuWindow(pid, "scheduler" if side == "runtime" else "server").start() if pid else None
+        client0 = time.process_time()
         self.runs[side] = run_schedule(url, self.requests, on_done)
+        if window is not None:
+            shares = window.stop().shares()
+            if window.wall_s > 0:
+                shares["bench client"] = (time.process_time() - client0) / window.wall_s
+            self.cpu[side] = shares
+            log(f"mixed/{SIDES[side]}: CPU cores busy over the schedule: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in sorted(shares.items())))
         if shapes is not None and before is not None:
             after = shapes()
             self.shapes = {"prefill_shapes_warm": before[0], "decode_traces_warm": before[1],
@@ -210,6 +224,7 @@ class Mixed:
             "mlx_lm": ml,
             "ratios": ratios,
             "runtime_shapes": self.shapes,
+            "cpu_cores": self.cpu,
         }
         return Outcome(data, [tab], warnings)
 

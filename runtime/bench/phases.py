@@ -155,14 +155,14 @@ def mixed_phase(args: argparse.Namespace, model: Path, bench: Any, services: dic
                 status = client.status(timeout=30.0)
             return status.worker_prefill_shapes, status.worker_decode_traces
 
-        plan.run("runtime", url, shapes)
+        plan.run("runtime", url, shapes, pid=svc.pid)
     if args.mixed_runtime_only:
         log("mixed: mlx_lm.server skipped (--mixed-runtime-only): no ratios in this run")
         return plan.outcome()
     log(f"starting mlx_lm.server (--decode-concurrency {args.mlx_server_concurrency})")
     with MlxServer(model, args.mlx_server_concurrency) as server:
         services["mixed_mlx_server"] = {"command": server.command()}
-        plan.run("mlx_lm", server.url)
+        plan.run("mlx_lm", server.url, pid=server.proc.pid if server.proc is not None else None)
     return plan.outcome()
 
 

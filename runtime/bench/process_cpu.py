@@ -43,8 +43,8 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def tree_cpu(root_pid: int) -> dict[str, float]:
-    """CPU seconds so far of ``root_pid`` ("scheduler") and its descendants, summed by role."""
+def tree_cpu(root_pid: int, root_role: str = "scheduler") -> dict[str, float]:
+    """CPU seconds so far of ``root_pid`` (``root_role``) and its descendants, summed by role."""
     proc = Path("/proc")
     if not proc.is_dir():
         return {}
@@ -56,7 +56,7 @@ def tree_cpu(root_pid: int) -> dict[str, float]:
                 stats[int(entry.name)] = seen
     if root_pid not in stats:
         return {}
-    roles: dict[str, float] = {"scheduler": stats[root_pid][1]}
+    roles: dict[str, float] = {root_role: stats[root_pid][1]}
     tree = {root_pid}
     grew = True
     while grew:  # descendants: processes whose parent is in the tree
@@ -76,17 +76,18 @@ class CpuWindow:
     """CPU seconds per role between ``start()`` and ``stop()``, and the wall time between them."""
 
     root_pid: int
+    root_role: str = "scheduler"
     before: dict[str, float] = field(default_factory=dict)
     used: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
     _t0: float = 0.0
 
     def start(self) -> CpuWindow:
-        self.before, self._t0 = tree_cpu(self.root_pid), time.perf_counter()
+        self.before, self._t0 = tree_cpu(self.root_pid, self.root_role), time.perf_counter()
         return self
 
     def stop(self) -> CpuWindow:
-        after = tree_cpu(self.root_pid)
+        after = tree_cpu(self.root_pid, self.root_role)
         self.wall_s = time.perf_counter() - self._t0
         self.used = {role: after[role] - self.before.get(role, 0.0) for role in after}
         return self
