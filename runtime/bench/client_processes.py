@@ -23,7 +23,7 @@ START_MARGIN_S = 0.5  # after every process has imported its client: time to con
 
 def _ready(barrier) -> None:
     """Pool initializer: import both clients, then tell the parent this process is ready."""
-    import runtime.bench.http  # noqa: F401
+    import runtime.bench.http_side  # noqa: F401
     import runtime.bench.runtime_side  # noqa: F401
 
     barrier.wait()
@@ -33,7 +33,7 @@ def _part(side: str, target: str, prompts: list[list[int]], gen_lens: list[int],
           start_at: float) -> tuple[list[StreamTiming], float, float]:
     """This process's streams: (their timings, its CPU seconds and wall seconds while they ran)."""
     if side == "http":
-        from runtime.bench.http import http_together as together
+        from runtime.bench.http_side import http_together as together
     else:
         from runtime.bench.runtime_side import run_together as together
     # Each side builds its client first and sends at start_at: a client's set-up (the HTTP

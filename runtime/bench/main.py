@@ -228,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
                 bench, svc.address, probe, args.memory_requests, args.memory_concurrency, phases.MEMORY_PROMPT, phases.MEMORY_GEN,
             ))
     if "http" in chosen:
-        from runtime.bench.http import Http, wait_http
+        from runtime.bench.http import Http
+        from runtime.bench.http_side import wait_http
 
         n = args.http_streams
         seq = args.prompt_len + args.gen_len

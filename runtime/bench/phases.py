@@ -122,7 +122,7 @@ def paired_phase(args: argparse.Namespace, model: Path, bench: Any, services: di
 
 def mixed_phase(args: argparse.Namespace, model: Path, bench: Any, services: dict[str, Any], log: Any) -> Any:
     """The ``mixed`` workload: the runtime's gateway, then (with the service gone) ``mlx_lm.server``."""
-    from runtime.bench.http import wait_http
+    from runtime.bench.http_side import wait_http
     from runtime.bench.mixed import Mixed, MixedShape
     from runtime.bench.mlx_server import MlxServer
     from runtime.bench.service import Service, ServiceSpec
