@@ -11,12 +11,10 @@ could not read the events of 64 fast streams.
 
 from __future__ import annotations
 
-import asyncio
-
 from runtime.bench import http_side, runtime_side
 from runtime.bench.client_processes import spread
 from runtime.bench.measure import percentile, summarize
-from runtime.bench.process_cpu import CpuWindow
+from runtime.bench.process_cpu import CpuWindow, describe
 from runtime.bench.report import table
 from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome
 
@@ -59,24 +57,22 @@ class Http:
                 # CPU per service process over the streams' span, and each client process's own.
                 window = CpuWindow(service_pid) if service_pid else None
                 clients: list[float] = []
-                before = _status(address)
+                before = runtime_side.status(address)
                 timings = spread(name, targets[name], self.many[2 + 2 * r + k], [self.gen_len] * self.streams,
                                  on_start=window.start if window else None, client_cores=clients)
-                after = _status(address)
+                after = runtime_side.status(address)
                 summary = summarize(timings)
                 self.tok_s[name].append(summary["total_tok_s"])
-                span = after.worker_uptime_s - before.worker_uptime_s
-                idle = (after.worker_idle_s - before.worker_idle_s) / span if span > 0 else float("nan")
+                idle = runtime_side.idle_share(before, after)
                 log(f"http: round {r + 1} {name}: wall {summary['wall_s']:.2f} s, TTFT p50 / p95 "
                     f"{summary['ttft_p50_ms']:.0f} / {summary['ttft_p95_ms']:.0f} ms, ITL p50 / p95 "
                     f"{summary['itl_p50_ms']:.2f} / {summary['itl_p95_ms']:.2f} ms, {after.steps - before.steps} steps, "
-                    f"worker idle {100 * idle:.1f}%")
+                    f"worker idle {100 * (idle if idle is not None else float('nan')):.1f}%")
                 shares = window.stop().shares() if window is not None else {}
                 if clients:
                     shares["client (busiest)"] = max(clients)
                 self.cpu[name].append(shares)
-                log(f"http: round {r + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(shares.items()))
-                    + " cores busy")
+                log(f"http: round {r + 1} {name}: {describe(shares)}")
             log(f"http: {self.streams} streams round {r + 1}: zmq {self.tok_s['zmq'][-1]:.1f} tok/s, "
                 f"http {self.tok_s['http'][-1]:.1f} tok/s")
         return self.outcome()
@@ -102,16 +98,6 @@ class Http:
             tables.append(table(f"CPU cores busy per process during the {self.streams}-stream rounds (median)",
                                 ["process", "zmq", "http"], cpu_rows))
         return Outcome(data, tables)
-
-
-def _status(address: str):
-    from runtime.client import Client
-
-    async def ask():
-        async with Client(address) as client:
-            return await client.status()
-
-    return asyncio.run(ask())
 
 
 def _median(values: list[float]) -> float:

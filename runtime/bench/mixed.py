@@ -19,7 +19,7 @@ from typing import Callable
 
 from runtime.bench.measure import ratio
 from runtime.bench.open_loop import Request, RequestTiming, run_schedule, summarize_open
-from runtime.bench.process_cpu import CpuWindow
+from runtime.bench.process_cpu import CpuWindow, describe
 from runtime.bench.report import table
 from runtime.bench.service import ServiceError
 from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome
@@ -153,8 +153,7 @@ class Mixed:
             if window.wall_s > 0:
                 shares["bench client"] = (time.process_time() - client0) / window.wall_s
             self.cpu[side] = shares
-            log(f"mixed/{SIDES[side]}: CPU cores busy over the schedule: "
-                + ", ".join(f"{k} {v:.2f}" for k, v in sorted(shares.items())))
+            log(f"mixed/{SIDES[side]}: over the schedule, {describe(shares)}")
         if shapes is not None and before is not None:
             after = shapes()
             self.shapes = {"prefill_shapes_warm": before[0], "decode_traces_warm": before[1],

@@ -122,6 +122,7 @@ def paired_phase(args: argparse.Namespace, model: Path, bench: Any, services: di
 
 def mixed_phase(args: argparse.Namespace, model: Path, bench: Any, services: dict[str, Any], log: Any) -> Any:
     """The ``mixed`` workload: the runtime's gateway, then (with the service gone) ``mlx_lm.server``."""
+    from runtime.bench import runtime_side
     from runtime.bench.http_side import wait_http
     from runtime.bench.mixed import Mixed, MixedShape
     from runtime.bench.mlx_server import MlxServer
@@ -149,10 +150,7 @@ def mixed_phase(args: argparse.Namespace, model: Path, bench: Any, services: dic
         log(svc.banner)
 
         def shapes() -> tuple[int, int]:
-            from runtime.client import SyncClient
-
-            with SyncClient(svc.address) as client:
-                status = client.status(timeout=30.0)
+            status = runtime_side.status(svc.address)
             return status.worker_prefill_shapes, status.worker_decode_traces
 
         plan.run("runtime", url, shapes, pid=svc.pid)

@@ -96,9 +96,7 @@ class CpuWindow:
         """Each role's CPU time as a share of one core over the window (1.0: one core busy)."""
         return {role: used / self.wall_s for role, used in self.used.items()} if self.wall_s > 0 else {}
 
-    def describe(self) -> str:
-        """'scheduler 0.62, worker 0.98, gateway 0.41 cores' (empty when nothing was read)."""
-        shares = self.shares()
-        if not shares:
-            return ""
-        return ", ".join(f"{role} {share:.2f}" for role, share in sorted(shares.items())) + " cores"
+
+def describe(shares: dict[str, float]) -> str:
+    """'gateway 0.41, scheduler 0.62, worker 0.98 cores busy' (``CpuWindow.shares`` and the like)."""
+    return ", ".join(f"{role} {share:.2f}" for role, share in sorted(shares.items())) + " cores busy"

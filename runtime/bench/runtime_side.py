@@ -7,7 +7,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from runtime.bench.measure import StreamTiming
-from runtime.client import Client
+from runtime.client import Client, SyncClient
+from runtime.protocol.client import StatusReply
 
 REPLY_TIMEOUT_S = 600.0
 
@@ -36,13 +37,24 @@ async def _together(
         each = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         await asyncio.gather(*(_stream_one(client, p, g, t, q) for p, g, t, q in zip(prompts, gen_lens, timings, each)))
         after = await client.status()
-    # The worker's own clock: time with no step launched on the device, over its uptime.
-    span = after.worker_uptime_s - before.worker_uptime_s
-    if span > 0:
-        share = (after.worker_idle_s - before.worker_idle_s) / span
+    share = idle_share(before, after)
+    if share is not None:
         for timing in timings:
             timing.worker_idle_share = share
     return timings
+
+
+def idle_share(before: StatusReply, after: StatusReply) -> float | None:
+    """The worker's own clock between two status replies: the share of its uptime with no step
+    launched on the device (None when no time passed)."""
+    span = after.worker_uptime_s - before.worker_uptime_s
+    return (after.worker_idle_s - before.worker_idle_s) / span if span > 0 else None
+
+
+def status(address: str, timeout_s: float = 30.0) -> StatusReply:
+    """The service's status reply, from a connection of its own."""
+    with SyncClient(address) as client:
+        return client.status(timeout=timeout_s)
 
 
 def run_together(

@@ -11,14 +11,12 @@ constrained round also reports the scheduler's grammar-mask time per step that n
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from runtime.bench import runtime_side
 from runtime.bench.measure import StreamTiming, percentile, ratio, summarize
 from runtime.bench.report import table
 from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome
-from runtime.client import Client
 
 SCHEMA = {
     "type": "object",
@@ -47,12 +45,12 @@ class Structured:
         runtime_side.run_together(address, self.warm, [WARMUP_GEN] * n, params=self.half)
         for r in range(self.rounds):
             self.free.append(runtime_side.run_together(address, self.timed[2 * r], [self.gen_len] * n))
-            before = asyncio.run(_mask_clock(address))
+            before = runtime_side.status(address)
             self.mixed.append(runtime_side.run_together(address, self.timed[2 * r + 1], [self.gen_len] * n,
                                                         params=self.half))
-            after = asyncio.run(_mask_clock(address))
-            steps = after[1] - before[1]
-            self.mask_ms.append(1e3 * (after[0] - before[0]) / steps if steps else float("nan"))
+            after = runtime_side.status(address)
+            steps = after.mask_steps - before.mask_steps
+            self.mask_ms.append(1e3 * (after.mask_s - before.mask_s) / steps if steps else float("nan"))
             f, m = summarize(self.free[-1])["total_tok_s"], summarize(self.mixed[-1])["total_tok_s"]
             self.bench.log(f"structured/runtime round {r + 1}: free {f:.1f} tok/s, half constrained {m:.1f} tok/s, "
                            f"masks {self.mask_ms[-1]:.3f} ms per step")
@@ -75,9 +73,3 @@ class Structured:
         headers = ["round", "streams", "free tok/s", "half constrained tok/s", "ratio", "mask ms per step"]
         return Outcome(data, [table(title, headers, rows)])
 
-
-async def _mask_clock(address: str) -> tuple[float, int]:
-    """The scheduler's grammar-mask seconds and steps so far."""
-    async with Client(address, timeout_s=60) as client:
-        status = await client.status()
-    return status.mask_s, status.mask_steps
