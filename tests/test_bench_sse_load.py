@@ -76,4 +76,4 @@ def test_counts_text_events_in_either_json_spacing():
     compact = b'data: {"choices":[{"text":"a"}]}\n\ndata: {"choices":[{"text":""}]}\n\n'
     spaced = b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": ""}]}\n\n: keepalive\n\n'
     for events in (compact, spaced):
-        assert sse_load.choice_events(events) == 2 and sse_load.text_events(events) == 1
+        assert sse_load.choice_events(events) == 2 and sse_load.choice_and_text_events(events) == (2, 1)

@@ -66,9 +66,9 @@ async def _one(url: str, req: Request, timing: RequestTiming) -> None:
 
     def on_events(now: float, events: bytes) -> None:
         nonlocal chunks, ended
-        if sse_load.choice_events(events):
+        choices, texts = sse_load.choice_and_text_events(events)
+        if choices:
             ended = now
-        texts = sse_load.text_events(events)
         if texts:
             if not chunks:
                 timing.first = now

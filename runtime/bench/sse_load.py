@@ -5,7 +5,7 @@ of Python per network read of a streamed response (its HTTP/1.1 state machine, t
 stream, async generator layers), five times the ZMQ client's cost per token, and on a host
 where the worker is bound by its own CPU the difference showed up as the gateway's. This
 client writes the request itself and hands the caller the whole events of each read as raw
-bytes, to count with ``choice_events`` / ``text_events``; it parses JSON only for the events
+bytes, to count with ``choice_events`` / ``choice_and_text_events``; it parses JSON only for the events
 that end a stream (usage) or fail it. It speaks just enough HTTP for that: ``Connection:
 close``, a status line, headers, and a body read to EOF (chunk-size lines sit between events,
 so they never split one). Both the runtime's gateway (compact JSON) and ``mlx_lm.server``
@@ -33,9 +33,10 @@ def choice_events(events: bytes) -> int:
     return len(_CHOICE.findall(events))
 
 
-def text_events(events: bytes) -> int:
-    """Choice events in ``events`` whose text is not empty (a completion's chunks)."""
-    return choice_events(events) - len(_EMPTY_TEXT.findall(events))
+def choice_and_text_events(events: bytes) -> tuple[int, int]:
+    """(choice events in ``events``, those of them whose text is not empty: a completion's chunks)."""
+    choices = choice_events(events)
+    return choices, choices - len(_EMPTY_TEXT.findall(events)) if choices else 0
 
 
 class HttpStreamError(RuntimeError):
