@@ -40,6 +40,9 @@ def main() -> None:
     dense = mx.dequantize(wq, scales, biases, group_size=args.group_size, bits=args.bits).astype(mx.bfloat16)
     mx.eval(wq, scales, biases, dense)
     print(f"device {mx.default_device()}, weight {d_in}x{d_out}, {args.bits}-bit, group {args.group_size}")
+    tdq = _time(lambda: mx.dequantize(wq, scales, biases, group_size=args.group_size, bits=args.bits).astype(mx.bfloat16),
+                args.steps)
+    print(f"dequantizing the weight once (bf16 out): {tdq * 1e6:.1f} us")
     print("| rows | quantized_matmul us | dequantized bf16 matmul us | speed-up | same bits | max abs diff |")
     print("|---:|---:|---:|---:|---|---:|")
     for rows in (int(r) for r in args.rows.split(",")):
