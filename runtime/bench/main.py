@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=8,
                    help="paired and first: alternating single-stream runs per side (paired: service and mlx-lm loaded "
                         "together; first: a fresh service and a fresh mlx-lm load per pair)")
+    p.add_argument("--http-pairs", type=int, default=9,
+                   help="http: alternating single-stream pairs (ZMQ client, HTTP gateway) for the ITL ratio")
     p.add_argument("--memory-requests", type=int, default=2000)
     p.add_argument("--memory-concurrency", type=int, default=16)
     p.add_argument("--long-lens", type=_ints, default=[8192, 32768], help="long: prompt lengths, one at a time")
@@ -248,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
             wait_http(url, svc)
             log(svc.banner)
             with pinning.pinned(split[1] if split else None):  # the bench's clients and their processes
-                report("http", Http(bench, n, args.prompt_len, args.gen_len).run(svc.address, url, svc.pid))
+                report("http", Http(bench, n, args.prompt_len, args.gen_len, args.http_pairs).run(svc.address, url, svc.pid))
     if "mixed" in chosen:
         report("mixed", phases.mixed_phase(args, model, bench, services, log))
     results["warnings"] = warnings
