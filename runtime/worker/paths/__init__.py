@@ -5,7 +5,7 @@
 
 | device | full attention, one K/V width | sliding window, latent or by-hand attention | prefill |
 |---|---|---|---|
-| CUDA GPU | ``cuda/``: the paged kernel reads pool slots, new K/V wait in a decode tail; one-row steps compiled (``compiled_paged``), larger ones eager | ``rows/`` row cache where it fits, else a pool gather (``paged_attention`` without kernel) | padded to recurring shapes (``prefill_shapes``), common ones run at start-up (``prefill_warmup``) |
+| CUDA GPU | ``cuda/``: the paged kernel reads pool slots, new K/V wait in a decode tail; every row count's step compiled (``compiled_paged``), one trace per row class and launch shape | ``rows/`` row cache where it fits, else a pool gather (``paged_attention`` without kernel) | padded to recurring shapes (``prefill_shapes``), common ones run at start-up (``prefill_warmup``) |
 | CPU | ``rows/``: dense per-row K/V, the compiled decode step (``compiled_decode``), attention split over CPU streams (``parallel_attention``) | ``rows/`` as well | unpadded |
 | Metal | ``rows/``, eager (the compiled step is not yet checked there) | ``rows/`` | padded as on CUDA |
 
