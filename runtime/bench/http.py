@@ -24,7 +24,7 @@ class Http:
 
     name = "http"
 
-    def __init__(self, bench: Bench, streams: int, prompt_len: int, gen_len: int, pairs: int = 5) -> None:
+    def __init__(self, bench: Bench, streams: int, prompt_len: int, gen_len: int, pairs: int) -> None:
         self.bench, self.streams, self.prompt_len, self.gen_len, self.pairs = bench, streams, prompt_len, gen_len, pairs
         self.single = [bench.prompt(prompt_len) for _ in range(2 * pairs + 2)]
         self.many = [bench.prompts(streams, prompt_len) for _ in range(6)]
