@@ -280,9 +280,10 @@ def main() -> None:
         for label in args.modes.split(","):
             mode = label
             if mode.endswith("-fused"):  # fuses the model in place from here on: list these modes last
-                from runtime.worker.model.fused_projections import fuse_projections
+                from runtime.worker.model.fused_projections import fuse_projections, probe_rows, stacked_line
 
-                fuse_projections(model)
+                if fuse_projections(model):  # as the worker's loader does: probe the row counts used
+                    print(stacked_line(probe_rows(model, sorted({1, batch}))), flush=True)
                 mode = mode.removesuffix("-fused")
             warm_up = not args.cold_engine  # every engine mode warms up first (as the worker does) unless asked
 

@@ -20,6 +20,8 @@ from runtime.worker.model.fused_projections import (
     FusedPart,
     fuse_projections,
     fusion_wanted,
+    probe_rows,
+    stacked_line,
 )
 
 
@@ -54,14 +56,16 @@ def test_fused_projections_are_bit_identical(model_dir, arch, quantize):
     hidden = model.args.hidden_size
     one = mx.random.normal((1, 1, hidden), key=mx.random.key(1))
     many = mx.random.normal((2, 5, hidden), key=mx.random.key(2))
+    rows = mx.random.normal((3, 1, hidden), key=mx.random.key(3))  # a three-row decode step's input
     prompt = [5, 17, 33, 2, 90, 41, 7]
-    want_one, want_many = _projections(model, one), _projections(model, many)
+    want_one, want_many, want_rows = _projections(model, one), _projections(model, many), _projections(model, rows)
     want_logits = _decode_logits(model, prompt)
 
     groups = fuse_projections(model)
     layers = model_layers(model)
     assert groups >= len(layers)  # at least one group per layer
     assert fuse_projections(model) == 0  # idempotent: fused parts are not plain linears
+    verdicts = probe_rows(model, [1, 3])
 
     products = []
     product = fused_projections._Stacked._product
@@ -70,15 +74,57 @@ def test_fused_projections_are_bit_identical(model_dir, arch, quantize):
         got_one = _projections(model, one)
         calls = len(products)
         got_many = _projections(model, many)
+        assert len(products) == calls  # five tokens a row: the separate products
+        got_rows = _projections(model, rows)
+        row_calls = len(products) - calls
         got_logits = _decode_logits(model, prompt)
     finally:
         fused_projections._Stacked._product = product
-    assert calls == groups  # one product per group for a one-token input, not one per projection
-    assert len(products) > calls  # the decode step took the fused path too
-    assert len(got_one) == len(want_one) and len(got_many) == len(want_many)
-    for a, b in zip(want_one + want_many, got_one + got_many):
+    assert calls == (groups if verdicts[1] else 0)  # one product per group, not one per projection
+    assert row_calls == (groups if verdicts[3] else 0)
+    if verdicts[1]:
+        assert len(products) > calls + row_calls  # the decode step took the fused path too
+    assert len(got_one) == len(want_one) and len(got_many) == len(want_many) and len(got_rows) == len(want_rows)
+    for a, b in zip(want_one + want_many + want_rows, got_one + got_many + got_rows):
         assert a.shape == b.shape and bool(mx.array_equal(a, b))
     assert bool(mx.array_equal(want_logits, got_logits))
+
+
+def test_probed_row_counts_alone_take_the_stacked_product(model_dir, monkeypatch):
+    """A row count whose probe disagreed runs the separate products; one that agreed, the stacked."""
+    model, _ = load_model(model_dir("llama"))
+    mx.eval(model.parameters())
+    hidden = model.args.hidden_size
+    inputs = {n: mx.random.normal((n, 1, hidden), key=mx.random.key(n)) for n in (1, 2, 4)}
+    want = {n: _projections(model, x) for n, x in inputs.items()}
+    groups = fuse_projections(model)
+    real = fused_projections._Stacked.agrees
+    monkeypatch.setattr(fused_projections._Stacked, "agrees",
+                        lambda self, rows, parts: rows != 4 and real(self, rows, parts))
+    verdicts = probe_rows(model, [1, 2, 4])
+    assert verdicts == {1: True, 2: True, 4: False}  # the test model's groups agree on this CPU
+    assert stacked_line(verdicts) == "stacked products at rows 1, 2; separate at 4"
+    products = []
+    product = fused_projections._Stacked._product
+    monkeypatch.setattr(fused_projections._Stacked, "_product", lambda self, x: products.append(x) or product(self, x))
+    for n, x in inputs.items():
+        before = len(products)
+        got = _projections(model, x)
+        assert len(products) - before == (0 if n == 4 else groups), n
+        assert all(bool(mx.array_equal(a, b)) for a, b in zip(want[n], got)), n
+
+
+def test_a_probe_that_disagrees_everywhere_stacks_nothing(model_dir, monkeypatch):
+    model, _ = load_model(model_dir("qwen3"))
+    mx.eval(model.parameters())
+    fuse_projections(model)
+    assert stacked_line(None) == "one-token inputs stacked"
+    monkeypatch.setattr(fused_projections._Stacked, "agrees", lambda self, rows, parts: False)
+    assert probe_rows(model, [1, 8]) == {1: False, 8: False}
+    products = []
+    monkeypatch.setattr(fused_projections._Stacked, "_product", lambda self, x: products.append(x))
+    _projections(model, mx.random.normal((1, 1, model.args.hidden_size)))
+    assert products == []
 
 
 def test_fusing_keeps_one_copy_of_the_weights(model_dir):
@@ -148,6 +194,9 @@ def test_the_loader_fuses_when_configured(model_dir):
         loaded[setting] = load(config)
     layers = len(model_layers(loaded["on"].model))
     assert loaded["off"].fused_groups == 0 and loaded["on"].fused_groups == 2 * layers  # q/k/v and gate/up
+    assert loaded["off"].stacked_rows is None
+    classes = sorted(loaded["on"].stacked_rows)  # every decode row class up to max_running was probed
+    assert classes[0] == 1 and classes[-1] >= loaded["on"].limits.max_running
     assert isinstance(model_layers(loaded["on"].model)[0].mlp.gate_proj, FusedPart)
     prompt = [9, 8, 7, 6, 5]
     assert bool(mx.array_equal(_decode_logits(loaded["off"].model, prompt), _decode_logits(loaded["on"].model, prompt)))

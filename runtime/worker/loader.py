@@ -18,7 +18,12 @@ from runtime.worker.model.discovery import (
     UnsupportedModel,
     discover,
 )
-from runtime.worker.model.fused_projections import fuse_projections, fusion_wanted
+from runtime.worker.model.fused_projections import (
+    fuse_projections,
+    fusion_wanted,
+    probe_rows,
+)
+from runtime.worker.paths.decode_plan import row_bucket
 from runtime.worker.pools.aux_pool import AuxPool
 from runtime.worker.pools.kv_pool import KVPool
 
@@ -37,6 +42,7 @@ class LoadedModel:
     aux_templates: list | None = None
     aux_slots: int = 0
     fused_groups: int = 0
+    stacked_rows: dict[int, bool] | None = None  # decode row class -> whether its step takes the stacked product
 
     @property
     def max_context(self) -> int:
@@ -127,6 +133,9 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
         from runtime.worker.ranks import agree_limits
 
         limits = agree_limits(limits, group)
+    stacked_rows = None
+    if fused_groups:
+        stacked_rows = probe_rows(model, sorted({row_bucket(n) for n in range(1, limits.max_running + 1)}))
     aux_slots = (config.cache.aux_slots or 8 * limits.max_running) + 1 if layout.has_aux else 0
     vocab_size = int(text_config.get("vocab_size", 0))
     if limits.num_slots < 2:
@@ -140,6 +149,7 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
         aux_templates=aux_templates,
         aux_slots=aux_slots,
         fused_groups=fused_groups,
+        stacked_rows=stacked_rows,
     )
 
 

@@ -58,6 +58,7 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
 
         from runtime.worker.engine import Engine
         from runtime.worker.loader import buffer_cache_bytes, load
+        from runtime.worker.model.fused_projections import stacked_line
         from runtime.worker.paths.cuda.cuda_graphs import lift_graph_size_limit
         from runtime.worker.paths.cuda.kernel_cache import keep_kernel_cache
         from runtime.worker.paths.prefill_shapes import keep_attention_graphs
@@ -84,7 +85,8 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
               f" ({load_started - begun:.1f} s of imports and device set-up before)", flush=True)
         layout = loaded.layout
         if loaded.fused_groups:
-            print(f"runtime worker: fused {loaded.fused_groups} projection groups", flush=True)
+            print(f"runtime worker: fused {loaded.fused_groups} projection groups; {stacked_line(loaded.stacked_rows)}",
+                  flush=True)
         pool, aux_pool = loaded.make_pools()
         pool_bytes = pool.nbytes + (aux_pool.nbytes if aux_pool is not None else 0)
         default_cache = mx.set_cache_limit(0)

@@ -7,11 +7,19 @@ input they are run as one product over their weights stacked by output rows (3 +
 become 1 + 1 per layer: 96 fewer per Llama-8B step), and each projection takes its slice of
 the result (a view: one token's row is contiguous).
 
-Exactness: a matrix-vector product computes each output row as its own dot product over the
-input, in an order that depends on the input width only (MLX's CUDA ``gemv``, the CPU's
-BLAS), so each slice equals the separate projection bit for bit; ``tests/test_fused_projections.py``
-checks it. Inputs of more than one token (prefill, batched decode) run each projection on its
-own weight, now a view into the stacked one (no copy, the same arithmetic as before).
+Steps of many rows (batched decode) are host-bound on a GPU too, and there a matrix product
+over the stacked weights also costs less device time than the separate ones (H200, 1B at 64
+rows: 61 against 116 us for q/k/v, ``scripts/stacked_gemm_bits.py``). Whether it rounds each
+output as the separate products do depends on the kernel the backend picks for the shape:
+on the H200 it does at every row count for the 1B's groups, but not for the 8B's q/k/v at
+2-128 rows. So the row counts that take the stacked product are measured, not assumed:
+``probe_rows`` runs both ways on random inputs for each decode row class, once per distinct
+group shape, and a row count is stacked only where every output bit agreed. Other inputs
+(prefill chunks of other lengths, row counts not probed) run each projection on its own
+weight, a view into the stacked one (no copy, the same arithmetic as before). Before any
+probe only one-token inputs are stacked (a matrix-vector product computes each output row as
+its own dot product, in an order that depends on the input width only).
+``tests/test_fused_projections.py`` checks every path bit for bit.
 
 Only plain ``nn.Linear`` / ``nn.QuantizedLinear`` groups without a bias are fused (a bias is
 added inside the product, ``addmm``, whose rounding a stacked product might not repeat).
@@ -44,9 +52,26 @@ class _Stacked:
         self.bounds = [(s, s + w) for s, w in zip(starts, widths)]
         if self.quantized:  # every quantized array has one row per output
             self.quant = (first.group_size, first.bits, first.mode)
+        self.rows: frozenset[int] = frozenset({1})  # input row counts that take the stacked product
         self._input: mx.array | None = None
         self._output: mx.array | None = None
         self._taken: set[int] = set()
+
+    def signature(self) -> tuple:
+        """What decides the product's kernel: output widths, input width, dtype, quantization."""
+        w = self.arrays["weight"]
+        return (tuple(hi - lo for lo, hi in self.bounds), w.shape[1], w.dtype, getattr(self, "quant", None))
+
+    def agrees(self, rows: int, parts: list[nn.Module]) -> bool:
+        """Whether the stacked product of a random ``rows``-row input equals every part's own
+        product bit for bit (``parts``: the group's linears, on their view weights)."""
+        packed = parts[0]["weight"].shape[1]
+        width = packed * 32 // self.quant[1] if self.quantized else packed
+        dtype = parts[0]["scales"].dtype if self.quantized else parts[0]["weight"].dtype
+        x = mx.random.normal((rows, 1, width), key=mx.random.key(rows)).astype(dtype)  # a decode step's input
+        whole = self._product(x)
+        separate = [lin(x) for lin in parts]
+        return all(bool(mx.array_equal(whole[..., lo:hi], y)) for (lo, hi), y in zip(self.bounds, separate))
 
     def views(self, part: int) -> dict[str, mx.array]:
         """Part ``part``'s own weights: row ranges of the stacked arrays (views, no copy)."""
@@ -96,7 +121,8 @@ class FusedPart(nn.Module):
         return self.linear["weight"]
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.size != x.shape[-1]:
+        rows = x.shape[0] if x.ndim > 1 else 1
+        if x.size != rows * x.shape[-1] or rows not in self._stacked.rows:  # one token per row, rows probed
             return self.linear(x)
         return self._stacked.project(x, self._part)
 
@@ -132,9 +158,41 @@ def fuse_projections(model: nn.Module) -> int:
     return count
 
 
+def probe_rows(model: nn.Module, rows: list[int]) -> dict[int, bool]:
+    """Measure, for each input row count in ``rows``, whether the stacked products of ``model``'s
+    fused groups give the separate products' bits, and let each group stack exactly those row
+    counts from here on (see the module docstring). One probe per distinct group shape; the
+    answer per row count is True only if every shape agreed. Run it before any step is traced:
+    a compiled trace keeps the path it was traced with."""
+    groups: dict[_Stacked, dict[int, nn.Module]] = {}
+    for _, module in model.named_modules():
+        if isinstance(module, FusedPart):
+            groups.setdefault(module._stacked, {})[module._part] = module.linear
+    verdicts: dict[tuple, frozenset[int]] = {}
+    for stacked, by_part in groups.items():
+        parts = [by_part[i] for i in range(len(stacked.bounds))]  # named_modules visits them by name
+        key = stacked.signature()
+        if key not in verdicts:
+            verdicts[key] = frozenset(n for n in rows if stacked.agrees(n, parts))
+        stacked.rows = verdicts[key]
+    return {n: all(n in ok for ok in verdicts.values()) for n in rows}
+
+
 def fusion_wanted(setting: str, on_gpu: bool, compiled_step: bool) -> bool:
     """``worker.fuse_projections`` resolved. ``auto`` fuses where it was measured to pay: on a
     GPU, for a decode step that is one compiled function (models with attention layers only,
     ``compile_decode`` on). On the CPU it measured slower; in an uncompiled step the parts'
     Python costs about what the saved kernels do (mlx-lm's own loop on a fused 8B model)."""
     return setting == "on" or (setting == "auto" and on_gpu and compiled_step)
+
+
+def stacked_line(verdicts: dict[int, bool] | None) -> str:
+    """The start-up line's account of ``probe_rows``: which decode row classes stack."""
+    if not verdicts:
+        return "one-token inputs stacked"
+    stacked = [n for n, ok in verdicts.items() if ok]
+    separate = [n for n, ok in verdicts.items() if not ok]
+
+    def listed(rows: list[int]) -> str:
+        return ", ".join(map(str, rows)) if rows else "none"
+    return f"stacked products at rows {listed(stacked)}; separate at {listed(separate)}"
