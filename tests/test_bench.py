@@ -79,6 +79,17 @@ def test_sharded_weights_have_a_complete_index(tmp_path):
     load_model(tmp_path)  # strict: every parameter present
 
 
+def test_mixed_with_the_bytes_tokenizer_is_refused_before_anything_runs(capsys, tmp_path):
+    from runtime.bench.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--synthetic", "tiny", "--synthetic-tokenizer", "bytes", "--workloads", "single,mixed",
+              "--work-dir", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "mixed workload needs the words tokenizer" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # no model written, no service started
+
+
 def test_parser_lists():
     args = build_parser().parse_args(["--synthetic", "tiny", "--concurrency", "1,4", "--workloads", "all"])
     assert args.concurrency == [1, 4]

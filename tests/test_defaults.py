@@ -101,6 +101,10 @@ def test_service_without_limits_reports_what_it_chose(model_dir, service_factory
 
     with service_factory(model_dir("llama")) as svc:
         line = next(ln for ln in svc.lines if "runtime: limits:" in ln)
+        # Each start-up stage says how long it took, in order (the GPU's slow ones are named).
+        stages = ("loaded the model in", "pools and attention paths ready in", "warmed up in")
+        found = [next(i for i, ln in enumerate(svc.lines) if stage in ln) for stage in stages]
+        assert found == sorted(found)
         with SyncClient(svc.address) as client:
             status = client.status(timeout=15.0)
             for key in ("max_running", "max_step_tokens", "prefill_chunk", "max_context"):

@@ -267,7 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:
         argv = argv[1:]  # `runtime bench -- --synthetic tiny`: the CLI hands the separator on
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.synthetic and args.synthetic_tokenizer == "bytes" and "mixed" in args.workloads:
+        # mixed sends text: each id above 255 comes back as several byte tokens (prompts ~7x longer)
+        parser.error("the mixed workload needs the words tokenizer (its text prompts re-tokenize to other "
+                     "lengths with --synthetic-tokenizer bytes); run it in a separate bench without that flag")
     _same_blas_as_worker(argv, args.blas)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     from runtime.bench.service import ServiceError

@@ -87,6 +87,7 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         if loaded.fused_groups:
             print(f"runtime worker: fused {loaded.fused_groups} projection groups; {stacked_line(loaded.stacked_rows)}",
                   flush=True)
+        paths_started = time.perf_counter()
         pool, aux_pool = loaded.make_pools()
         pool_bytes = pool.nbytes + (aux_pool.nbytes if aux_pool is not None else 0)
         default_cache = mx.set_cache_limit(0)
@@ -94,6 +95,9 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         engine = Engine(loaded.model, layout, pool, loaded.limits.max_running, loaded.max_context, aux_pool,
                         compile_decode=config.worker.compile_decode,
                         attention_streams=config.worker.attention_threads or default_streams(os.cpu_count()))
+        # The pools' allocation and, on a GPU, the paged kernels' builds and start-up check.
+        print(f"runtime worker: pools and attention paths ready in {time.perf_counter() - paths_started:.1f} s",
+              flush=True)
         started = time.perf_counter()
         variants = engine.warm_up(lambda line: print(f"runtime worker: warm-up: {line}", flush=True))
         decode_s = time.perf_counter() - started
