@@ -280,7 +280,11 @@ def main() -> None:
         for label in args.modes.split(","):
             mode = label
             if mode.endswith("-fused"):  # fuses the model in place from here on: list these modes last
-                from runtime.worker.model.fused_projections import fuse_projections, probe_rows, stacked_line
+                from runtime.worker.model.fused_projections import (
+                    fuse_projections,
+                    probe_rows,
+                    stacked_line,
+                )
 
                 if fuse_projections(model):  # as the worker's loader does: probe the row counts used
                     print(stacked_line(probe_rows(model, sorted({1, batch}))), flush=True)
