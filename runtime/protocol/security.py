@@ -17,10 +17,10 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from runtime.config import is_loopback
+from runtime.config.sections import is_loopback
 
 if TYPE_CHECKING:
-    from runtime.config import ServerConfig
+    from runtime.config.sections import ServerConfig
 
 KEY_CHARS = 40  # Z85 of 32 bytes
 
