@@ -2,8 +2,9 @@
 until SIGINT or SIGTERM, then stop them all.
 
 Checks that need no model run first (config, model folder, addresses, ports), so a bad start
-fails in seconds. The worker is launched before the tokenizer loads; a signal stops the
-service at any point, start-up included.
+fails in seconds. The worker is launched before the tokenizer loads, and the HTTP gateway
+right after (it answers "starting" until the worker is ready); a signal stops the service at
+any point, start-up included.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -20,6 +20,7 @@ from runtime.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from runtime.gateway.process import GatewayProcess
+    from runtime.scheduler.server import Server
 
 
 def up(config_path: str) -> int:
@@ -52,7 +53,7 @@ def up(config_path: str) -> int:
             addresses.cleanup()
             print(f"runtime: {exc}", file=sys.stderr)
             return 1
-    from runtime.scheduler.server import Server, WorkerStartError
+    from runtime.scheduler.server import Server
 
     try:
         import uvloop
@@ -78,54 +79,16 @@ def up(config_path: str) -> int:
             return 1
         print(f"runtime: starting the worker for {config.model.path} (pid {server.supervisor.pid}); "
               "Ctrl-C stops", flush=True)
-        starting = asyncio.create_task(server.start())
-        stopper = asyncio.create_task(stop.wait())
-        await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        stopper.cancel()
-        if not starting.done():  # stopped before the worker was ready
-            starting.cancel()
-            await asyncio.gather(starting, return_exceptions=True)
-            await server.shutdown()
-            print("runtime: stopped during start-up", flush=True)
-            return 0
-        try:
-            starting.result()
-        except (SecurityError, AddressError) as exc:
-            print(f"runtime: {exc}", file=sys.stderr)
-            await server.shutdown()
-            return 1
-        except WorkerStartError as exc:
-            print(f"runtime: the worker could not load the model: {exc}", file=sys.stderr)
-            await server.shutdown()
-            return 1
-        ready = server.ready
-        assert ready is not None
-        freeze_startup_heap()  # the tokenizer's and transformers' objects, out of the collector's way
-        if ready.limits:  # before the "serving" line, which tells scripts the service is up
-            print(f"runtime: limits: {ready.limits}", flush=True)
-        print(
-            f"runtime: serving {config.model.path} ({ready.model_type}, {ready.num_slots} KV slots "
-            f"{ready.dtype} {(ready.pool_bytes + ready.aux_bytes) / 2**20:.1f} MiB, context {ready.max_context}) "
-            f"on {addresses.client}",
-            flush=True,
-        )
-        serve = asyncio.create_task(server.serve_forever())
-        stopper = asyncio.create_task(stop.wait())
         gateway = None
-        code = 0
-        if http_socket is not None:
-            gateway, code = await _start_gateway(config, addresses.client, http_socket, stop)
-        done, _ = await asyncio.wait({serve, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if serve in done and serve.exception() is not None:
-            print(f"runtime: stopped: {serve.exception()}", file=sys.stderr)
-            code = 1
-        if gateway is not None:
-            await gateway.stop()
-        serve.cancel()
-        stopper.cancel()
-        await server.shutdown()
-        print("runtime: stopped", flush=True)
-        return code
+        if http_socket is not None:  # answers "starting" while the worker loads
+            from runtime.gateway.process import GatewayProcess, settings_for
+
+            gateway = GatewayProcess.spawn(config.http, http_socket, settings_for(config, addresses.client))
+        try:
+            return await _serve(config, server, gateway, stop)
+        finally:
+            if gateway is not None:
+                await gateway.stop()
 
     try:
         return asyncio.run(run())
@@ -135,27 +98,78 @@ def up(config_path: str) -> int:
         addresses.cleanup()
 
 
-async def _start_gateway(
-    config: Config, scheduler_address: str, sock: socket.socket, stop: asyncio.Event
-) -> tuple[GatewayProcess | None, int]:
-    """Start the HTTP gateway once the scheduler serves; on failure, print why and set ``stop``.
+async def _serve(config: Config, server: Server, gateway: GatewayProcess | None, stop: asyncio.Event) -> int:
+    """Wait for the worker, announce the service, serve until ``stop``; the exit status."""
+    from runtime.protocol.security import SecurityError
+    from runtime.scheduler.addresses import AddressError
+    from runtime.scheduler.server import WorkerStartError
 
-    Returns (the gateway or None, the exit status so far).
-    """
-    from runtime.gateway.process import GatewayError, GatewayProcess, settings_for
-
-    starting = asyncio.create_task(GatewayProcess.start(config.http, sock, settings_for(config, scheduler_address)))
+    starting = asyncio.create_task(server.start())
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()
-    if not starting.done():  # SIGINT/SIGTERM during start-up
+    if not starting.done():  # stopped before the worker was ready
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
-        return None, 0
-    if isinstance(starting.exception(), GatewayError):
-        print(f"runtime: {starting.exception()}", file=sys.stderr)
+        await server.shutdown()
+        print("runtime: stopped during start-up", flush=True)
+        return 0
+    try:
+        starting.result()
+    except (SecurityError, AddressError) as exc:
+        print(f"runtime: {exc}", file=sys.stderr)
+        await server.shutdown()
+        return 1
+    except WorkerStartError as exc:
+        print(f"runtime: the worker could not load the model: {exc}", file=sys.stderr)
+        await server.shutdown()
+        return 1
+    ready = server.ready
+    assert ready is not None
+    freeze_startup_heap()  # the tokenizer's and transformers' objects, out of the collector's way
+    if ready.limits:  # before the "serving" line, which tells scripts the service is up
+        print(f"runtime: limits: {ready.limits}", flush=True)
+    print(
+        f"runtime: serving {config.model.path} ({ready.model_type}, {ready.num_slots} KV slots "
+        f"{ready.dtype} {(ready.pool_bytes + ready.aux_bytes) / 2**20:.1f} MiB, context {ready.max_context}) "
+        f"on {server.addresses.client}",
+        flush=True,
+    )
+    serve = asyncio.create_task(server.serve_forever())
+    stopper = asyncio.create_task(stop.wait())
+    code = 0
+    if gateway is not None:
+        code = await _gateway_healthy(gateway, stop)
+    done, _ = await asyncio.wait({serve, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if serve in done and serve.exception() is not None:
+        print(f"runtime: stopped: {serve.exception()}", file=sys.stderr)
+        code = 1
+    if gateway is not None:  # HTTP first, while the scheduler still answers its in-flight requests
+        await gateway.stop()
+    serve.cancel()
+    stopper.cancel()
+    await server.shutdown()
+    print("runtime: stopped", flush=True)
+    return code
+
+
+async def _gateway_healthy(gateway: GatewayProcess, stop: asyncio.Event) -> int:
+    """Wait until the gateway (started with the worker) answers /health 200, then say where it
+    serves; on failure print why and set ``stop``. The exit status so far."""
+    from runtime.gateway.process import GatewayError
+
+    healthy = asyncio.create_task(gateway.wait_healthy())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({healthy, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not healthy.done():  # SIGINT/SIGTERM first
+        healthy.cancel()
+        await asyncio.gather(healthy, return_exceptions=True)
+        return 0
+    if isinstance(healthy.exception(), GatewayError):
+        print(f"runtime: {healthy.exception()}", file=sys.stderr)
         stop.set()
-        return None, 1
-    gateway = starting.result()
+        return 1
+    healthy.result()
     print(f"runtime: HTTP on {gateway.url}", flush=True)
-    return gateway, 0
+    return 0

@@ -3,10 +3,16 @@
 One long-lived ``runtime.client.Client`` per process, opened in the lifespan. Requests
 become client streams (``fanout.py``); the scheduler applies chat templates and checks
 every sampling parameter, and its refusals come back as OpenAI errors (``errors.py``).
+
+The gateway starts with the service, before the worker has loaded the model (minutes on a
+GPU's first start): until the scheduler first answers, ``/health`` says ``starting`` (503) at
+once and the API answers 503 ``starting`` too, so no probe or request waits in the socket's
+backlog for the model to load.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 import uuid
@@ -40,6 +46,8 @@ from runtime.gateway.tool_calls import Markup, load_markup
 from runtime.gateway.tool_choice import plan_tools
 
 STATUS_TIMEOUT_S = 3.0
+STARTUP_POLL_S = 0.5  # how long each start-up status query waits for the scheduler's first answer
+STARTING = "the service is starting: the worker is still loading the model; retry shortly"
 
 
 @dataclass
@@ -60,6 +68,24 @@ class Gateway:
         if self._markup is None:
             self._markup = load_markup(self.tokens.tokenizer)
         return self._markup
+
+    def ready_limits(self) -> convert.Limits:
+        """The limits of the served model; ApiError 503 while the service is still starting."""
+        if self.limits is None:
+            raise ApiError(503, STARTING, code="starting")
+        return self.limits
+
+    async def wait_for_scheduler(self) -> None:
+        """Ask for the scheduler's status until it answers (it serves once its worker is
+        ready), then take the model's limits from it."""
+        assert self.client is not None
+        while True:
+            try:
+                status = await self.client.status(timeout=STARTUP_POLL_S)
+            except ServiceUnavailable:
+                continue
+            self.limits, self.created = convert.Limits(status.max_context), int(time.time())
+            return
 
     def check(self, model: str | None) -> None:
         if model and model != self.model:
@@ -85,10 +111,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async with Client(settings.scheduler_address, server_key=settings.server_key) as client:
-            status = await client.status(timeout=30.0)
-            gw.client, gw.limits, gw.created = client, convert.Limits(status.max_context), int(time.time())
-            yield
-            gw.client = None
+            gw.client = client
+            waiting = asyncio.create_task(gw.wait_for_scheduler())
+            try:
+                yield
+            finally:
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+                gw.client = None
 
     app = FastAPI(title="runtime", lifespan=lifespan, docs_url=None, redoc_url=None)
 
@@ -121,6 +151,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if gw.limits is None:  # the scheduler has not answered yet: the worker is loading the model
+            return JSONResponse({"status": "starting", "scheduler": "starting"}, status_code=503)
         status = await status_or_none()
         if status is None or status.worker_state != "up":
             state = "no answer" if status is None else status.worker_state
@@ -129,20 +161,20 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(gw.metrics.render(await status_or_none()), media_type=CONTENT_TYPE_LATEST)
+        status = await status_or_none() if gw.limits is not None else None
+        return Response(gw.metrics.render(status), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict:
-        assert gw.limits is not None
+        limits = gw.ready_limits()
         card = {"id": gw.model, "object": "model", "created": gw.created, "owned_by": "runtime",
-                "root": settings.model_path, "max_model_len": gw.limits.max_context}
+                "root": settings.model_path, "max_model_len": limits.max_context}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest) -> Response:
         gw.check(body.model)
-        assert gw.limits is not None
-        requests = convert.completion_requests(body, gw.limits)
+        requests = convert.completion_requests(body, gw.ready_limits())
         envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                     "model": gw.model}
 
@@ -167,10 +199,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         gw.check(body.model)
-        assert gw.limits is not None
+        limits = gw.ready_limits()
         markup = gw.markup()
         tools = plan_tools(body.tools, body.tool_choice, markup.tools)
-        requests = convert.chat_requests(body, gw.limits, tools)
+        requests = convert.chat_requests(body, limits, tools)
         envelope = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                     "created": int(time.time()), "model": gw.model}
         think_end = open_think_end(markup, gw.tokens.tokenizer, body.messages, tools.tools, body.chat_template_kwargs)

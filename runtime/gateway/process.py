@@ -1,9 +1,11 @@
 """Start and stop the gateway process from ``runtime up``.
 
 ``bind`` takes the HTTP port before the model loads (a busy port is a one-line error);
-``start`` hands the socket to ``[http] workers`` processes of ``python -m runtime.gateway.main``
-in the same process group (each accepts on it: the kernel spreads the connections) and waits
-until ``/health`` answers 200. ``stop`` terminates them, then kills them.
+``spawn`` hands the socket to ``[http] workers`` processes of ``python -m runtime.gateway.main``
+in the same process group (each accepts on it: the kernel spreads the connections) while the
+worker still loads, so the port answers (``starting``) from the first seconds; ``wait_healthy``
+waits until ``/health`` answers 200 once the scheduler serves. ``stop`` terminates them, then
+kills them.
 """
 
 from __future__ import annotations
@@ -59,9 +61,9 @@ class GatewayProcess:
         self.metrics_dir = metrics_dir
 
     @classmethod
-    async def start(cls, http: HttpConfig, sock: socket.socket, settings: GatewaySettings,
-                    timeout_s: float = 60.0) -> GatewayProcess:
-        """Spawn the gateway processes on ``sock`` (closed here once handed over) and wait for /health 200."""
+    def spawn(cls, http: HttpConfig, sock: socket.socket, settings: GatewaySettings) -> GatewayProcess:
+        """Start the gateway processes on ``sock`` (closed here once handed over); they answer
+        ``starting`` until the scheduler serves."""
         host = sock.getsockname()[0]
         url = f"http://{f'[{host}]' if ':' in host else host}:{http.port}"
         env, metrics_dir = None, None
@@ -81,15 +83,10 @@ class GatewayProcess:
             raise
         finally:
             sock.close()
-        gateway = cls(procs, url, metrics_dir)
-        try:
-            await gateway._wait_healthy(timeout_s)
-        except BaseException:
-            await gateway.stop()
-            raise
-        return gateway
+        return cls(procs, url, metrics_dir)
 
-    async def _wait_healthy(self, timeout_s: float) -> None:
+    async def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        """Until ``/health`` answers 200 (GatewayError if a process exits or ``timeout_s`` passes)."""
         deadline = time.monotonic() + timeout_s
         last = "no answer"
         while time.monotonic() < deadline:
@@ -100,7 +97,7 @@ class GatewayProcess:
             status, last = await asyncio.to_thread(_get_health, self.url + "/health", deadline - time.monotonic())
             if status == 200:
                 return
-            await asyncio.sleep(HEALTH_RETRY_S)  # 503: the scheduler's worker is not up yet
+            await asyncio.sleep(HEALTH_RETRY_S)  # 503: starting, or the scheduler's worker is not up yet
         raise GatewayError(f"the HTTP gateway did not become healthy within {timeout_s:.0f} s ({last})")
 
     async def stop(self) -> None:
