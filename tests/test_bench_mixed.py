@@ -195,3 +195,38 @@ def test_long_reports_mlx_lms_own_gap_at_the_first_difference():
     result = outcome.data["results"][0]
     assert result["first_difference"] == 2 and result["first_difference_logprob_gap"] == 0.03
     assert "near-tie" in outcome.warnings[0] and "0.03 nats" in outcome.tables[0]
+
+
+def test_long_warm_runs_a_prompt_of_every_length_on_both_sides_first(monkeypatch):
+    from runtime.bench import long_prompt
+    from runtime.bench.long_prompt import LongPrompt
+    from runtime.bench.measure import StreamTiming
+    from runtime.bench.workloads import Bench
+
+    def timing(n: int) -> StreamTiming:
+        t = StreamTiming(start=0.0)
+        for k in range(n):
+            t.add([k + 1], at=0.1 * (k + 1))
+        return t
+
+    bench = Bench(model=None, vocab_size=50, eos_ids={49}, seed=0, log=lambda _: None)
+    runtime_calls, mlx_calls = [], []
+    monkeypatch.setattr(long_prompt.runtime_side, "run_together",
+                        lambda address, prompts, gens: runtime_calls.append(len(prompts[0])) or [timing(gens[0])])
+
+    class FakeMlx:
+        def single(self, prompt, gen_len):
+            mlx_calls.append(len(prompt))
+            return timing(gen_len)
+
+    for warm, want in ((False, [64, 16, 32]), (True, [64, 16, 32, 16, 32])):
+        runtime_calls.clear(), mlx_calls.clear()
+        plan = LongPrompt(bench, [16, 32], gen_len=4, warm_lengths=warm)
+        plan.run_runtime({"on": "ipc://unused"}, 0)
+        plan.run_mlx(FakeMlx(), 0)
+        assert runtime_calls == want and mlx_calls == want  # the short warm-up, [every length,] the timed ones
+        assert plan.warm_long == [] if not warm else [len(p) for p in plan.warm_long] == [16, 32]
+        assert plan.prompts[16][0] not in plan.warm_long  # other tokens: no prefix-cache hit on the timed one
+        outcome = plan.outcome()
+        assert outcome.data["warm_lengths"] is warm
+        assert ("after a warm-up prompt of every length" in outcome.tables[0]) is warm

@@ -3,7 +3,10 @@
 Per prompt length: the time to the first token (prefill of the whole prompt) and the
 single-stream decode rate after it, at that context, plus whether the greedy tokens agree.
 Each side is warmed up with a short prompt first, so neither pays its one-time start-up costs
-inside the timed prefill.
+inside the timed prefill. With ``warm_lengths`` (``--long-warm``) each side also runs one prompt
+of every length first (other tokens, so no prefix-cache hit): the timed prefill then excludes
+the first-use builds a new shape costs on a GPU (cuDNN attention graphs, kernels), which
+otherwise both sides pay inside it.
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ class LongPrompt:
 
     name = "long"
 
-    def __init__(self, bench: Bench, lens: list[int], gen_len: int, repeats: int = 1) -> None:
+    def __init__(self, bench: Bench, lens: list[int], gen_len: int, repeats: int = 1,
+                 warm_lengths: bool = False) -> None:
         self.bench, self.lens, self.gen_len = bench, list(lens), gen_len
         self.warm = bench.prompt(WARM_LEN)
+        self.warm_long = [bench.prompt(n) for n in self.lens] if warm_lengths else []
         self.prompts = {n: [bench.prompt(n) for _ in range(repeats)] for n in self.lens}
         self.rt: dict[int, list[StreamTiming]] = {n: [] for n in self.lens}
         self.ml: dict[int, list[StreamTiming]] = {n: [] for n in self.lens}
@@ -47,6 +52,9 @@ class LongPrompt:
         log = self.bench.log
         log(f"long/runtime: warm-up ({WARM_LEN} tokens), then prompts of {', '.join(map(str, self.lens))}")
         runtime_side.run_together(addresses["on"], [self.warm], [WARMUP_GEN])
+        for prompt in self.warm_long:
+            log(f"long/runtime: warm-up prompt of {len(prompt)} tokens")
+            runtime_side.run_together(addresses["on"], [prompt], [WARMUP_GEN])
         for n in self.lens:
             timing = runtime_side.run_together(addresses["on"], [self.prompts[n][rep]], [self.gen_len])[0]
             self.rt[n].append(timing)
@@ -56,6 +64,9 @@ class LongPrompt:
         log = self.bench.log
         log(f"long/mlx-lm: warm-up ({WARM_LEN} tokens), then generate_step")
         mlx.single(self.warm, WARMUP_GEN)
+        for prompt in self.warm_long:
+            log(f"long/mlx-lm: warm-up prompt of {len(prompt)} tokens")
+            mlx.single(prompt, WARMUP_GEN)
         for n in self.lens:
             timing = mlx.single(self.prompts[n][rep], self.gen_len)
             self.ml[n].append(timing)
@@ -95,10 +106,12 @@ class LongPrompt:
                 )
         reps = len(self.rt[self.lens[0]]) if self.lens else 0
         title = (f"long prompts, one at a time: {self.gen_len} new tokens each, greedy"
-                 + (f", median of {reps} runs" if reps > 1 else ""))
+                 + (f", median of {reps} runs" if reps > 1 else "")
+                 + (", after a warm-up prompt of every length" if self.warm_long else ""))
         tab = table(title, ["prompt tokens", "rt TTFT ms", "mlx TTFT ms", "TTFT rt/mlx", "rt decode tok/s",
                             "mlx decode tok/s", "decode rt/mlx", "same tokens"], rows)
-        return Outcome({"gen_len": self.gen_len, "lens": self.lens, "results": results}, [tab], warnings)
+        return Outcome({"gen_len": self.gen_len, "lens": self.lens, "warm_lengths": bool(self.warm_long),
+                        "results": results}, [tab], warnings)
 
 
 def _gap_note(gap: float | None) -> str:

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-concurrency", type=int, default=16)
     p.add_argument("--long-lens", type=_ints, default=[8192, 32768], help="long: prompt lengths, one at a time")
     p.add_argument("--long-gen", type=int, default=128, help="long: new tokens per prompt")
+    p.add_argument("--long-warm", action="store_true",
+                   help="long: warm each side with one prompt of every length first (other tokens), so the timed "
+                        "prefill excludes first-use kernel and attention-graph builds")
     p.add_argument("--mixed-requests", type=int, default=300, help="mixed: requests of the main part")
     p.add_argument("--mixed-rate", type=float, default=30.0, help="mixed: Poisson arrival rate, requests/s")
     p.add_argument("--mixed-prompt-median", type=int, default=400, help="mixed: lognormal prompt length median")
@@ -189,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     if "long" in chosen:
         from runtime.bench.long_prompt import LongPrompt
 
-        plans.append(LongPrompt(bench, args.long_lens, args.long_gen, args.repeats))
+        plans.append(LongPrompt(bench, args.long_lens, args.long_gen, args.repeats, args.long_warm))
     if "prefix" in chosen:
         unique = (args.prefix_unique[0], args.prefix_unique[-1])
         plans.append(prefix_memory.Prefix(bench, args.prefix_requests, args.prefix_len, unique, args.prefix_gen,
