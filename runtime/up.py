@@ -83,7 +83,12 @@ def up(config_path: str) -> int:
         if http_socket is not None:  # answers "starting" while the worker loads
             from runtime.gateway.process import GatewayProcess, settings_for
 
-            gateway = GatewayProcess.spawn(config.http, http_socket, settings_for(config, addresses.client))
+            try:
+                gateway = GatewayProcess.spawn(config.http, http_socket, settings_for(config, addresses.client))
+            except OSError as exc:
+                print(f"runtime: cannot start the HTTP gateway: {exc}", file=sys.stderr)
+                await server.shutdown()
+                return 1
         try:
             return await _serve(config, server, gateway, stop)
         finally:
