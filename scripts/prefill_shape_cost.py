@@ -23,6 +23,7 @@ from harness import InProcessService  # noqa: E402
 
 from runtime.bench.models import synthetic_model  # noqa: E402
 from runtime.protocol.worker import PrefillChunk, Step  # noqa: E402
+from runtime.worker.decode_warmup import warm_decode  # noqa: E402
 
 
 class Timer:
@@ -59,7 +60,7 @@ def main() -> None:
     slots = 65536
     svc = InProcessService(folder, kv_slots=slots, max_running=16, max_context=8192, max_step_tokens=2048,
                            prefill_chunk=512)
-    svc.engine.warm_up()
+    warm_decode(svc.engine)
     timer = Timer(svc, slots)
     print(f"device {mx.default_device()}, {args.shape}; ms: first run / repeat", flush=True)
     for label, shapes in [

@@ -83,6 +83,7 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
                 warm: bool = False, around=contextlib.nullcontext) -> dict:
     """The worker's Engine: prefill every row, then chained decode steps in the worker's order."""
     from runtime.protocol.worker import DecodeBatch, PrefillChunk, Step
+    from runtime.worker.decode_warmup import warm_decode
     from runtime.worker.engine import Engine
     from runtime.worker.model.discovery import discover
     from runtime.worker.pools.kv_pool import KVPool
@@ -93,7 +94,7 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
     pool = KVPool(len(layout.attention_layers), num_slots, layout.kv_shape, layout.kv_dtype)
     engine = Engine(model, layout, pool, max(batch, MAX_ROWS), seq)
     if warm:
-        engine.warm_up()  # what the worker does before it takes requests
+        warm_decode(engine)  # what the worker does before it takes requests
     rng = np.random.default_rng(0)
     step_id = 0
     # ``stagger``: odd rows are one token longer, so the batch is never in lockstep.

@@ -11,6 +11,7 @@ import pytest
 from harness import InProcessService
 from near_tie import assert_greedy_like_mlx, assert_requests_like_mlx
 
+from runtime.worker.decode_warmup import warm_decode
 from runtime.worker.model import attention_patch
 
 
@@ -152,7 +153,7 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
     row_classes = {rows: {svc.engine.paths.launch(rows, min(n, svc.engine.max_context)) for n in lengths}
                    for rows in (2, 4, 8)}
     traces = len(one_row_launches) + sum(map(len, row_classes.values())) if compiled else 0
-    assert svc.engine.warm_up() == len(warmed[0]) + traces and len(warmed[0]) > 0 and first in warmed[0]
+    assert warm_decode(svc.engine) == len(warmed[0]) + traces and len(warmed[0]) > 0 and first in warmed[0]
     if compiled:
         kept = set(svc.engine.compiled_paged.traces._compiled)
         assert all((rows, launch) in kept for rows, launches in row_classes.items() for launch in launches)
@@ -258,7 +259,7 @@ def test_one_decode_trace_serves_every_tail_length(model_dir, monkeypatch):
     folder = model_dir("llama")
     svc = InProcessService(folder, max_running=8, row_cache=False, compile_decode=True)
     assert isinstance(svc.engine.compiled_paged, CompiledPagedDecode)
-    svc.engine.warm_up()
+    warm_decode(svc.engine)
     built = svc.engine.compiled_paged.traces.built
     # Two rows (warm-up runs a row class's first step only) for 40 steps: the tail (16
     # positions) fills and flushes twice.

@@ -8,6 +8,7 @@ import pytest
 from harness import InProcessService
 from model_factory import reference_greedy
 
+from runtime.worker.decode_warmup import warm_decode
 from runtime.worker.paths.rows import compiled_decode as cd
 from runtime.worker.paths.rows import row_cache as rc
 
@@ -76,7 +77,7 @@ def test_start_up_warm_up_leaves_later_requests_exact(model_dir):
     svc = InProcessService(folder, max_running=4)
     compiled = svc.engine.compiled
     assert svc.engine.paths.dense and compiled is not None
-    assert svc.engine.warm_up() == -(-compiled.max_context // compiled.length_bucket)  # one-row traces
+    assert warm_decode(svc.engine) == -(-compiled.max_context // compiled.length_bucket)  # one-row traces
     assert len(svc.engine.paths.pending) == 0
     rng = random.Random(3)
     reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(5 + 7 * i)], 6) for i in range(3)]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -21,7 +19,7 @@ from runtime.protocol.worker import (
 from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.paths.attention_paths import AttentionPaths
 from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
-from runtime.worker.paths.decode_plan import bucket_lengths, plan_decode, row_bucket
+from runtime.worker.paths.decode_plan import plan_decode
 from runtime.worker.paths.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.paths.prefill_groups import prefill_groups
 from runtime.worker.paths.prefill_shapes import (
@@ -62,7 +60,6 @@ class Engine:
     """
 
     LENGTH_BUCKET = 128
-    ROW_WARM_S = 20.0  # start-up time for the first decode step of each row class (GPU kernel path)
     COMPILED_LENGTH_BUCKET = 32  # finer: a compiled step's attention costs its whole bucket, and a new trace is cheap
 
     def __init__(
@@ -269,7 +266,7 @@ class Engine:
     def _written(self, arrays: list[mx.array] | None = None) -> mx.array:
         """One element of every pool array: evaluating it runs every pending pool write,
         and only this small graph (not the pools themselves) holds the pools meanwhile."""
-        arrays = self._state_arrays() if arrays is None else arrays
+        arrays = self.state_arrays() if arrays is None else arrays
         # One element by index on every axis: a view. (``a[0].reshape(-1)`` copied the whole
         # first row of each array: 38 ms per prefill for a CPU row cache of 8192 positions.)
         return mx.stack([a[(0,) * a.ndim].astype(mx.float32) for a in arrays]).sum()
@@ -319,61 +316,15 @@ class Engine:
             return pool_bytes <= limit_mb * 2**20
         return compiled
 
-    def _state_arrays(self) -> list[mx.array]:
+    def state_arrays(self) -> list[mx.array]:
+        """Every array a step updates in place (KV pool, aux pool, the paths' tables and caches)."""
         arrays = self.pool.arrays() + (self.aux_pool.arrays() if self.aux_pool is not None else [])
         return arrays + self.paths.state_arrays()
 
     @property
     def state_bytes(self) -> int:
         """Bytes of every array a step updates in place (KV pool, aux pool, table, row cache)."""
-        return sum(a.nbytes for a in self._state_arrays())
-
-    def warm_up(self, progress: Callable[[str], None] | None = None) -> int:
-        """Run one short request (prefill, chained decode, a decode-tail flush) and prepare the
-        decode variants: compile the GPU kernel's, or trace the compiled one-row decode step at
-        every length, so what compiles on first use compiles before the service takes
-        requests, not inside one. Uses row 0 and low pool slots, which no request holds yet;
-        returns how many variants were prepared. ``progress`` gets one line per stage."""
-        clock = time.perf_counter()
-
-        def stage(what: str, count: int) -> int:
-            nonlocal clock
-            if progress is not None and count:
-                progress(f"{what}: {count} in {time.perf_counter() - clock:.1f} s")
-            clock = time.perf_counter()
-            return count
-
-        variants = stage("decode kernel variants", self.paths.warm_up(self.LENGTH_BUCKET))
-        if self.compiled is not None:
-            variants += stage("one-row decode traces", self.compiled.trace(1))
-        if self.compiled_paged is not None:
-            assert self.paths.device_table is not None
-            lengths = bucket_lengths(self.LENGTH_BUCKET, self.max_context)
-
-            def launches(rows: int) -> list[tuple[int, int]]:
-                return sorted({self.paths.launch(rows, n) for n in lengths})
-
-            variants += stage("one-row decode traces", self.compiled_paged.trace(1, self.paths.device_table,
-                                                                                  launches(1)))
-            classes = sorted({row_bucket(n) for n in range(2, self.paths.max_rows + 1)})
-            variants += stage(f"first decode steps of {len(classes)} row classes",
-                              self.compiled_paged.warm_rows(classes, self.paths.device_table, launches,
-                                                            self.ROW_WARM_S))
-        steps = (self.paths.tail.steps.max_steps if self.paths.tail is not None else 0) + 2
-        n = min(64, self.max_context - steps, self.pool.num_slots - 1 - steps)
-        if self.aux_pool is not None or n < 1:
-            return variants  # a hybrid model's aux slots belong to the scheduler
-        slots = list(range(1, n + steps + 1))
-        prefill = PrefillChunk(row=0, start=0, token_ids=[0] * n, slot_ids=slots[:n])
-        self.finalize(self.launch(Step(step_id=0, prefills=[prefill], decode=None)))
-        for i in range(steps):
-            decode = DecodeBatch(rows=[0], token_ids=[0 if i == 0 else -1], positions=[n + i],
-                                 slot_ids=[slots[n + i]], temperatures=[0.0])
-            self.finalize(self.launch(Step(step_id=0, prefills=[], decode=decode)))
-        self.paths.flush()
-        mx.eval(self._state_arrays())
-        self.reset_chain()
-        return variants
+        return sum(a.nbytes for a in self.state_arrays())
 
     @property
     def shapes_built(self) -> tuple[int, int]:

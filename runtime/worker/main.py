@@ -56,6 +56,7 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
     try:
         import mlx.core as mx
 
+        from runtime.worker.decode_warmup import warm_decode
         from runtime.worker.engine import Engine
         from runtime.worker.loader import buffer_cache_bytes, load
         from runtime.worker.model.fused_projections import stacked_line
@@ -99,7 +100,7 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         print(f"runtime worker: pools and attention paths ready in {time.perf_counter() - paths_started:.1f} s",
               flush=True)
         started = time.perf_counter()
-        variants = engine.warm_up(lambda line: print(f"runtime worker: warm-up: {line}", flush=True))
+        variants = warm_decode(engine, lambda line: print(f"runtime worker: warm-up: {line}", flush=True))
         decode_s = time.perf_counter() - started
         sampler_started = time.perf_counter()
         if loaded.vocab_size > 0:
