@@ -76,13 +76,16 @@ class Gateway:
         return self.limits
 
     async def wait_for_scheduler(self) -> None:
-        """Ask for the scheduler's status until it answers (it serves once its worker is
-        ready), then take the model's limits from it."""
+        """Ask for the scheduler's status until its worker is past its start-up (the scheduler
+        answers "starting" until then), then take the model's limits from it."""
         assert self.client is not None
         while True:
             try:
                 status = await self.client.status(timeout=STARTUP_POLL_S)
             except ServiceUnavailable:
+                continue  # not listening yet
+            if status.worker_state == "starting":
+                await asyncio.sleep(STARTUP_POLL_S)
                 continue
             self.limits, self.created = convert.Limits(status.max_context), int(time.time())
             return

@@ -117,8 +117,9 @@ class Done(msgspec.Struct, tag="done", omit_defaults=True):
 class StatusReply(msgspec.Struct, tag="status_reply"):
     """Model and queue facts for ``runtime status``.
 
-    ``worker_state``: "up", or "restarting" while no worker is serving (new requests are
-    refused then; waiting ones run once it is back). ``max_running``, ``max_step_tokens``,
+    ``worker_state``: "up"; "starting" before the first worker is ready (requests wait for it;
+    the counts and limits are then the config's, 0 where the worker chooses); or "restarting"
+    while no worker is serving (new requests are refused then; waiting ones run once it is back). ``max_running``, ``max_step_tokens``,
     ``prefill_chunk`` and ``max_context``: the limits the worker runs with (the config's, or
     chosen for the device). ``worker_prefill_shapes``/``worker_decode_traces``: distinct
     prefill shapes run and decode traces compiled by the worker so far (as of its last step).

@@ -27,6 +27,7 @@ from runtime.scheduler.grammar import Grammars, grammar_spec
 from runtime.scheduler.intake import Intake, sampling_params
 from runtime.scheduler.peers import Peer, ReplyTo
 from runtime.scheduler.request import Request
+from runtime.scheduler.startup_hold import StartupHold
 from runtime.scheduler.status import status_reply
 from runtime.scheduler.stop_strings import StopMatcher
 from runtime.scheduler.supervisor import (
@@ -92,10 +93,34 @@ class Server:
         return Scheduler(limits, self.tokenizer.eos_ids, debug_invariants=self.config.scheduler.debug_invariants)
 
     async def start(self) -> None:
-        """Wait for the worker launched in ``__init__``; raises WorkerStartError."""
-        self.ready = await self.supervisor.wait_ready()
-        self.scheduler = self._new_scheduler(self.ready)
+        """Wait for the worker launched in ``__init__``; raises WorkerStartError. Clients are
+        read meanwhile: status answers "starting", requests wait for the worker (``StartupHold``)."""
         self.clients = self.out.socket = LoopSocket(self._client_sock)
+        hold = StartupHold(self.config, self.out, self.supervisor.pid)
+        reading = asyncio.create_task(self._read_while_starting(hold))
+        try:
+            self.ready = await self.supervisor.wait_ready()
+        except BaseException as exc:
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+            hold.fail_all(f"worker unavailable: the worker could not start ({exc})" if isinstance(exc, Exception)
+                          else "the service is shutting down")
+            raise
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+        self.scheduler = self._new_scheduler(self.ready)
+        for frames in hold.take():  # as if they arrived now, in their order
+            self._on_client_frames(frames)
+
+    async def _read_while_starting(self, hold: StartupHold) -> None:
+        assert self.clients is not None
+        while True:
+            frames = await self.clients.recv_multipart()
+            assert frames is not None  # no timeout: only a message ends the wait
+            try:
+                hold.on_frames(frames)
+            except Exception as exc:  # a bug must cost one message, never the service
+                print(f"runtime: error handling a client message: {exc!r}", flush=True)
 
     async def _recover(self, reason: str) -> None:
         """Fail what ran on the dead worker, restart it, keep the waiting requests."""
@@ -123,10 +148,13 @@ class Server:
         while True:
             frames = await self.clients.recv_multipart()
             assert frames is not None  # no timeout: only a message ends the wait
-            try:
-                self._on_frames(frames)
-            except Exception as exc:  # a bug must cost one message, never the service
-                print(f"runtime: error handling a client message: {exc!r}", flush=True)
+            self._on_client_frames(frames)
+
+    def _on_client_frames(self, frames: list[bytes]) -> None:
+        try:
+            self._on_frames(frames)
+        except Exception as exc:  # a bug must cost one message, never the service
+            print(f"runtime: error handling a client message: {exc!r}", flush=True)
 
     def _on_frames(self, frames: list[bytes]) -> None:
         try:
