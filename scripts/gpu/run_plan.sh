@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Runs named items of docs/BENCHMARKS.md's "Left for the next GPU session" list on the lent GPU
+# machine, each under its own time limit, logs in $OUT, a summary on stdout, and the MLX kernel
+# cache packed into $OUT/kernels.tgz at the end (copy it to .gpu/k/ for the next window).
+#
+#   device call two (after .gpu/a/stash.sh), carry [".gpu/b", ".gpu/c", ".gpu/k"]:
+#     bash scripts/gpu/run_plan.sh 8b-first 8b-long kernel-32k
+#
+# Items run in the order given; the budget (default 560 s, the call's limit less a margin) is
+# shared: an item gets what is left. Set PLAN_BUDGET_S to change it.
+set -u
+source .gpu/c/env.sh || exit 3
+OUT=${OUT:-/tmp/plan-out}
+mkdir -p "$OUT"
+budget=${PLAN_BUDGET_S:-560}
+rev=$(git rev-parse --short HEAD 2>/dev/null || cat .gpu/c/rev 2>/dev/null || echo unknown)
+echo "rev $rev, items: $*"
+
+run() {  # name, seconds at most, command...
+  local name=$1 limit=$2; shift 2
+  local left=$(( budget - SECONDS - 15 ))
+  (( left < limit )) && limit=$left
+  if (( limit < 20 )); then echo "== $name: skipped, the budget is spent"; return; fi
+  echo "== $name (at most ${limit} s)"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "   rc $?"
+  grep -E "^\| |stacked products|warmed up in|pools and attention|loaded the model|WARNING|passed|failed" \
+    "$OUT/$name.log" | grep -v "^| *-" | head -40
+}
+
+bench() { python3 -m runtime.bench "$@"; }
+
+for item in "$@"; do
+  case $item in
+    kernel-32k) run "$item" 120 python3 scripts/profile_decode.py --shape llama-8b --kernel 1,8 --context 32768 --modes "" ;;
+    8b-first) run "$item" 300 bench --synthetic llama-8b --workloads first --pairs 1 --json "$OUT/$item.json" ;;
+    8b-long) run "$item" 300 bench --synthetic llama-8b --workloads long --long-lens 32768 --json "$OUT/$item.json" ;;
+    8b-long-warm) run "$item" 400 bench --synthetic llama-8b --workloads long --long-lens 32768 --long-warm --json "$OUT/$item.json" ;;
+    8b-long-trace) RUNTIME_WORKER_TRACE="$OUT/8b-long-worker-trace" run "$item" 300 bench --synthetic llama-8b --workloads long --long-lens 32768 ;;
+    8b-mixed) run "$item" 500 bench --synthetic llama-8b --workloads mixed --mixed-rate 10 --json "$OUT/$item.json" ;;
+    8b-sweep) run "$item" 400 bench --synthetic llama-8b --workloads sweep --concurrency 128 --json "$OUT/$item.json" ;;
+    1b-sweep) run "$item" 300 bench --synthetic llama-1b --workloads sweep --concurrency 64,256 --json "$OUT/$item.json" ;;
+    1b-mixed) run "$item" 400 bench --synthetic llama-1b --workloads mixed --json "$OUT/$item.json" ;;
+    1b-first) run "$item" 200 bench --synthetic llama-1b --workloads first --pairs 3 --json "$OUT/$item.json" ;;
+    pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py ;;
+    *) echo "== $item: unknown (kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
+  esac
+done
+if [ -d ~/.cache/runtime/mlx-kernels ]; then
+  tar czf "$OUT/kernels.tgz" -C ~/.cache/runtime mlx-kernels && echo "kernel cache: $(du -h "$OUT/kernels.tgz" | cut -f1)"
+fi
+cat "$OUT"/8b-long-worker-trace.* 2>/dev/null | head -30
