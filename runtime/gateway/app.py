@@ -52,7 +52,8 @@ STARTING = "the service is starting: the worker is still loading the model; retr
 
 @dataclass
 class Gateway:
-    """Everything a request handler needs; ``client`` and ``limits`` are set in the lifespan."""
+    """Everything a request handler needs; ``client`` is set in the lifespan, ``limits`` once
+    the scheduler first answers past its start-up (None before: the service is starting)."""
 
     settings: GatewaySettings
     model: str
