@@ -13,6 +13,8 @@ import threading
 
 import msgspec
 from conftest import Service, kill_group, start_runtime
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from model_factory import reference_greedy
 from test_gateway_startup import _worker_of
 
@@ -44,20 +46,28 @@ def _hold(max_waiting: int = 2) -> tuple[StartupHold, Recorder]:
     return StartupHold(config, out, worker_pid=4321), out
 
 
-def test_status_is_answered_at_once_and_everything_else_is_held_in_order():
-    hold, out = _hold()
+def test_requests_are_held_in_order_and_everything_else_is_answered_at_once():
+    hold, out = _hold(max_waiting=4)
     first = _frames(b"a", cp.Generate(rid="g1", token_ids=[1, 2], max_tokens=3))
-    abort = _frames(b"a", cp.Abort(rid="g1"))
-    junk = [b"b", b"\xc1 not msgpack"]
-    for frames in (first, abort, junk):
+    second = _frames(b"b", cp.Generate(rid="g2", token_ids=[3], max_tokens=1))
+    dropped = _frames(b"a", cp.Generate(rid="g3", token_ids=[4], max_tokens=1))
+    for frames in (first, second, dropped):
         hold.on_frames(frames)
+    assert out.sent == []  # requests wait
     hold.on_frames(_frames(b"c", cp.StatusQuery(rid="s1")))
-    assert len(out.sent) == 1  # only the status query was answered
-    identity, status = out.sent[0]
+    identity, status = out.sent.pop()
     assert identity == b"c" and isinstance(status, cp.StatusReply)
-    assert (status.rid, status.worker_state, status.waiting, status.worker_pid) == ("s1", "starting", 1, 4321)
+    assert (status.rid, status.worker_state, status.waiting, status.worker_pid) == ("s1", "starting", 3, 4321)
     assert status.max_context == 512 and status.model == "/m"
-    assert hold.take() == [first, abort, junk]  # replayed in arrival order, malformed ones too
+    hold.on_frames(_frames(b"a", cp.Abort(rid="g3")))  # a held request aborted: it ends now
+    hold.on_frames(_frames(b"b", cp.Abort(rid="g1")))  # another connection's rid: not found
+    hold.on_frames([b"d", b"\xc1 not msgpack"])
+    hold.on_frames([b"e"])  # no payload frame at all
+    replies = [(i, type(m).__name__, getattr(m, "rid", None)) for i, m in out.sent]
+    assert replies == [(b"a", "AbortReply", "g3"), (b"a", "Done", "g3"), (b"b", "AbortReply", "g1"),
+                       (b"d", "ProtocolError", ""), (b"e", "ProtocolError", "")]
+    assert out.sent[0][1].found and out.sent[1][1].finish_reason == "abort" and not out.sent[2][1].found
+    assert hold.take() == [first, second]  # replayed in arrival order
     assert hold.take() == []
 
 
@@ -65,7 +75,7 @@ def test_past_max_waiting_a_request_is_refused_at_once():
     hold, out = _hold(max_waiting=2)
     for i in range(3):
         hold.on_frames(_frames(b"a", cp.Generate(rid=f"g{i}", token_ids=[1], max_tokens=1)))
-    assert len(hold.held) == 2
+    assert len(hold.take()) == 2
     (identity, done), = out.sent
     assert identity == b"a" and isinstance(done, cp.Done) and done.rid == "g2"
     assert done.finish_reason == "error" and done.error.startswith("overloaded")
@@ -125,3 +135,30 @@ def test_a_request_sent_during_start_up_runs_once_the_worker_is_ready(model_dir,
             except subprocess.TimeoutExpired:
                 pass
         kill_group(proc)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(
+    st.lists(st.binary(max_size=40), max_size=4),
+    st.builds(lambda ident, rid: _frames(ident, cp.Generate(rid=rid, token_ids=[1], max_tokens=1)),
+              st.binary(min_size=1, max_size=3), st.text(max_size=3)),
+    st.builds(lambda ident, rid: _frames(ident, cp.Abort(rid=rid)), st.binary(min_size=1, max_size=3), st.text(max_size=3)),
+), max_size=30))
+def test_no_client_message_breaks_or_overfills_the_hold(messages):
+    hold, out = _hold(max_waiting=5)
+    for frames in messages:
+        if frames:
+            hold.on_frames(frames)
+        assert len(hold._held) <= 5
+    held = hold.take()
+    generates = sum(1 for f in messages if len(f) == 2 and f[1][:1] != b"" and _is_generate(f[1]))
+    # every request is held or answered (refused, aborted): none is lost
+    answered = sum(1 for _, m in out.sent if isinstance(m, cp.Done))
+    assert len(held) + answered == generates
+
+
+def _is_generate(payload: bytes) -> bool:
+    try:
+        return isinstance(cp.client_msg_decoder.decode(payload), cp.Generate)
+    except Exception:
+        return False
