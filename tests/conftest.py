@@ -102,13 +102,18 @@ def running_config(config_file: Path, timeout: float = 90.0):
                 address = match.group(1)
         yield Service(proc=proc, address=address, lines=lines)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        kill_group(proc)
+        stop_runtime(proc)
+
+
+def stop_runtime(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM `runtime up` (its clean shutdown), then kill whatever of its group is left."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    kill_group(proc)
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Service, kill_group, start_runtime
+from conftest import Service, kill_group, start_runtime, stop_runtime
 from test_gateway import _config, _free_port, _wait_for_line
 
 WAIT_S = 60.0
@@ -83,13 +83,7 @@ def test_http_answers_starting_until_the_worker_is_ready(model_dir, tmp_path):
                            timeout=WAIT_S)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-        kill_group(proc)
+        stop_runtime(proc, timeout=15)
     assert proc.returncode == 0, svc.log()
     assert "runtime: stopped" in svc.log()
 

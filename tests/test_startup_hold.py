@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 
 import msgspec
-from conftest import Service, kill_group, start_runtime
+from conftest import Service, start_runtime, stop_runtime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_factory import reference_greedy
@@ -128,13 +127,7 @@ def test_a_request_sent_during_start_up_runs_once_the_worker_is_ready(model_dir,
         with SyncClient(address) as client:
             assert client.status(timeout=TIMEOUT_S).worker_state == "up"
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-        kill_group(proc)
+        stop_runtime(proc, timeout=15)
 
 
 @settings(max_examples=300, deadline=None)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from runtime.protocol import client as cp
 from runtime.protocol.client import MAX_RID_LEN
 
 
@@ -54,3 +55,17 @@ def guess_rid(payload: bytes) -> str:
     except Exception:
         return ""
     return rid if len(rid) <= MAX_RID_LEN else ""
+
+
+def read_message(frames: list[bytes]) -> tuple[bytes, tuple[bytes, ...], msgspec.Struct]:
+    """(identity, envelope, message) of a client's frames; for frames that hold no client
+    message, the message is the ``ProtocolError`` to answer with."""
+    try:
+        incoming = split_frames(frames)
+    except BadFrames as exc:
+        return frames[0], (), cp.ProtocolError(rid="", message=str(exc))
+    try:
+        msg = cp.client_msg_decoder.decode(incoming.payload)
+    except Exception as exc:  # DecodeError, ValidationError, RecursionError: any payload at all
+        msg = cp.ProtocolError(rid=guess_rid(incoming.payload), message=f"malformed message: {exc}")
+    return incoming.identity, incoming.envelope, msg

@@ -22,7 +22,7 @@ from runtime.scheduler.addresses import Addresses, open_client_socket
 from runtime.scheduler.admission import Limits, RequestRejected
 from runtime.scheduler.client_out import ClientOut
 from runtime.scheduler.core import Scheduler
-from runtime.scheduler.frames import BadFrames, guess_rid, split_frames
+from runtime.scheduler.frames import read_message
 from runtime.scheduler.grammar import Grammars, grammar_spec
 from runtime.scheduler.intake import Intake, sampling_params
 from runtime.scheduler.peers import Peer, ReplyTo
@@ -157,31 +157,23 @@ class Server:
             print(f"runtime: error handling a client message: {exc!r}", flush=True)
 
     def _on_frames(self, frames: list[bytes]) -> None:
-        try:
-            incoming = split_frames(frames)
-        except BadFrames as exc:
-            self.out.reply_raw(frames[0], (), cp.ProtocolError(rid="", message=str(exc)))
-            return
-        try:
-            msg = cp.client_msg_decoder.decode(incoming.payload)
-        except Exception as exc:  # DecodeError, ValidationError, RecursionError: any payload at all
-            rid = guess_rid(incoming.payload)
-            self.out.reply_raw(incoming.identity, incoming.envelope, cp.ProtocolError(rid=rid, message=f"malformed message: {exc}"))
-            return
-        if isinstance(msg, cp.Generate):
+        identity, envelope, msg = read_message(frames)
+        if isinstance(msg, cp.ProtocolError):
+            self.out.reply_raw(identity, envelope, msg)
+        elif isinstance(msg, cp.Generate):
             try:
-                self._on_generate(incoming.identity, incoming.envelope, msg)
+                self._on_generate(identity, envelope, msg)
             except Exception as exc:  # a bug: that request fails with the reason, its client never waits
                 print(f"runtime: error admitting request {msg.rid!r}: {exc!r}", flush=True)
-                peer = self.peers.peers.get(incoming.identity)
+                peer = self.peers.peers.get(identity)
                 if peer is not None:
                     peer.requests.pop(msg.rid, None)
-                self.out.reply_raw(incoming.identity, incoming.envelope,
-                                cp.Done(rid=msg.rid, finish_reason="error", error=f"internal error: {exc!r}"))
+                self.out.reply_raw(identity, envelope,
+                                   cp.Done(rid=msg.rid, finish_reason="error", error=f"internal error: {exc!r}"))
         elif isinstance(msg, cp.Abort):
-            self._on_abort(incoming.identity, incoming.envelope, msg)
+            self._on_abort(identity, envelope, msg)
         elif isinstance(msg, cp.StatusQuery):
-            self.out.reply_raw(incoming.identity, incoming.envelope, self._status(msg.rid))
+            self.out.reply_raw(identity, envelope, self._status(msg.rid))
 
     def _on_generate(self, identity: bytes, envelope: tuple[bytes, ...], msg: cp.Generate) -> None:
         s = self.scheduler

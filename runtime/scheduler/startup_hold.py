@@ -15,7 +15,7 @@ from __future__ import annotations
 from runtime.config import Config
 from runtime.protocol import client as cp
 from runtime.scheduler.client_out import ClientOut
-from runtime.scheduler.frames import BadFrames, guess_rid, split_frames
+from runtime.scheduler.frames import read_message
 
 
 class StartupHold:
@@ -29,19 +29,10 @@ class StartupHold:
 
     def on_frames(self, frames: list[bytes]) -> None:
         """Hold a request; answer anything else now."""
-        try:
-            incoming = split_frames(frames)
-        except BadFrames as exc:
-            self.out.reply_raw(frames[0], (), cp.ProtocolError(rid="", message=str(exc)))
-            return
-        identity, envelope = incoming.identity, incoming.envelope
-        try:
-            msg = cp.client_msg_decoder.decode(incoming.payload)
-        except Exception as exc:  # DecodeError, ValidationError, RecursionError: any payload at all
-            rid = guess_rid(incoming.payload)
-            self.out.reply_raw(identity, envelope, cp.ProtocolError(rid=rid, message=f"malformed message: {exc}"))
-            return
-        if isinstance(msg, cp.StatusQuery):
+        identity, envelope, msg = read_message(frames)
+        if isinstance(msg, cp.ProtocolError):
+            self.out.reply_raw(identity, envelope, msg)
+        elif isinstance(msg, cp.StatusQuery):
             self.out.reply_raw(identity, envelope, self.status(msg.rid))
         elif isinstance(msg, cp.Abort):
             self._abort(identity, envelope, msg.rid)
