@@ -103,7 +103,7 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
         return 0
     print(f"public: {public}")
     print(f"secret: {secret}")
-    print("# in the service's config (keep it private); clients pass the public key as --server-key:")
+    print("# in the service's config (keep it private); clients pass the public key as --server-key=PUBLIC:")
     print(f'[server]\ncurve_secret_key = "{secret}"')
     return 0
 
@@ -114,7 +114,8 @@ def _add_key_flags(parser: argparse.ArgumentParser) -> None:
         "--server-key",
         default=env("RUNTIME_SERVER_KEY"),
         metavar="Z85",
-        help="the service's CURVE public key (default: $RUNTIME_SERVER_KEY)",
+        help="the service's CURVE public key (default: $RUNTIME_SERVER_KEY); write --server-key=Z85, since a key "
+             "may begin with '-'",
     )
     parser.add_argument(
         "--public-key",

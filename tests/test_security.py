@@ -256,7 +256,7 @@ def test_service_with_curve_answers_only_key_holders(model_dir, tmp_path):
         with SyncClient(svc.address, timeout_s=10, server_key=generate_keypair()[0]) as wrong:
             with pytest.raises(ServiceUnavailable):
                 wrong.status(timeout=1.0)
-        by_flag = _runtime("status", "-a", svc.address, "--server-key", server_pub)
+        by_flag = _runtime("status", "-a", svc.address, f"--server-key={server_pub}")  # Z85 may begin with "-"
         by_env = _runtime("status", "-a", svc.address, env={"RUNTIME_SERVER_KEY": server_pub})
         without = _runtime("status", "-a", svc.address, "--timeout", "1")
         # Still serving after the refused clients.
@@ -290,3 +290,10 @@ def test_cli_rejects_a_bad_key_before_connecting(tmp_path):
     assert done.returncode == 2
     assert "server key" in done.stderr
     assert "Z85" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_key_that_begins_with_a_dash_passes_in_the_equals_form(tmp_path):
+    key = "-" + "a" * 39  # Z85 has "-" in its alphabet: a fifth of a percent of keys begin with it
+    done = _runtime("status", "-a", f"ipc://{tmp_path}/none.sock", "--timeout", "1", f"--server-key={key}")
+    assert "expected one argument" not in done.stderr  # parsed as the flag's value, not as another flag
+    assert "Traceback" not in done.stderr
