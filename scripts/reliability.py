@@ -5,7 +5,7 @@
 
 Builds a tiny random-weight llama (tests/model_factory.py), starts one service per scenario
 (`python -m runtime.cli up`, its own process group, always killed at the end) and drives it
-with raw ZeroMQ sockets: a protocol fuzz, clients that disconnect mid-stream, a killed, a
+with raw ZeroMQ sockets: a protocol fuzz (also while the worker starts), clients that disconnect mid-stream, a killed, a
 stopped and a twice-killed worker, request floods, and clients that read slowly or never.
 ``--scale`` multiplies the message and request counts (1.0: about 5 minutes on 2 cores).
 """
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from conftest import running_config  # noqa: E402  (tests/ helpers: a real service, torn down)
+from conftest import running_config, start_runtime, stop_runtime  # noqa: E402  (tests/ helpers: a real service, torn down)
 from model_factory import make_model  # noqa: E402
 
 from runtime.protocol import client as cp  # noqa: E402
@@ -343,6 +343,84 @@ def fuzz(work: Path, folder: Path, count: int) -> list[Row]:
             "service process exited; status unanswered within 5 s (asked every 50 messages)"),
         Row("fuzz", "handler errors logged", str(bugs), "'error handling a client message' lines in the service log"),
         Row("fuzz", "time", f"{elapsed:.1f} s ({sent / elapsed:,.0f} msg/s)", "including the generations it started"),
+    ]
+
+
+def _worker_pid(proc: subprocess.Popen, timeout_s: float = 60) -> int:
+    """`runtime up`'s worker, as soon as it is launched (found by its command line)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        for pid in children:
+            try:
+                if b"runtime.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return int(pid)
+            except OSError:
+                continue
+        time.sleep(0.002)
+    raise RuntimeError("no worker process appeared")
+
+
+def startup_fuzz(work: Path, folder: Path, count: int) -> list[Row]:
+    """The fuzz's messages while the worker is still starting (frozen with SIGSTOP meanwhile)."""
+    address = f"ipc://{work}/startup.sock"
+    config_file = work / "startup.toml"
+    config_file.write_text(f'[model]\npath = "{folder}"\n[server]\naddress = "{address}"\n'
+                           "[cache]\nkv_slots = 2048\n[scheduler]\nmax_running = 8\nmax_context = 128\n")
+    fz = Fuzzer(seed=2)
+    ctx = zmq.Context()
+    proc, _, lines = start_runtime(config_file)
+    sent = finals = early = statuses = answered = 0
+    try:
+        worker = _worker_pid(proc)
+        os.kill(worker, signal.SIGSTOP)
+        probe = Probe(ctx, address, proc)
+        sock = dealer(ctx, address, SNDHWM=0, RCVHWM=0)
+
+        def drain(wait_ms: float = 0) -> None:
+            nonlocal finals
+            while sock.poll(wait_ms):
+                finals += isinstance(decode(sock.recv_multipart()[-1]), FINAL)
+                wait_ms = 0
+
+        try:
+            while sent < count:
+                sock.send_multipart(fz.message())
+                sent += 1
+                drain()
+                if sent % 100 == 0:
+                    statuses += 1
+                    reply = probe.status()
+                    answered += reply is not None and reply.worker_state == "starting"
+            drain(500)
+            early = finals
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        deadline = time.monotonic() + 120
+        while finals < sent and time.monotonic() < deadline and proc.poll() is None:
+            drain(100)
+        drain(500)  # a second final reply to any message would arrive now
+        status = probe.status()
+        crashed = proc.poll() is not None
+        bugs = "".join(lines).count("error handling a client message")
+        sock.close()
+        probe.sock.close()
+    finally:
+        stop_runtime(proc)
+        ctx.destroy(linger=0)
+    state = status.worker_state if status is not None else "no answer"
+    return [
+        Row("fuzz while starting", "messages sent / final replies (before the worker was ready)",
+            f"{sent:,} / {finals:,} ({early:,})",
+            f"{sent:,} seeded fuzz messages from one DEALER while the worker is frozen (SIGSTOP) in its start-up, "
+            "then let go; requests wait for it, everything else is answered at once"),
+        Row("fuzz while starting", "status answered 'starting' / asked", f"{answered} / {statuses}",
+            "a status query every 100 messages while frozen, 5 s timeout"),
+        Row("fuzz while starting", "crashes / handler errors / state after", f"{int(crashed)} / {bugs} / {state}",
+            "service process exited; 'error handling a client message' lines; worker_state once let go"),
     ]
 
 
@@ -679,6 +757,10 @@ Figures from `scripts/reliability.py`: a tiny random-weight llama served by a re
   byte changed or trailing bytes, Aborts of recent requests, and deep nesting. Every message
   should get exactly one final reply (Done, ProtocolError, StatusReply or AbortReply); a crash
   is the service process exiting, a hang a status query unanswered within 5 s.
+- **fuzz while starting**: the same kind of messages while the worker is still starting (frozen
+  with SIGSTOP, then let go): status queries should be answered `starting` at once, requests
+  held and run once the worker is ready, everything else answered at once; again one final
+  reply per message.
 - **disconnects**: clients that close their socket mid-stream. Their requests should be
   aborted (found by pings and failed sends) and their KV slots freed.
 - **worker kill / hang / kill during restart**: the MLX worker SIGKILLed or SIGSTOPped with
@@ -709,6 +791,7 @@ def main() -> None:
         folder = make_model("llama", work / "llama")
         steps: list[tuple[str, Callable[[], list[Row]]]] = [
             ("fuzz", lambda: fuzz(work, folder, int(20_000 * s))),
+            ("fuzz while starting", lambda: startup_fuzz(work, folder, int(5_000 * s))),
             ("disconnects", lambda: disconnects(work, folder, max(1, int(50 * s)))),
             ("worker faults", lambda: worker_faults(work, folder, 16)),
             ("flood", lambda: flood(work, folder, int(100_000 * s))),
