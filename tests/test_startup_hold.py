@@ -57,7 +57,7 @@ def test_requests_are_held_in_order_and_everything_else_is_answered_at_once():
     identity, status = out.sent.pop()
     assert identity == b"c" and isinstance(status, cp.StatusReply)
     assert (status.rid, status.worker_state, status.waiting, status.worker_pid) == ("s1", "starting", 3, 4321)
-    assert status.max_context == 512 and status.model == "/m"
+    assert status.max_context == 512 and status.model == "/m" and status.model_type == ""  # no such folder
     hold.on_frames(_frames(b"a", cp.Abort(rid="g3")))  # a held request aborted: it ends now
     hold.on_frames(_frames(b"b", cp.Abort(rid="g1")))  # another connection's rid: not found
     hold.on_frames([b"d", b"\xc1 not msgpack"])
@@ -107,7 +107,7 @@ def test_a_request_sent_during_start_up_runs_once_the_worker_is_ready(model_dir,
         try:
             with SyncClient(address) as client:
                 status = client.status(timeout=TIMEOUT_S)  # answered while the worker is frozen
-                assert status.worker_state == "starting" and status.waiting == 0
+                assert status.worker_state == "starting" and status.waiting == 0 and status.model_type == "llama"
                 prompt = [5, 9, 17, 3, 44]
 
                 def send() -> None:

@@ -12,6 +12,9 @@ request gets its error reply.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from runtime.config import Config
 from runtime.protocol import client as cp
 from runtime.scheduler.client_out import ClientOut
@@ -25,6 +28,7 @@ class StartupHold:
         self.config = config
         self.out = out
         self.worker_pid = worker_pid or 0
+        self.model_type = _model_type(config.model.path)
         self._held: list[tuple[list[bytes], bytes, tuple[bytes, ...], str]] = []  # frames, identity, envelope, rid
 
     def on_frames(self, frames: list[bytes]) -> None:
@@ -55,7 +59,7 @@ class StartupHold:
         """What is known before the worker reports: the config's limits (0: chosen by the worker)."""
         s = self.config.scheduler
         return cp.StatusReply(
-            rid=rid, model=self.config.model.path, model_type="", waiting=len(self._held), running=0,
+            rid=rid, model=self.config.model.path, model_type=self.model_type, waiting=len(self._held), running=0,
             kv_slots_total=0, kv_slots_free=0, kv_slots_cached=0, worker_restarts=0, max_context=s.max_context,
             worker_pid=self.worker_pid, worker_state="starting", max_waiting=s.max_waiting,
             max_message_bytes=int(self.config.server.max_message_mb * 2**20), max_running=s.max_running,
@@ -72,3 +76,11 @@ class StartupHold:
         for _, identity, envelope, rid in self._held:
             self.out.reply_raw(identity, envelope, cp.Done(rid=rid, finish_reason="error", error=error))
         self._held = []
+
+
+def _model_type(folder: str) -> str:
+    """The folder's ``model_type`` from its config.json ("" where it cannot be read)."""
+    try:
+        return str(json.loads((Path(folder) / "config.json").read_text()).get("model_type", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
