@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from conftest import running_config, start_runtime, stop_runtime  # noqa: E402  (tests/ helpers: a real service, torn down)
+from conftest import running_config, start_runtime, stop_runtime, worker_pid  # noqa: E402  (tests/ helpers: a real service, torn down)
 from model_factory import make_model  # noqa: E402
 
 from runtime.protocol import client as cp  # noqa: E402
@@ -346,24 +346,6 @@ def fuzz(work: Path, folder: Path, count: int) -> list[Row]:
     ]
 
 
-def _worker_pid(proc: subprocess.Popen, timeout_s: float = 60) -> int:
-    """`runtime up`'s worker, as soon as it is launched (found by its command line)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        except OSError:
-            children = []
-        for pid in children:
-            try:
-                if b"runtime.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    return int(pid)
-            except OSError:
-                continue
-        time.sleep(0.002)
-    raise RuntimeError("no worker process appeared")
-
-
 def startup_fuzz(work: Path, folder: Path, count: int) -> list[Row]:
     """The fuzz's messages while the worker is still starting (frozen with SIGSTOP meanwhile)."""
     address = f"ipc://{work}/startup.sock"
@@ -375,7 +357,7 @@ def startup_fuzz(work: Path, folder: Path, count: int) -> list[Row]:
     proc, _, lines = start_runtime(config_file)
     sent = finals = early = statuses = answered = 0
     try:
-        worker = _worker_pid(proc)
+        worker = worker_pid(proc)
         os.kill(worker, signal.SIGSTOP)
         probe = Probe(ctx, address, proc)
         sock = dealer(ctx, address, SNDHWM=0, RCVHWM=0)

@@ -80,6 +80,26 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
+def worker_pid(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+    """The pid of `runtime up`'s worker as soon as it is launched (found among its children by
+    command line), so a test can freeze it in its start-up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "runtime up exited during start-up"
+        try:
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        for pid in children:
+            try:
+                if b"runtime.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return int(pid)
+            except OSError:
+                continue
+        time.sleep(0.002)  # polling the process table, bounded by the deadline
+    raise AssertionError("no worker process appeared")
+
+
 @contextmanager
 def running_config(config_file: Path, timeout: float = 90.0):
     """Start `runtime up -c config_file`; always tear the whole process group down."""

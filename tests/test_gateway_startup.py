@@ -8,36 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Service, kill_group, start_runtime, stop_runtime
+from conftest import Service, kill_group, start_runtime, stop_runtime, worker_pid
 from test_gateway import _config, _free_port, _wait_for_line
 
 WAIT_S = 60.0
 ANSWER_S = 5.0  # a starting gateway answers within this; the worker stays frozen far longer
-
-
-def _worker_of(proc: subprocess.Popen) -> int:
-    """The pid of `runtime up`'s worker, as soon as it is launched (found by its command line)."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "runtime up exited during start-up"
-        try:
-            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        except OSError:
-            children = []
-        for pid in children:
-            try:
-                if b"runtime.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    return int(pid)
-            except OSError:
-                continue
-        time.sleep(0.002)  # polling the process table, bounded by the deadline
-    raise AssertionError("no worker process appeared")
 
 
 def _first_answer(url: str) -> httpx.Response:
@@ -59,7 +38,7 @@ def test_http_answers_starting_until_the_worker_is_ready(model_dir, tmp_path):
     proc, _, lines = start_runtime(_config(tmp_path, model_dir("llama"), port))
     svc = Service(proc=proc, address="", lines=lines)
     try:
-        worker = _worker_of(proc)
+        worker = worker_pid(proc)
         os.kill(worker, signal.SIGSTOP)
         try:
             health = _first_answer(base + "/health")
@@ -92,7 +71,7 @@ def test_sigterm_while_starting_stops_the_gateway_too(model_dir, tmp_path):
     port = _free_port()
     proc, _, lines = start_runtime(_config(tmp_path, model_dir("llama"), port))
     try:
-        worker = _worker_of(proc)
+        worker = worker_pid(proc)
         os.kill(worker, signal.SIGSTOP)
         assert _first_answer(f"http://127.0.0.1:{port}/health").status_code == 503
         proc.send_signal(signal.SIGTERM)

@@ -11,11 +11,10 @@ import signal
 import threading
 
 import msgspec
-from conftest import Service, start_runtime, stop_runtime
+from conftest import Service, start_runtime, stop_runtime, worker_pid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_factory import reference_greedy
-from test_gateway_startup import _worker_of
 
 from runtime.client import SyncClient
 from runtime.config import parse_config
@@ -47,8 +46,9 @@ def _hold(max_waiting: int = 2) -> tuple[StartupHold, Recorder]:
 
 def test_requests_are_held_in_order_and_everything_else_is_answered_at_once():
     hold, out = _hold(max_waiting=4)
-    first = _frames(b"a", cp.Generate(rid="g1", token_ids=[1, 2], max_tokens=3))
-    second = _frames(b"b", cp.Generate(rid="g2", token_ids=[3], max_tokens=1))
+    g1 = cp.Generate(rid="g1", token_ids=[1, 2], max_tokens=3)
+    g2 = cp.Generate(rid="g2", token_ids=[3], max_tokens=1)
+    first, second = _frames(b"a", g1), _frames(b"b", g2)
     dropped = _frames(b"a", cp.Generate(rid="g3", token_ids=[4], max_tokens=1))
     for frames in (first, second, dropped):
         hold.on_frames(frames)
@@ -66,7 +66,7 @@ def test_requests_are_held_in_order_and_everything_else_is_answered_at_once():
     assert replies == [(b"a", "AbortReply", "g3"), (b"a", "Done", "g3"), (b"b", "AbortReply", "g1"),
                        (b"d", "ProtocolError", ""), (b"e", "ProtocolError", "")]
     assert out.sent[0][1].found and out.sent[1][1].finish_reason == "abort" and not out.sent[2][1].found
-    assert hold.take() == [first, second]  # replayed in arrival order
+    assert hold.take() == [(b"a", (), g1), (b"b", (), g2)]  # replayed in arrival order, already decoded
     assert hold.take() == []
 
 
@@ -101,7 +101,7 @@ def test_a_request_sent_during_start_up_runs_once_the_worker_is_ready(model_dir,
     proc, _, lines = start_runtime(config)
     svc = Service(proc=proc, address=address, lines=lines)
     try:
-        worker = _worker_of(proc)
+        worker = worker_pid(proc)
         os.kill(worker, signal.SIGSTOP)
         results: list = []
         try:

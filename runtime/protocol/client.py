@@ -119,9 +119,9 @@ class StatusReply(msgspec.Struct, tag="status_reply"):
 
     ``worker_state``: "up"; "starting" before the first worker is ready (requests wait for it;
     the counts and limits are then the config's, 0 where the worker chooses); or "restarting"
-    while no worker is serving (new requests are refused then; waiting ones run once it is back). ``max_running``, ``max_step_tokens``,
-    ``prefill_chunk`` and ``max_context``: the limits the worker runs with (the config's, or
-    chosen for the device). ``worker_prefill_shapes``/``worker_decode_traces``: distinct
+    while no worker is serving (new requests are refused then; waiting ones run once it is
+    back). ``max_running``, ``max_step_tokens``, ``prefill_chunk`` and ``max_context``: the
+    limits the worker runs with (the config's, or chosen for the device). ``worker_prefill_shapes``/``worker_decode_traces``: distinct
     prefill shapes run and decode traces compiled by the worker so far (as of its last step).
     ``mask_s``/``mask_steps``: seconds the scheduler spent computing grammar masks (structured
     output) and the steps that needed them, since the worker last started.

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Callable
 
+import msgspec
 import zmq
 
 from runtime.config import Config
@@ -97,7 +99,7 @@ class Server:
         read meanwhile: status answers "starting", requests wait for the worker (``StartupHold``)."""
         self.clients = self.out.socket = LoopSocket(self._client_sock)
         hold = StartupHold(self.config, self.out, self.supervisor.pid)
-        reading = asyncio.create_task(self._read_while_starting(hold))
+        reading = asyncio.create_task(self._read_clients(hold.on_frames))
         try:
             self.ready = await self.supervisor.wait_ready()
         except BaseException as exc:
@@ -109,18 +111,8 @@ class Server:
         reading.cancel()
         await asyncio.gather(reading, return_exceptions=True)
         self.scheduler = self._new_scheduler(self.ready)
-        for frames in hold.take():  # as if they arrived now, in their order
-            self._on_client_frames(frames)
-
-    async def _read_while_starting(self, hold: StartupHold) -> None:
-        assert self.clients is not None
-        while True:
-            frames = await self.clients.recv_multipart()
-            assert frames is not None  # no timeout: only a message ends the wait
-            try:
-                hold.on_frames(frames)
-            except Exception as exc:  # a bug must cost one message, never the service
-                print(f"runtime: error handling a client message: {exc!r}", flush=True)
+        for identity, envelope, msg in hold.take():  # as if they arrived now, in their order
+            self._guarded(self._on_message, identity, envelope, msg)
 
     async def _recover(self, reason: str) -> None:
         """Fail what ran on the dead worker, restart it, keep the waiting requests."""
@@ -144,20 +136,28 @@ class Server:
 
     # ---- client side: receiving ------------------------------------------------------
     async def client_loop(self) -> None:
+        await self._read_clients(self._on_frames)
+
+    async def _read_clients(self, handle: Callable[[list[bytes]], None]) -> None:
+        """Hand every client message to ``handle`` (the start-up hold's, then the server's)."""
         assert self.clients is not None
         while True:
             frames = await self.clients.recv_multipart()
             assert frames is not None  # no timeout: only a message ends the wait
-            self._on_client_frames(frames)
+            self._guarded(handle, frames)
 
-    def _on_client_frames(self, frames: list[bytes]) -> None:
+    @staticmethod
+    def _guarded(handle: Callable[..., None], *args: object) -> None:
         try:
-            self._on_frames(frames)
+            handle(*args)
         except Exception as exc:  # a bug must cost one message, never the service
             print(f"runtime: error handling a client message: {exc!r}", flush=True)
 
     def _on_frames(self, frames: list[bytes]) -> None:
         identity, envelope, msg = read_message(frames)
+        self._on_message(identity, envelope, msg)
+
+    def _on_message(self, identity: bytes, envelope: tuple[bytes, ...], msg: msgspec.Struct) -> None:
         if isinstance(msg, cp.ProtocolError):
             self.out.reply_raw(identity, envelope, msg)
         elif isinstance(msg, cp.Generate):

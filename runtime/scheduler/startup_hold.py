@@ -12,10 +12,8 @@ request gets its error reply.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from runtime.config import Config
+from runtime.model_folder import model_type_of
 from runtime.protocol import client as cp
 from runtime.scheduler.client_out import ClientOut
 from runtime.scheduler.frames import read_message
@@ -28,8 +26,8 @@ class StartupHold:
         self.config = config
         self.out = out
         self.worker_pid = worker_pid or 0
-        self.model_type = _model_type(config.model.path)
-        self._held: list[tuple[list[bytes], bytes, tuple[bytes, ...], str]] = []  # frames, identity, envelope, rid
+        self.model_type = model_type_of(config.model.path)
+        self._held: list[tuple[bytes, tuple[bytes, ...], cp.Generate]] = []  # identity, envelope, request
 
     def on_frames(self, frames: list[bytes]) -> None:
         """Hold a request; answer anything else now."""
@@ -46,13 +44,13 @@ class StartupHold:
                          "(scheduler.max_waiting); retry later")
                 self.out.reply_raw(identity, envelope, cp.Done(rid=msg.rid, finish_reason="error", error=error))
                 return
-            self._held.append((frames, identity, envelope, msg.rid))
+            self._held.append((identity, envelope, msg))
 
     def _abort(self, identity: bytes, envelope: tuple[bytes, ...], rid: str) -> None:
-        index = next((i for i, h in enumerate(self._held) if h[1] == identity and h[3] == rid), None)
+        index = next((i for i, (who, _, msg) in enumerate(self._held) if who == identity and msg.rid == rid), None)
         self.out.reply_raw(identity, envelope, cp.AbortReply(rid=rid, found=index is not None))
         if index is not None:
-            _, _, held_envelope, _ = self._held.pop(index)
+            _, held_envelope, _ = self._held.pop(index)
             self.out.reply_raw(identity, held_envelope, cp.Done(rid=rid, finish_reason="abort"))
 
     def status(self, rid: str) -> cp.StatusReply:
@@ -66,21 +64,15 @@ class StartupHold:
             max_step_tokens=s.max_step_tokens, prefill_chunk=s.prefill_chunk,
         )
 
-    def take(self) -> list[list[bytes]]:
-        """The held requests' frames, oldest first, once the worker is ready; the hold is empty after."""
+    def take(self) -> list[tuple[bytes, tuple[bytes, ...], cp.Generate]]:
+        """The held requests (identity, envelope, request), oldest first, once the worker is
+        ready; the hold is empty after."""
         held, self._held = self._held, []
-        return [frames for frames, _, _, _ in held]
+        return held
 
     def fail_all(self, error: str) -> None:
         """The worker never came up: every held request ends with ``error``."""
-        for _, identity, envelope, rid in self._held:
-            self.out.reply_raw(identity, envelope, cp.Done(rid=rid, finish_reason="error", error=error))
+        for identity, envelope, msg in self._held:
+            self.out.reply_raw(identity, envelope, cp.Done(rid=msg.rid, finish_reason="error", error=error))
         self._held = []
 
-
-def _model_type(folder: str) -> str:
-    """The folder's ``model_type`` from its config.json ("" where it cannot be read)."""
-    try:
-        return str(json.loads((Path(folder) / "config.json").read_text()).get("model_type", ""))
-    except (OSError, ValueError, AttributeError):
-        return ""

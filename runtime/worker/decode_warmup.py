@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from runtime.protocol.worker import DecodeBatch, PrefillChunk, Step
-from runtime.worker.paths.decode_plan import bucket_lengths, row_bucket
+from runtime.worker.paths.decode_plan import bucket_lengths, row_classes
 
 if TYPE_CHECKING:
     from runtime.worker.engine import Engine
@@ -48,7 +48,7 @@ def warm_decode(engine: Engine, progress: Callable[[str], None] | None = None) -
 
         variants += stage("one-row decode traces",
                           engine.compiled_paged.trace(1, engine.paths.device_table, launches(1)))
-        classes = sorted({row_bucket(n) for n in range(2, engine.paths.max_rows + 1)})
+        classes = row_classes(engine.paths.max_rows, smallest=2)
         variants += stage(f"first decode steps of {len(classes)} row classes",
                           engine.compiled_paged.warm_rows(classes, engine.paths.device_table, launches, ROW_WARM_S))
     steps = (engine.paths.tail.steps.max_steps if engine.paths.tail is not None else 0) + 2

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from runtime.worker.model.fused_projections import (
     fusion_wanted,
     probe_rows,
 )
-from runtime.worker.paths.decode_plan import row_bucket
+from runtime.worker.paths.decode_plan import row_classes
 from runtime.worker.pools.aux_pool import AuxPool
 from runtime.worker.pools.kv_pool import KVPool
 
@@ -135,7 +134,7 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
         limits = agree_limits(limits, group)
     stacked_rows = None
     if fused_groups:
-        stacked_rows = probe_rows(model, sorted({row_bucket(n) for n in range(1, limits.max_running + 1)}))
+        stacked_rows = probe_rows(model, row_classes(limits.max_running))
     aux_slots = (config.cache.aux_slots or 8 * limits.max_running) + 1 if layout.has_aux else 0
     vocab_size = int(text_config.get("vocab_size", 0))
     if limits.num_slots < 2:
@@ -152,10 +151,3 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
         stacked_rows=stacked_rows,
     )
 
-
-def model_type_of(path: str) -> str:
-    """The model_type of a folder, read without loading it."""
-    try:
-        return json.loads((Path(path) / "config.json").read_text()).get("model_type", "unknown")
-    except (OSError, ValueError):
-        return "unknown"

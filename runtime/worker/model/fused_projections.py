@@ -50,8 +50,8 @@ class _Stacked:
         widths = [lin["weight"].shape[0] for lin in linears]
         starts = [sum(widths[:i]) for i in range(len(widths))]
         self.bounds = [(s, s + w) for s, w in zip(starts, widths)]
-        if self.quantized:  # every quantized array has one row per output
-            self.quant = (first.group_size, first.bits, first.mode)
+        # every quantized array has one row per output
+        self.quant = (first.group_size, first.bits, first.mode) if self.quantized else None
         self.rows: frozenset[int] = frozenset({1})  # input row counts that take the stacked product
         self._input: mx.array | None = None
         self._output: mx.array | None = None
@@ -60,13 +60,13 @@ class _Stacked:
     def signature(self) -> tuple:
         """What decides the product's kernel: output widths, input width, dtype, quantization."""
         w = self.arrays["weight"]
-        return (tuple(hi - lo for lo, hi in self.bounds), w.shape[1], w.dtype, getattr(self, "quant", None))
+        return (tuple(hi - lo for lo, hi in self.bounds), w.shape[1], w.dtype, self.quant)
 
     def agrees(self, rows: int, parts: list[nn.Module]) -> bool:
         """Whether the stacked product of a random ``rows``-row input equals every part's own
         product bit for bit (``parts``: the group's linears, on their view weights)."""
         packed = parts[0]["weight"].shape[1]
-        width = packed * 32 // self.quant[1] if self.quantized else packed
+        width = packed * 32 // self.quant[1] if self.quant is not None else packed
         dtype = parts[0]["scales"].dtype if self.quantized else parts[0]["weight"].dtype
         x = mx.random.normal((rows, 1, width), key=mx.random.key(rows)).astype(dtype)  # a decode step's input
         whole = self._product(x)
@@ -81,6 +81,7 @@ class _Stacked:
     def _product(self, x: mx.array) -> mx.array:
         a = self.arrays
         if self.quantized:
+            assert self.quant is not None
             group_size, bits, mode = self.quant
             return mx.quantized_matmul(x, a["weight"], scales=a["scales"], biases=a.get("biases"), transpose=True,
                                        group_size=group_size, bits=bits, mode=mode)

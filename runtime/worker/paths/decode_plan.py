@@ -20,6 +20,11 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def row_classes(max_rows: int, smallest: int = 1) -> list[int]:
+    """The row classes (``row_bucket``) of batches of ``smallest`` to ``max_rows`` rows, ascending."""
+    return sorted({row_bucket(n) for n in range(smallest, max_rows + 1)})
+
+
 def round_length(length: int, bucket: int, max_context: int) -> int:
     """``length`` rounded up to a multiple of ``bucket``, at most ``max_context``."""
     return min(-(-length // bucket) * bucket, max_context)
