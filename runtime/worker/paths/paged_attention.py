@@ -101,8 +101,10 @@ class PagedAttention:
     so one compiled decode step serves every length.
     """
 
-    def __init__(self, use_kernel: bool) -> None:
+    def __init__(self, use_kernel: bool, pipelined: bool = True, unroll: int = UNROLL) -> None:
         self.use_kernel = use_kernel
+        self.pipelined = pipelined  # two warp passes of K/V in flight (paged_kernels.body), or one
+        self.unroll = unroll
         self._kernels: dict[tuple[str, bool], object] = {}
         self._scales: dict[float, mx.array] = {}
         self._one = mx.array([1], dtype=mx.int32)  # a tail of this step's K/V alone
@@ -194,10 +196,11 @@ class PagedAttention:
             else:
                 outputs = ["out"] if kind == "single" else ["part_acc", "part_m", "part_l"]
                 kernel = mx.fast.cuda_kernel(
-                    name=f"runtime_paged_decode_{kind}{'_append' if appending else ''}",
+                    name=f"runtime_paged_decode_{kind}{'_append' if appending else ''}{'_p' if self.pipelined else ''}",
                     input_names=APPEND_INPUTS if appending else INPUTS,
                     output_names=outputs + (APPEND_OUTPUTS if appending else []),
-                    source=body(appending) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL), header=HEADER)
+                    source=body(appending, self.pipelined) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL),
+                    header=HEADER)
             self._kernels[key] = kernel
         return self._kernels[key]
 
@@ -212,7 +215,7 @@ class PagedAttention:
         appending = tail_shape is not None
         tails = [tail_shape, tail_shape] if tail_shape is not None else []
         template = [("T", queries.dtype), ("D", d), ("NREP", n_rep), ("HKV", n_kv), ("NWARPS", warps),
-                    ("UNROLL", UNROLL), ("GL", lanes_per_position(d))]  # the splits come from the grid
+                    ("UNROLL", self.unroll), ("GL", lanes_per_position(d))]  # the splits come from the grid
         grid = (blocks * splits * warps * 32, 1, 1)
         if splits == 1:
             return self._kernel("single", appending)(

@@ -32,9 +32,60 @@ __device__ inline void load_row(const T* p, float* out) {
 #pragma unroll
     for (int i = 0; i < N; ++i) out[i] = static_cast<float>(p[i]);
 }
+
+// One position's K and V elements of a lane, kept as loaded (16-byte words where N elements
+// fill whole words) and converted to float only when used: a prefetched pass costs half the
+// registers of a converted one.
+template <typename T, int N>
+struct KVRow {
+    static constexpr int V = 16 / sizeof(T);
+    static constexpr bool RAW = N % V == 0;
+    static constexpr int W = RAW ? N / V : 1;
+    uint4 k[W];
+    uint4 v[W];
+    float fk[RAW ? 1 : N];
+    float fv[RAW ? 1 : N];
+    __device__ inline void load(const T* kp, const T* vp) {
+        if (RAW && ((reinterpret_cast<size_t>(kp) | reinterpret_cast<size_t>(vp)) & 15) == 0) {
+#pragma unroll
+            for (int j = 0; j < W; ++j) {
+                k[j] = reinterpret_cast<const uint4*>(kp)[j];
+                v[j] = reinterpret_cast<const uint4*>(vp)[j];
+            }
+        } else if (RAW) {
+            T* ke = reinterpret_cast<T*>(k);
+            T* ve = reinterpret_cast<T*>(v);
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                ke[i] = kp[i];
+                ve[i] = vp[i];
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                fk[i] = static_cast<float>(kp[i]);
+                fv[i] = static_cast<float>(vp[i]);
+            }
+        }
+    }
+    __device__ inline void zero() {
+#pragma unroll
+        for (int j = 0; j < W; ++j) k[j] = v[j] = make_uint4(0, 0, 0, 0);
+        if (!RAW) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) fk[i] = fv[i] = 0.f;
+        }
+    }
+    __device__ inline float key(int i) const {
+        return RAW ? static_cast<float>(reinterpret_cast<const T*>(k)[i]) : fk[i];
+    }
+    __device__ inline float value(int i) const {
+        return RAW ? static_cast<float>(reinterpret_cast<const T*>(v)[i]) : fv[i];
+    }
+};
 """
 
-_BODY = """
+_PROLOGUE = """
     constexpr int PER = D / GL;
     constexpr int GROUPS = 32 / GL;
     const int SPLITS = gridDim.x / (queries_shape[0] * HKV);  // the grid is (rows x KV heads x splits) blocks
@@ -69,7 +120,10 @@ _BODY = """
         l[r] = 0.f;
     }
     const int* trow = table + (size_t)rows[b] * tcap;
-{TAIL_COPY}    // A warp pass covers GROUPS * UNROLL consecutive positions; all its loads are issued
+{TAIL_COPY}"""
+
+_CLASSIC_LOOP = """
+    // A warp pass covers GROUPS * UNROLL consecutive positions; all its loads are issued
     // before any is used, so a warp waits for memory once per pass. The slots of the next
     // pass are read from the table while this pass's K/V are loading.
     constexpr int STRIDE = NWARPS * GROUPS * UNROLL;
@@ -125,6 +179,67 @@ _BODY = """
             }
         }
     }
+"""
+
+_PIPELINED_LOOP = """
+    // Software-pipelined: while a warp scores pass i, the loads of pass i + 1 are in flight
+    // (kept as loaded, KVRow), so a warp has two passes of K/V outstanding at once. A pass's
+    // GROUPS * UNROLL positions are scored before one online-softmax rescale per query head.
+    constexpr int STRIDE = NWARPS * GROUPS * UNROLL;
+    const int tfirst = tbegin + warp * GROUPS * UNROLL;
+    const int pool_end = min(tend, n);
+    int slot[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int t = tfirst + u * GROUPS + group;
+        slot[u] = t < pool_end ? trow[t] : 0;
+    }
+    KVRow<T, PER> cur[UNROLL];
+    KVRow<T, PER> nxt[UNROLL];
+{FETCH_FIRST}    for (int t0 = tfirst; t0 < tend; t0 += STRIDE) {
+        if (t0 + STRIDE < tend) {  // uniform across the warp
+{FETCH_NEXT}        }
+#pragma unroll
+        for (int r = 0; r < NREP; ++r) {
+            float s[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < PER; ++i) dot += qr[r][i] * cur[u].key(i);
+#pragma unroll
+                for (int off = GL / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
+                s[u] = t0 + u * GROUPS + group < tend ? dot : -INFINITY;
+            }
+            float mn = m[r];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) mn = fmaxf(mn, s[u]);
+            if (mn != -INFINITY) {
+                const float corr = expf(m[r] - mn);
+                float p[UNROLL];
+                float psum = 0.f;
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    p[u] = expf(s[u] - mn);
+                    psum += p[u];
+                }
+                l[r] = l[r] * corr + psum;
+#pragma unroll
+                for (int i = 0; i < PER; ++i) {
+                    float a = acc[r][i] * corr;
+#pragma unroll
+                    for (int u = 0; u < UNROLL; ++u) a += p[u] * cur[u].value(i);
+                    acc[r][i] = a;
+                }
+                m[r] = mn;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) cur[u] = nxt[u];
+    }
+"""
+
+_EPILOGUE = """
     // Merge the warp's groups: lanes with the same gl hold the same elements.
 #pragma unroll
     for (int r = 0; r < NREP; ++r) {
@@ -270,13 +385,51 @@ _APPEND_COPY = """
 """
 
 
-def body(appending: bool) -> str:
-    """The kernel body up to its write-out: reading a separate tail, or appending to it."""
+# One pass's loads for the pipelined loop: positions T0 + u * GROUPS + group into DST, then the
+# table's slots for the pass after it (their load overlaps this pass's scoring).
+_FETCH = """
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int t = T0 + u * GROUPS + group;
+        if (t >= tend) {
+            DST[u].zero();
+        } else if (t < n) {
+            const size_t base = ((size_t)slot[u] * HKV + h) * D + gl * PER;
+            DST[u].load(keys + base, values + base);
+        } else {
+{PIPELINED_TAIL_LOAD}        }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int t = T0 + STRIDE + u * GROUPS + group;
+        slot[u] = t < pool_end ? trow[t] : 0;
+    }
+"""
+_PIPELINED_TAIL = """
+            const size_t base = ((size_t)bh * RCAP + (t - n)) * D + gl * PER;
+            DST[u].load(tail_keys + base, tail_values + base);
+"""
+_PIPELINED_APPEND = """
+            const bool old = t - n < R - 1;
+            const size_t base = (old ? ((size_t)bh * RCAP + (t - n)) * D : (size_t)bh * D) + gl * PER;
+            DST[u].load((old ? tail_keys : new_keys) + base, (old ? tail_values : new_values) + base);
+"""
+
+
+def body(appending: bool, pipelined: bool = True) -> str:
+    """The kernel body up to its write-out: reading a separate tail, or appending to it;
+    ``pipelined`` (two passes of K/V in flight per warp) or the classic loop (one)."""
     if appending:
         parts = {"{TAIL_LENGTH}": _APPEND_LENGTH, "{TAIL_LOAD}": _APPEND_LOAD, "{TAIL_COPY}": _APPEND_COPY}
     else:
         parts = {"{TAIL_LENGTH}": _TAIL_LENGTH, "{TAIL_LOAD}": _TAIL_LOAD, "{TAIL_COPY}": ""}
-    source = _BODY
+    if pipelined:
+        fetch = _FETCH.replace("{PIPELINED_TAIL_LOAD}", _PIPELINED_APPEND if appending else _PIPELINED_TAIL)
+        loop = (_PIPELINED_LOOP.replace("{FETCH_FIRST}", fetch.replace("T0", "tfirst").replace("DST", "cur"))
+                .replace("{FETCH_NEXT}", fetch.replace("T0", "(t0 + STRIDE)").replace("DST", "nxt")))
+    else:
+        loop = _CLASSIC_LOOP
+    source = _PROLOGUE + loop + _EPILOGUE
     for marker, text in parts.items():
         source = source.replace(marker, text)
     return source
