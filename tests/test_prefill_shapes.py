@@ -29,6 +29,9 @@ def test_key_lengths_recur_and_fit_the_context():
     assert key_length(1000, 512, 4096) == 1536
     assert key_length(3990, 100, 4096) == 4096  # rounded up to 4608 would not fit
     assert key_length(4000, 96, 4096) == 4096
+    # A long prompt's later chunks attend to exactly their keys (a causal mask, no array mask).
+    assert key_length(16384, 2048, 1 << 20) == 18432 and key_length(28672, 2048, 1 << 20) == 30720
+    assert key_length(9000, 1024, 1 << 20) == 10024
     lengths = {key_length(s, 256, 1 << 20) for s in range(1, 4096)}
     assert len(lengths) < 16 and all(key_length(s, 256, 1 << 20) >= s + 256 for s in range(1, 4096))
 

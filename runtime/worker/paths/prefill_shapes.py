@@ -42,13 +42,21 @@ def padded_rows(rows: int) -> int:
 
 
 KEY_STEP = 256  # key lengths up to 2,048 are multiples of this; longer ones of a quarter of their power of two
+# Padded keys need an array mask (front padding), and cuDNN's masked attention costs far more
+# than its causal one as queries x keys grow: an H200 took 6.9 against 1.3 ms a layer for 2,048
+# queries over 20,480 keys (``scripts/long_prefill_cost.py``), 5.5 ms a layer every time against
+# a new shape's one-time graph build of 40-55 ms. Past this many scores a forward's keys are exact.
+PAD_SCORES = 2048 * 4096
 
 
 def key_length(start: int, length: int, max_context: int) -> int:
     """Keys a forward of ``length`` queries at ``start`` attends to, rounded up: a multiple of
     256 to 2,048, then of a quarter of the power of two below (about 8 lengths per doubling),
-    at most ``max_context``. Only attention pays for the padding keys."""
+    at most ``max_context``; exact (no padding, a causal mask) past ``PAD_SCORES`` queries x
+    keys. Only attention pays for the padding keys."""
     n = start + length
+    if length * n > PAD_SCORES:
+        return n
     step = KEY_STEP if n <= 2048 else 1 << (n.bit_length() - 3)
     return max(n, min(-(-n // step) * step, max_context))
 

@@ -1,0 +1,260 @@
+"""The CUDA paged decode kernels run on the CPU, for machines without a GPU.
+
+``paged_kernels``' sources are compiled as C++20 with g++ behind a few stubs (``__device__``,
+``uint4``, a bf16 type rounding to nearest even) and launched one block after another, each
+with one ``std::thread`` per CUDA lane: ``__shfl_xor_sync`` exchanges values between the 32
+lanes of a warp through a barrier, ``__syncthreads`` waits on a block-wide one, and
+``__shared__`` arrays are statics shared by the block's lanes. A split launch is followed by
+the COMBINE kernel, as on the GPU. The result is compared with a float64 numpy reference.
+
+This checks the kernels' arithmetic and indexing (slot table, tail, splits, warp and group
+merges, the appended tail's copy), not their speed or anything CUDA-specific about memory:
+coalescing, shared-memory banks, the memory model. Buffers come from ``std::vector`` (16-byte
+aligned), so the 16-byte load paths run wherever the kernels' alignment checks allow them.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from runtime.worker.paths.cuda import paged_kernels as pk
+from runtime.worker.paths.paged_attention import lanes_per_position
+
+CXX = ["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-pthread"]
+
+_STUBS = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+using std::min;
+#define __device__
+#define __global__
+#define __shared__ static
+struct uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+struct bf16 {  // CUDA's __nv_bfloat16 conversions: round to nearest even (inputs are finite)
+    unsigned short bits;
+    bf16() = default;
+    bf16(float f) { unsigned u; std::memcpy(&u, &f, 4); bits = (u + 0x7fff + ((u >> 16) & 1)) >> 16; }
+    explicit operator float() const { unsigned u = unsigned(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+struct Dim3 { int x, y, z; };
+Dim3 gridDim, blockIdx;
+thread_local Dim3 threadIdx;
+std::barrier<>* block_barrier;
+std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+float shuffle_slots[64][32];
+inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    warp_barriers[warp]->arrive_and_wait();  // the warp's previous exchange has been read
+    shuffle_slots[warp][lane] = v;
+    warp_barriers[warp]->arrive_and_wait();
+    return shuffle_slots[warp][lane ^ lane_mask];
+}
+"""
+
+_RUNNER = r"""
+template <typename E>
+std::vector<E> read_array() {
+    long long n;
+    if (fread(&n, sizeof n, 1, stdin) != 1) std::abort();
+    std::vector<E> v(n);
+    if (fread(v.data(), sizeof(E), n, stdin) != size_t(n)) std::abort();
+    return v;
+}
+template <typename E>
+void write_array(const std::vector<E>& v) {
+    for (const E& x : v) {
+        const float f = static_cast<float>(x);
+        fwrite(&f, sizeof f, 1, stdout);
+    }
+}
+template <typename F>
+void launch(int blocks, int threads, F kernel) {
+    gridDim = {blocks, 1, 1};
+    for (int block = 0; block < blocks; ++block) {
+        blockIdx = {block, 0, 0};
+        std::barrier<> sync(threads);
+        block_barrier = &sync;
+        warp_barriers.clear();
+        for (int w = 0; w < threads / 32; ++w) warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
+        std::vector<std::thread> lanes;
+        for (int t = 0; t < threads; ++t) lanes.emplace_back([&, t] { threadIdx = {t, 0, 0}; kernel(); });
+        for (std::thread& lane : lanes) lane.join();
+    }
+}
+"""
+
+_INT_INPUTS = {"table", "rows", "lengths", "tail_len"}
+
+
+def unavailable() -> str | None:
+    """Why kernels cannot be simulated here (no g++, or one without C++20 ``<barrier>``), or None."""
+    if shutil.which("g++") is None:
+        return "g++ is not installed"
+    probe = "#include <barrier>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); }\n"
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder, "probe.cpp")
+        source.write_text(probe)
+        built = subprocess.run([*CXX, "-o", str(Path(folder, "probe")), str(source)], capture_output=True, text=True)
+    if built.returncode:
+        return f"g++ cannot build C++20 <barrier> code: {built.stderr.strip()[:300]}"
+    return None
+
+
+def _input_type(name: str, elem: str) -> str:
+    return "int" if name in _INT_INPUTS else "float" if name == "scale" else elem
+
+
+def program(appending: bool, split: bool, pipelined: bool, elem: str, head_dim: int, n_rep: int, n_kv: int,
+            warps: int, unroll: int, edit: Callable[[str], str] | None = None) -> str:
+    """A C++ program running one decode step (inputs on stdin, outputs as float32 on stdout);
+    ``edit`` rewrites the decode kernel's body first."""
+    inputs = pk.APPEND_INPUTS if appending else pk.INPUTS
+    outputs = (["part_acc", "part_m", "part_l"] if split else ["out"]) + (pk.APPEND_OUTPUTS if appending else [])
+    params = [f"const {_input_type(name, 'T')}* {name}" for name in inputs]
+    params += ["const int* queries_shape", "const int* table_shape", "const int* tail_keys_shape"]
+    params += [f"{'float' if name.startswith('part') else 'T'}* {name}" for name in outputs]
+    source = pk.body(appending, pipelined) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
+    if edit is not None:
+        source = edit(source)
+    decode = (f"template <typename T, int D, int NREP, int HKV, int NWARPS, int UNROLL, int GL>\n"
+              f"void decode({', '.join(params)}) {{\n{source}\n}}\n")
+    combine = ("template <typename T, int D, int NREP>\nvoid combine(const float* part_acc, const float* part_m,"
+               f" const float* part_l, const int* part_m_shape, T* out) {{\n{pk.COMBINE}\n}}\n")
+    sizes = {"out": "B * HKV * NREP * D", "part_acc": "B * HKV * SPLITS * NREP * D", "part_m": "B * HKV * SPLITS * NREP",
+             "part_l": "B * HKV * SPLITS * NREP", "keys_out": "B * HKV * RCAP * D", "values_out": "B * HKV * RCAP * D"}
+    main = [f"using T = {elem};",
+            f"constexpr int D = {head_dim}, NREP = {n_rep}, HKV = {n_kv}, NWARPS = {warps}, UNROLL = {unroll};",
+            f"constexpr int GL = {lanes_per_position(head_dim)};",
+            "int main() {",
+            "    int dims[5];  // rows, table rows, table capacity, tail capacity, splits",
+            "    if (fread(dims, sizeof(int), 5, stdin) != 5) return 1;",
+            "    const int B = dims[0], RCAP = dims[3], SPLITS = dims[4];",
+            "    const int queries_shape[4] = {B, HKV * NREP, 1, D};",
+            "    const int table_shape[2] = {dims[1], dims[2]};",
+            "    const int tail_keys_shape[4] = {B, HKV, RCAP, D};",
+            "    const int part_m_shape[1] = {B * HKV * SPLITS * NREP};",
+            "    (void)part_m_shape;"]
+    main += [f"    const auto {name} = read_array<{_input_type(name, 'T')}>();" for name in inputs]
+    main += [f"    std::vector<{'float' if name.startswith('part') else 'T'}> {name}({sizes[name]});"
+             for name in outputs + (["out"] if split else [])]
+    args = [f"{name}.data()" for name in inputs] + ["queries_shape", "table_shape", "tail_keys_shape"]
+    args += [f"{name}.data()" for name in outputs]
+    main.append(f"    launch(B * HKV * SPLITS, NWARPS * 32, [&] {{ decode<T, D, NREP, HKV, NWARPS, UNROLL, GL>"
+                f"({', '.join(args)}); }});")
+    if split:
+        main.append("    launch(B * HKV * NREP, D, [&] { combine<T, D, NREP>(part_acc.data(), part_m.data(),"
+                    " part_l.data(), part_m_shape, out.data()); });")
+    main += ["    write_array(out);"] + [f"    write_array({name});" for name in pk.APPEND_OUTPUTS if appending]
+    main += ["    return 0;", "}"]
+    return _STUBS + pk.HEADER + decode + combine + _RUNNER + "\n".join(main) + "\n"
+
+
+@functools.cache
+def _build_dir() -> tempfile.TemporaryDirectory:
+    return tempfile.TemporaryDirectory(prefix="cuda_sim_")
+
+
+@functools.cache
+def _binary(source: str) -> Path:
+    """The built program (once per source and process)."""
+    name = hashlib.sha256(source.encode()).hexdigest()[:16]
+    folder = Path(_build_dir().name)
+    path = folder / name
+    (folder / f"{name}.cpp").write_text(source)
+    built = subprocess.run([*CXX, "-o", str(path), str(path.with_suffix(".cpp"))], capture_output=True, text=True)
+    if built.returncode:
+        raise RuntimeError(f"g++ failed on {path}.cpp:\n{built.stderr[:4000]}")
+    return path
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns of ``x``, rounded to nearest even."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _from_bf16(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def run_paged_kernel(pipelined: bool, appending: bool, splits: int, dtype: str = "float", head_dim: int = 128,
+                     n_rep: int = 2, n_kv: int = 2, warps: int = 4, unroll: int = 1, rows: int = 2,
+                     context: int = 70, tail: int = 3, capacity: int = 6, seed: int = 0,
+                     edit: Callable[[str], str] | None = None) -> tuple[float, bool]:
+    """One simulated decode step of ``rows`` rows, each with up to ``context`` pool positions
+    (``tail`` more in a tail of ``capacity``; appending: ``tail - 1`` old ones and the new
+    K/V): the largest absolute difference from the reference, and whether the appended tail
+    (``keys_out``/``values_out[:, :, :tail]``) is exactly old tail + new row (True when not
+    appending). ``dtype`` is the K/V and query type, ``"float"`` or ``"bf16"``."""
+    assert dtype in ("float", "bf16") and 1 <= tail <= capacity
+    rng = np.random.default_rng(seed)
+    cast = (lambda x: _from_bf16(_bf16(x))) if dtype == "bf16" else (lambda x: x.astype(np.float32))
+    n_q, slots = n_kv * n_rep, rows * context + 5
+
+    def normal(*shape: int) -> np.ndarray:
+        return cast(rng.standard_normal(shape))
+
+    queries = normal(rows, n_q, 1, head_dim)
+    keys, values = normal(slots, n_kv, head_dim), normal(slots, n_kv, head_dim)
+    table = np.zeros((rows + 1, context + 4), np.int32)  # one table row belongs to no batch row
+    order = rng.permutation(rows + 1)[:rows].astype(np.int32)
+    n_pool = rng.integers(0, context + 1, rows)
+    for b in range(rows):
+        table[order[b], : n_pool[b]] = rng.choice(np.arange(1, slots), n_pool[b], replace=False)
+    tail_k, tail_v = normal(rows, n_kv, capacity, head_dim), normal(rows, n_kv, capacity, head_dim)
+    new_k, new_v = normal(rows, n_kv, 1, head_dim), normal(rows, n_kv, 1, head_dim)
+    if appending:  # the step's tail: old tail[:tail - 1] and the new row
+        step_k = np.concatenate([tail_k[:, :, : tail - 1], new_k], axis=2)
+        step_v = np.concatenate([tail_v[:, :, : tail - 1], new_v], axis=2)
+    else:
+        step_k, step_v = tail_k[:, :, :tail], tail_v[:, :, :tail]
+    scale = head_dim**-0.5
+    arrays = dict(queries=queries, keys=keys, values=values, table=table, rows=order,
+                  lengths=(n_pool + tail).astype(np.int32), tail_keys=tail_k, tail_values=tail_v,
+                  tail_len=np.array([tail - 1 if appending else tail], np.int32), new_keys=new_k, new_values=new_v,
+                  scale=np.array([scale], np.float32))
+
+    elem = "bf16" if dtype == "bf16" else "float"
+    source = program(appending, splits > 1, pipelined, elem, head_dim, n_rep, n_kv, warps, unroll, edit)
+    stdin = [np.array([rows, rows + 1, table.shape[1], capacity, splits], np.int32).tobytes()]
+    for name in pk.APPEND_INPUTS if appending else pk.INPUTS:
+        a = arrays[name]
+        data = a if _input_type(name, elem) != "bf16" else _bf16(a)
+        stdin += [np.array([a.size], np.int64).tobytes(), np.ascontiguousarray(data).tobytes()]
+    ran = subprocess.run([str(_binary(source))], input=b"".join(stdin), capture_output=True, check=True)
+    result = np.frombuffer(ran.stdout, np.float32)
+    out = result[: queries.size].reshape(rows, n_q, head_dim)
+
+    expected = np.zeros(out.shape)
+    for b in range(rows):
+        slot_ids = table[order[b], : n_pool[b]]
+        for h in range(n_kv):
+            k = np.concatenate([keys[slot_ids, h], step_k[b, h]]).astype(np.float64)
+            v = np.concatenate([values[slot_ids, h], step_v[b, h]]).astype(np.float64)
+            scores = queries[b, h * n_rep : (h + 1) * n_rep, 0].astype(np.float64) @ k.T * scale
+            p = np.exp(scores - scores.max(axis=1, keepdims=True))
+            expected[b, h * n_rep : (h + 1) * n_rep] = (p / p.sum(axis=1, keepdims=True)) @ v
+    tail_exact = True
+    if appending:
+        keys_out, values_out = result[queries.size :].reshape(2, rows, n_kv, capacity, head_dim)
+        tail_exact = bool(np.array_equal(keys_out[:, :, :tail], step_k) and np.array_equal(values_out[:, :, :tail], step_v))
+    return float(np.abs(out - expected).max()), tail_exact
