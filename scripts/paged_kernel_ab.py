@@ -79,7 +79,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--cases", default="1x32768,1x8192,1x2048,8x4096,64x512,64x2048,256x512")
     p.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head dim")
-    p.add_argument("--variants", default="classic:1,pipelined:1")
+    p.add_argument("--variants", default="classic:1,pipelined:1,lanes:8,lanes:16", help="loop:unroll, ...")
     p.add_argument("--sweep", default="32,64x4,8,16", help="splits x warps tried on the first case")
     p.add_argument("--calls", type=int, default=32)
     args = p.parse_args()
@@ -87,7 +87,7 @@ def main() -> None:
     variants = {}
     for spec in args.variants.split(","):
         kind, unroll = spec.split(":")
-        variants[spec] = PagedAttention(True, pipelined=kind == "pipelined", unroll=int(unroll))
+        variants[spec] = PagedAttention(True, loop=kind, unroll=int(unroll))
     print(f"device {mx.default_device()}, heads {n_q}/{n_kv} dim {d}, us per call ({args.calls} chained)", flush=True)
     for index, case in enumerate(args.cases.split(",")):
         rows, context = (int(x) for x in case.split("x"))

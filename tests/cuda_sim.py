@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from runtime.worker.paths.cuda import paged_kernels as pk
+from runtime.worker.paths.cuda.lane_kernels import HEADER as LANES_HEADER
+from runtime.worker.paths.cuda.lane_kernels import lanes_body
 from runtime.worker.paths.paged_attention import lanes_per_position
 
 CXX = ["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-pthread"]
@@ -37,6 +39,7 @@ _STUBS = r"""
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <bit>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -46,7 +49,9 @@ using std::min;
 #define __device__
 #define __global__
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 struct bf16 {  // CUDA's __nv_bfloat16 conversions: round to nearest even (inputs are finite)
     unsigned short bits;
@@ -67,6 +72,16 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     shuffle_slots[warp][lane] = v;
     warp_barriers[warp]->arrive_and_wait();
     return shuffle_slots[warp][lane ^ lane_mask];
+}
+inline float __shfl_sync(unsigned, float v, int source) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    warp_barriers[warp]->arrive_and_wait();
+    shuffle_slots[warp][lane] = v;
+    warp_barriers[warp]->arrive_and_wait();
+    return shuffle_slots[warp][source];
+}
+inline int __shfl_sync(unsigned mask, int v, int source) {
+    return std::bit_cast<int>(__shfl_sync(mask, std::bit_cast<float>(v), source));
 }
 """
 
@@ -113,7 +128,8 @@ def unavailable() -> str | None:
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder, "probe.cpp")
         source.write_text(probe)
-        built = subprocess.run([*CXX, "-o", str(Path(folder, "probe")), str(source)], capture_output=True, text=True)
+        built = subprocess.run([*CXX, "-o", str(Path(folder, "probe")), str(source)], capture_output=True, text=True,
+                               check=False)
     if built.returncode:
         return f"g++ cannot build C++20 <barrier> code: {built.stderr.strip()[:300]}"
     return None
@@ -123,7 +139,7 @@ def _input_type(name: str, elem: str) -> str:
     return "int" if name in _INT_INPUTS else "float" if name == "scale" else elem
 
 
-def program(appending: bool, split: bool, pipelined: bool, elem: str, head_dim: int, n_rep: int, n_kv: int,
+def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n_rep: int, n_kv: int,
             warps: int, unroll: int, edit: Callable[[str], str] | None = None) -> str:
     """A C++ program running one decode step (inputs on stdin, outputs as float32 on stdout);
     ``edit`` rewrites the decode kernel's body first."""
@@ -132,15 +148,17 @@ def program(appending: bool, split: bool, pipelined: bool, elem: str, head_dim: 
     params = [f"const {_input_type(name, 'T')}* {name}" for name in inputs]
     params += ["const int* queries_shape", "const int* table_shape", "const int* tail_keys_shape"]
     params += [f"{'float' if name.startswith('part') else 'T'}* {name}" for name in outputs]
-    source = pk.body(appending, pipelined) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
+    core = lanes_body(appending) if loop == "lanes" else pk.body(appending, loop == "pipelined")
+    source = core + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
     if edit is not None:
         source = edit(source)
     decode = (f"template <typename T, int D, int NREP, int HKV, int NWARPS, int UNROLL, int GL>\n"
               f"void decode({', '.join(params)}) {{\n{source}\n}}\n")
     combine = ("template <typename T, int D, int NREP>\nvoid combine(const float* part_acc, const float* part_m,"
                f" const float* part_l, const int* part_m_shape, T* out) {{\n{pk.COMBINE}\n}}\n")
-    sizes = {"out": "B * HKV * NREP * D", "part_acc": "B * HKV * SPLITS * NREP * D", "part_m": "B * HKV * SPLITS * NREP",
-             "part_l": "B * HKV * SPLITS * NREP", "keys_out": "B * HKV * RCAP * D", "values_out": "B * HKV * RCAP * D"}
+    parts = "B * HKV * SPLITS * NREP"
+    sizes = {"out": "B * HKV * NREP * D", "part_acc": f"{parts} * D", "part_m": parts, "part_l": parts,
+             "keys_out": "B * HKV * RCAP * D", "values_out": "B * HKV * RCAP * D"}
     main = [f"using T = {elem};",
             f"constexpr int D = {head_dim}, NREP = {n_rep}, HKV = {n_kv}, NWARPS = {warps}, UNROLL = {unroll};",
             f"constexpr int GL = {lanes_per_position(head_dim)};",
@@ -150,9 +168,7 @@ def program(appending: bool, split: bool, pipelined: bool, elem: str, head_dim: 
             "    const int B = dims[0], RCAP = dims[3], SPLITS = dims[4];",
             "    const int queries_shape[4] = {B, HKV * NREP, 1, D};",
             "    const int table_shape[2] = {dims[1], dims[2]};",
-            "    const int tail_keys_shape[4] = {B, HKV, RCAP, D};",
-            "    const int part_m_shape[1] = {B * HKV * SPLITS * NREP};",
-            "    (void)part_m_shape;"]
+            "    const int tail_keys_shape[4] = {B, HKV, RCAP, D};"]
     main += [f"    const auto {name} = read_array<{_input_type(name, 'T')}>();" for name in inputs]
     main += [f"    std::vector<{'float' if name.startswith('part') else 'T'}> {name}({sizes[name]});"
              for name in outputs + (["out"] if split else [])]
@@ -161,11 +177,12 @@ def program(appending: bool, split: bool, pipelined: bool, elem: str, head_dim: 
     main.append(f"    launch(B * HKV * SPLITS, NWARPS * 32, [&] {{ decode<T, D, NREP, HKV, NWARPS, UNROLL, GL>"
                 f"({', '.join(args)}); }});")
     if split:
+        main.append("    const int part_m_shape[1] = {B * HKV * SPLITS * NREP};")
         main.append("    launch(B * HKV * NREP, D, [&] { combine<T, D, NREP>(part_acc.data(), part_m.data(),"
                     " part_l.data(), part_m_shape, out.data()); });")
     main += ["    write_array(out);"] + [f"    write_array({name});" for name in pk.APPEND_OUTPUTS if appending]
     main += ["    return 0;", "}"]
-    return _STUBS + pk.HEADER + decode + combine + _RUNNER + "\n".join(main) + "\n"
+    return _STUBS + pk.HEADER + LANES_HEADER + decode + combine + _RUNNER + "\n".join(main) + "\n"
 
 
 @functools.cache
@@ -180,7 +197,8 @@ def _binary(source: str) -> Path:
     folder = Path(_build_dir().name)
     path = folder / name
     (folder / f"{name}.cpp").write_text(source)
-    built = subprocess.run([*CXX, "-o", str(path), str(path.with_suffix(".cpp"))], capture_output=True, text=True)
+    built = subprocess.run([*CXX, "-o", str(path), str(path.with_suffix(".cpp"))], capture_output=True, text=True,
+                           check=False)
     if built.returncode:
         raise RuntimeError(f"g++ failed on {path}.cpp:\n{built.stderr[:4000]}")
     return path
@@ -196,7 +214,7 @@ def _from_bf16(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def run_paged_kernel(pipelined: bool, appending: bool, splits: int, dtype: str = "float", head_dim: int = 128,
+def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "float", head_dim: int = 128,
                      n_rep: int = 2, n_kv: int = 2, warps: int = 4, unroll: int = 1, rows: int = 2,
                      context: int = 70, tail: int = 3, capacity: int = 6, seed: int = 0,
                      edit: Callable[[str], str] | None = None) -> tuple[float, bool]:
@@ -215,7 +233,7 @@ def run_paged_kernel(pipelined: bool, appending: bool, splits: int, dtype: str =
 
     queries = normal(rows, n_q, 1, head_dim)
     keys, values = normal(slots, n_kv, head_dim), normal(slots, n_kv, head_dim)
-    table = np.zeros((rows + 1, context + 4), np.int32)  # one table row belongs to no batch row
+    table = np.zeros((rows + 1, context + 4), np.int32)  # a spare table row, and spare columns
     order = rng.permutation(rows + 1)[:rows].astype(np.int32)
     n_pool = rng.integers(0, context + 1, rows)
     for b in range(rows):
@@ -227,20 +245,20 @@ def run_paged_kernel(pipelined: bool, appending: bool, splits: int, dtype: str =
         step_v = np.concatenate([tail_v[:, :, : tail - 1], new_v], axis=2)
     else:
         step_k, step_v = tail_k[:, :, :tail], tail_v[:, :, :tail]
-    scale = head_dim**-0.5
-    arrays = dict(queries=queries, keys=keys, values=values, table=table, rows=order,
-                  lengths=(n_pool + tail).astype(np.int32), tail_keys=tail_k, tail_values=tail_v,
-                  tail_len=np.array([tail - 1 if appending else tail], np.int32), new_keys=new_k, new_values=new_v,
-                  scale=np.array([scale], np.float32))
+    scale = np.float32(head_dim**-0.5)
+    arrays = {"queries": queries, "keys": keys, "values": values, "table": table, "rows": order,
+              "lengths": (n_pool + tail).astype(np.int32), "tail_keys": tail_k, "tail_values": tail_v,
+              "tail_len": np.array([tail - 1 if appending else tail], np.int32), "new_keys": new_k,
+              "new_values": new_v, "scale": np.array([scale], np.float32)}
 
-    elem = "bf16" if dtype == "bf16" else "float"
-    source = program(appending, splits > 1, pipelined, elem, head_dim, n_rep, n_kv, warps, unroll, edit)
+    source = program(appending, splits > 1, loop, dtype, head_dim, n_rep, n_kv, warps, unroll, edit)
     stdin = [np.array([rows, rows + 1, table.shape[1], capacity, splits], np.int32).tobytes()]
     for name in pk.APPEND_INPUTS if appending else pk.INPUTS:
         a = arrays[name]
-        data = a if _input_type(name, elem) != "bf16" else _bf16(a)
+        data = _bf16(a) if _input_type(name, dtype) == "bf16" else a
         stdin += [np.array([a.size], np.int64).tobytes(), np.ascontiguousarray(data).tobytes()]
-    ran = subprocess.run([str(_binary(source))], input=b"".join(stdin), capture_output=True, check=True)
+    # A timeout: lanes that disagree on which shuffles they reach wait on a barrier forever.
+    ran = subprocess.run([str(_binary(source))], input=b"".join(stdin), capture_output=True, check=True, timeout=60)
     result = np.frombuffer(ran.stdout, np.float32)
     out = result[: queries.size].reshape(rows, n_q, head_dim)
 
@@ -256,5 +274,6 @@ def run_paged_kernel(pipelined: bool, appending: bool, splits: int, dtype: str =
     tail_exact = True
     if appending:
         keys_out, values_out = result[queries.size :].reshape(2, rows, n_kv, capacity, head_dim)
-        tail_exact = bool(np.array_equal(keys_out[:, :, :tail], step_k) and np.array_equal(values_out[:, :, :tail], step_v))
+        tail_exact = bool(np.array_equal(keys_out[:, :, :tail], step_k)
+                          and np.array_equal(values_out[:, :, :tail], step_v))
     return float(np.abs(out - expected).max()), tail_exact

@@ -273,6 +273,11 @@ _EPILOGUE = """
             for (int i = 0; i < PER; ++i) sm_acc[warp][r][gl * PER + i] = acc[r][i];
         }
     }
+"""
+
+# The block's warps merged through shared memory (every loop leaves sm_m, sm_l and sm_acc),
+# up to each output element's write (WRITE_OUT or WRITE_PARTIAL closes the loop).
+BLOCK_MERGE = """
     __syncthreads();
     for (int idx = threadIdx.x; idx < NREP * D; idx += NWARPS * 32) {
         const int r = idx / D;
@@ -334,7 +339,7 @@ APPEND_OUTPUTS = ["keys_out", "values_out"]
 # The tail (B, HKV, RCAP, D), of capacity RCAP, holds a row's last R = tail_len[0] positions (the
 # rest of it is unused): its length is a run-time value, so one compiled step serves every
 # tail length.
-_TAIL_LENGTH = "    const int RCAP = tail_keys_shape[2];\n    const int R = tail_len[0];\n"
+TAIL_LENGTH = "    const int RCAP = tail_keys_shape[2];\n    const int R = tail_len[0];\n"
 _TAIL_LOAD = """
                 const size_t base = ((size_t)bh * RCAP + (t - n)) * D + gl * PER;
                 load_row<T, PER>(tail_keys + base, kr[u]);
@@ -345,14 +350,14 @@ _TAIL_LOAD = """
 # R - 1 = tail_len[0] before it the old tail (capacity RCAP); the blocks also write old tail + new
 # row to the first R positions of keys_out / values_out (B, HKV, RCAP, D), the step's tail, so no
 # separate concatenation is launched.
-_APPEND_LENGTH = "    const int RCAP = tail_keys_shape[2];\n    const int R = tail_len[0] + 1;\n"
+APPEND_LENGTH = "    const int RCAP = tail_keys_shape[2];\n    const int R = tail_len[0] + 1;\n"
 _APPEND_LOAD = """
                 const bool old = t - n < R - 1;
                 const size_t base = (old ? ((size_t)bh * RCAP + (t - n)) * D : (size_t)bh * D) + gl * PER;
                 load_row<T, PER>((old ? tail_keys : new_keys) + base, kr[u]);
                 load_row<T, PER>((old ? tail_values : new_values) + base, vr[u]);
 """
-_APPEND_COPY = """
+APPEND_COPY = """
     {
         // Every block of the (row, KV head) copies a share, 16 bytes per thread and load where
         // aligned; a thread issues both loads before its stores (one memory wait, not R * 2).
@@ -420,16 +425,16 @@ def body(appending: bool, pipelined: bool = True) -> str:
     """The kernel body up to its write-out: reading a separate tail, or appending to it;
     ``pipelined`` (two passes of K/V in flight per warp) or the classic loop (one)."""
     if appending:
-        parts = {"{TAIL_LENGTH}": _APPEND_LENGTH, "{TAIL_LOAD}": _APPEND_LOAD, "{TAIL_COPY}": _APPEND_COPY}
+        parts = {"{TAIL_LENGTH}": APPEND_LENGTH, "{TAIL_LOAD}": _APPEND_LOAD, "{TAIL_COPY}": APPEND_COPY}
     else:
-        parts = {"{TAIL_LENGTH}": _TAIL_LENGTH, "{TAIL_LOAD}": _TAIL_LOAD, "{TAIL_COPY}": ""}
+        parts = {"{TAIL_LENGTH}": TAIL_LENGTH, "{TAIL_LOAD}": _TAIL_LOAD, "{TAIL_COPY}": ""}
     if pipelined:
         fetch = _FETCH.replace("{PIPELINED_TAIL_LOAD}", _PIPELINED_APPEND if appending else _PIPELINED_TAIL)
         loop = (_PIPELINED_LOOP.replace("{FETCH_FIRST}", fetch.replace("T0", "tfirst").replace("DST", "cur"))
                 .replace("{FETCH_NEXT}", fetch.replace("T0", "(t0 + STRIDE)").replace("DST", "nxt")))
     else:
         loop = _CLASSIC_LOOP
-    source = _PROLOGUE + loop + _EPILOGUE
+    source = _PROLOGUE + loop + _EPILOGUE + BLOCK_MERGE
     for marker, text in parts.items():
         source = source.replace(marker, text)
     return source
