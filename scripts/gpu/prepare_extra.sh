@@ -12,8 +12,11 @@ root=$(git rev-parse --show-toplevel)
 cd "$root"
 [ -d .gpu/b ] || { echo "run ../shared/gpu/prepare.sh first" >&2; exit 2; }
 mkdir -p .gpu/c .gpu/k
-# Versions of this checkout's environment where it has them (a fresh one: the latest).
-pins=$(python3 - <<'E'
+# Versions of this checkout's environment where it has them (a fresh one: the latest): its
+# .venv's, not the system Python's (an older typing_extensions there broke anyio's import).
+py=python3
+[ -x .venv/bin/python3 ] && py=.venv/bin/python3
+pins=$($py - <<'E'
 from importlib.metadata import version, PackageNotFoundError
 names = ["llguidance", "fastapi", "starlette", "uvicorn", "httptools", "uvloop", "pydantic", "pydantic_core",
          "annotated-types", "typing-inspection", "typing_extensions", "anyio", "h11", "click", "sniffio",
