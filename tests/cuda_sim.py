@@ -26,8 +26,6 @@ from pathlib import Path
 import numpy as np
 
 from runtime.worker.paths.cuda import paged_kernels as pk
-from runtime.worker.paths.cuda.lane_kernels import HEADER as LANES_HEADER
-from runtime.worker.paths.cuda.lane_kernels import lanes_body
 from runtime.worker.paths.paged_attention import lanes_per_position
 
 CXX = ["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-pthread"]
@@ -148,8 +146,7 @@ def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n
     params = [f"const {_input_type(name, 'T')}* {name}" for name in inputs]
     params += ["const int* queries_shape", "const int* table_shape", "const int* tail_keys_shape"]
     params += [f"{'float' if name.startswith('part') else 'T'}* {name}" for name in outputs]
-    core = lanes_body(appending) if loop == "lanes" else pk.body(appending, loop == "pipelined")
-    source = core + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
+    source = pk.body(appending, loop) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
     if edit is not None:
         source = edit(source)
     decode = (f"template <typename T, int D, int NREP, int HKV, int NWARPS, int UNROLL, int GL>\n"
@@ -182,7 +179,7 @@ def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n
                     " part_l.data(), part_m_shape, out.data()); });")
     main += ["    write_array(out);"] + [f"    write_array({name});" for name in pk.APPEND_OUTPUTS if appending]
     main += ["    return 0;", "}"]
-    return _STUBS + pk.HEADER + LANES_HEADER + decode + combine + _RUNNER + "\n".join(main) + "\n"
+    return _STUBS + pk.HEADER + decode + combine + _RUNNER + "\n".join(main) + "\n"
 
 
 @functools.cache

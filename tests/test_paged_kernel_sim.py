@@ -27,11 +27,11 @@ CASES = [
     ("classic", True, 3, "bf16", 1, 128, 2, 2),
     ("pipelined", False, 3, "bf16", 2, 96, 2, 2),
     ("classic", True, 1, "bf16", 2, 96, 2, 4),
-    ("lanes", False, 1, "bf16", 8, 128, 4, 4),
-    ("lanes", False, 3, "float", 4, 64, 2, 2),
-    ("lanes", True, 1, "float", 8, 96, 2, 2),
-    ("lanes", True, 3, "bf16", 4, 128, 4, 4),
-    ("lanes", True, 3, "bf16", 8, 96, 2, 4),
+    ("ring2", False, 3, "bf16", 1, 128, 4, 4),
+    ("ring3", True, 1, "float", 1, 64, 2, 2),
+    ("ring3", False, 3, "bf16", 2, 96, 2, 4),
+    ("ring4", True, 3, "bf16", 1, 128, 2, 2),
+    ("ring4", False, 1, "float", 2, 96, 2, 4),
 ]
 
 
@@ -53,3 +53,10 @@ def test_a_wrong_softmax_is_caught() -> None:
 
     err, _ = run_paged_kernel("pipelined", False, 1, context=200, edit=unshifted)
     assert err > 100 * TOLERANCE["float"]
+
+
+def test_an_unknown_loop_is_refused() -> None:
+    from runtime.worker.paths.paged_attention import PagedAttention
+
+    with pytest.raises(ValueError, match="unknown paged kernel loop"):
+        PagedAttention(True, loop="ring1")

@@ -12,8 +12,6 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from runtime.worker.paths.cuda.lane_kernels import HEADER as LANES_HEADER
-from runtime.worker.paths.cuda.lane_kernels import lanes_body
 from runtime.worker.paths.cuda.paged_kernels import (
     APPEND_INPUTS,
     APPEND_OUTPUTS,
@@ -28,10 +26,10 @@ from runtime.worker.paths.decode_plan import bucket_lengths
 from runtime.worker.pools.kv_pool import KVPool
 
 UNROLL = 1  # positions per lane group and warp pass: more costs registers, hence occupancy (1 measured best)
-# The kernel's loop (paged_kernels, lane_kernels) and its UNROLL: "classic" (one warp pass of
-# K/V in flight), "pipelined" (two; 10-15% faster on an H200, scripts/paged_kernel_ab.py),
-# "lanes" (a lane per position, UNROLL rows of V loaded at once).
-LOOPS = {"classic": UNROLL, "pipelined": UNROLL, "lanes": 8}
+# The kernel's loop (``paged_kernels.body``): "classic" (one warp pass of K/V in flight),
+# "pipelined" (the next pass's loads issued first: 10-15% faster than classic on an H200 at
+# 1-256 rows, scripts/paged_kernel_ab.py), "ring2".."ring4" (more passes ahead, no register
+# copies; not yet timed on a GPU).
 LOOP = "pipelined"
 MAX_WARPS = 16  # a block of few (row, KV head) pairs: its warps are the kernel's only parallelism
 SHARED_BYTES = 40 * 1024  # the per-warp partial results live in static shared memory (48 KiB max)
@@ -108,12 +106,11 @@ class PagedAttention:
     so one compiled decode step serves every length.
     """
 
-    def __init__(self, use_kernel: bool, loop: str = LOOP, unroll: int | None = None) -> None:
-        if loop not in LOOPS:
-            raise ValueError(f"unknown paged kernel loop {loop!r}; choose from {', '.join(LOOPS)}")
+    def __init__(self, use_kernel: bool, loop: str = LOOP, unroll: int = UNROLL) -> None:
+        body(False, loop)  # a ValueError for an unknown loop, now rather than at the first decode
         self.use_kernel = use_kernel
         self.loop = loop
-        self.unroll = unroll or LOOPS[loop]
+        self.unroll = unroll
         self._kernels: dict[tuple[str, bool], object] = {}
         self._scales: dict[float, mx.array] = {}
         self._one = mx.array([1], dtype=mx.int32)  # a tail of this step's K/V alone
@@ -204,14 +201,12 @@ class PagedAttention:
                                              source=COMBINE)
             else:
                 outputs = ["out"] if kind == "single" else ["part_acc", "part_m", "part_l"]
-                lanes = self.loop == "lanes"
-                source = lanes_body(appending) if lanes else body(appending, self.loop == "pipelined")
                 kernel = mx.fast.cuda_kernel(
                     name=f"runtime_paged_decode_{kind}{'_append' if appending else ''}_{self.loop}",
                     input_names=APPEND_INPUTS if appending else INPUTS,
                     output_names=outputs + (APPEND_OUTPUTS if appending else []),
-                    source=source + (WRITE_OUT if kind == "single" else WRITE_PARTIAL),
-                    header=HEADER + (LANES_HEADER if lanes else ""))
+                    source=body(appending, self.loop) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL),
+                    header=HEADER)
             self._kernels[key] = kernel
         return self._kernels[key]
 

@@ -199,6 +199,14 @@ _PIPELINED_LOOP = """
 {FETCH_FIRST}    for (int t0 = tfirst; t0 < tend; t0 += STRIDE) {
         if (t0 + STRIDE < tend) {  // uniform across the warp
 {FETCH_NEXT}        }
+{COMPUTE}#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) cur[u] = nxt[u];
+    }
+"""
+
+# One warp pass's scoring and online-softmax rescale (the pipelined and ring loops): positions
+# T0 + u * GROUPS + group, their K/V in CUR.
+_PASS = """
 #pragma unroll
         for (int r = 0; r < NREP; ++r) {
             float s[UNROLL];
@@ -206,10 +214,10 @@ _PIPELINED_LOOP = """
             for (int u = 0; u < UNROLL; ++u) {
                 float dot = 0.f;
 #pragma unroll
-                for (int i = 0; i < PER; ++i) dot += qr[r][i] * cur[u].key(i);
+                for (int i = 0; i < PER; ++i) dot += qr[r][i] * CUR[u].key(i);
 #pragma unroll
                 for (int off = GL / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
-                s[u] = t0 + u * GROUPS + group < tend ? dot : -INFINITY;
+                s[u] = T0 + u * GROUPS + group < tend ? dot : -INFINITY;
             }
             float mn = m[r];
 #pragma unroll
@@ -228,15 +236,12 @@ _PIPELINED_LOOP = """
                 for (int i = 0; i < PER; ++i) {
                     float a = acc[r][i] * corr;
 #pragma unroll
-                    for (int u = 0; u < UNROLL; ++u) a += p[u] * cur[u].value(i);
+                    for (int u = 0; u < UNROLL; ++u) a += p[u] * CUR[u].value(i);
                     acc[r][i] = a;
                 }
                 m[r] = mn;
             }
         }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) cur[u] = nxt[u];
-    }
 """
 
 _EPILOGUE = """
@@ -421,20 +426,55 @@ _PIPELINED_APPEND = """
 """
 
 
-def body(appending: bool, pipelined: bool = True) -> str:
-    """The kernel body up to its write-out: reading a separate tail, or appending to it;
-    ``pipelined`` (two passes of K/V in flight per warp) or the classic loop (one)."""
+def _ring_loop(stages: int, fetch: str) -> str:
+    """The ring loop: ``stages`` K/V buffers per warp, ``stages - 1`` passes' loads in flight
+    while a pass is scored, the buffers taken in turn (unrolled here, so no register copy makes
+    a warp wait for loads it has just issued), each with its own slots read a round ahead."""
+    def fetch_into(j: int, position: str) -> str:
+        return (fetch.replace("T0 + STRIDE", f"{position} + {stages} * STRIDE").replace("T0", position)
+                .replace("DST", f"kv{j}").replace("slot[u]", f"sl{j}[u]"))
+
+    out = ["    constexpr int STRIDE = NWARPS * GROUPS * UNROLL;\n",
+           "    const int tfirst = tbegin + warp * GROUPS * UNROLL;\n",
+           "    const int pool_end = min(tend, n);\n"]
+    for j in range(stages):
+        out.append(f"    KVRow<T, PER> kv{j}[UNROLL];\n    int sl{j}[UNROLL];\n#pragma unroll\n"
+                   f"    for (int u = 0; u < UNROLL; ++u) {{\n"
+                   f"        const int t = tfirst + {j} * STRIDE + u * GROUPS + group;\n"
+                   f"        sl{j}[u] = t < pool_end ? trow[t] : 0;\n    }}\n")
+    for j in range(stages - 1):
+        out.append(f"    if (tfirst + {j} * STRIDE < tend) {{\n{fetch_into(j, f'(tfirst + {j} * STRIDE)')}    }}\n")
+    out.append(f"    for (int t0 = tfirst; t0 < tend; t0 += {stages} * STRIDE) {{\n")
+    for k in range(stages):
+        ahead = (k + stages - 1) % stages
+        here, later = f"(t0 + {k} * STRIDE)", f"(t0 + {k + stages - 1} * STRIDE)"
+        out.append(f"        if ({here} >= tend) break;  // uniform across the warp\n")
+        out.append(f"        if ({later} < tend) {{\n{fetch_into(ahead, later)}        }}\n")
+        out.append(_PASS.replace("CUR", f"kv{k}").replace("T0", here))
+    out.append("    }\n")
+    return "".join(out)
+
+
+def body(appending: bool, loop: str = "pipelined") -> str:
+    """The kernel body up to its write-out, reading a separate tail or appending to it, with
+    ``loop``: ``classic`` (one warp pass of K/V in flight), ``pipelined`` (the next pass's
+    loads issued before this pass is scored), or ``ringN`` (N buffers, N - 1 passes ahead)."""
     if appending:
         parts = {"{TAIL_LENGTH}": APPEND_LENGTH, "{TAIL_LOAD}": _APPEND_LOAD, "{TAIL_COPY}": APPEND_COPY}
     else:
         parts = {"{TAIL_LENGTH}": TAIL_LENGTH, "{TAIL_LOAD}": _TAIL_LOAD, "{TAIL_COPY}": ""}
-    if pipelined:
-        fetch = _FETCH.replace("{PIPELINED_TAIL_LOAD}", _PIPELINED_APPEND if appending else _PIPELINED_TAIL)
-        loop = (_PIPELINED_LOOP.replace("{FETCH_FIRST}", fetch.replace("T0", "tfirst").replace("DST", "cur"))
-                .replace("{FETCH_NEXT}", fetch.replace("T0", "(t0 + STRIDE)").replace("DST", "nxt")))
+    fetch = _FETCH.replace("{PIPELINED_TAIL_LOAD}", _PIPELINED_APPEND if appending else _PIPELINED_TAIL)
+    if loop == "classic":
+        code = _CLASSIC_LOOP
+    elif loop == "pipelined":
+        code = (_PIPELINED_LOOP.replace("{FETCH_FIRST}", fetch.replace("T0", "tfirst").replace("DST", "cur"))
+                .replace("{FETCH_NEXT}", fetch.replace("T0", "(t0 + STRIDE)").replace("DST", "nxt"))
+                .replace("{COMPUTE}", _PASS.replace("CUR", "cur").replace("T0", "t0")))
+    elif loop.startswith("ring") and loop[4:].isdigit() and int(loop[4:]) >= 2:
+        code = _ring_loop(int(loop[4:]), fetch)
     else:
-        loop = _CLASSIC_LOOP
-    source = _PROLOGUE + loop + _EPILOGUE + BLOCK_MERGE
+        raise ValueError(f"unknown paged kernel loop {loop!r}")
+    source = _PROLOGUE + code + _EPILOGUE + BLOCK_MERGE
     for marker, text in parts.items():
         source = source.replace(marker, text)
     return source
