@@ -307,3 +307,8 @@ def test_a_hybrid_model_decodes_through_the_kernel_without_a_tail(model_dir, mon
     svc.run({0: reqs})
     for req in reqs:
         assert_greedy_like_mlx(folder, req.prompt_ids, req.output_ids, 10)
+
+
+def test_an_unknown_kernel_loop_is_refused():
+    with pytest.raises(ValueError, match="unknown paged kernel loop"):
+        PagedAttention(True, loop="ring1")

@@ -54,9 +54,3 @@ def test_a_wrong_softmax_is_caught() -> None:
     err, _ = run_paged_kernel("pipelined", False, 1, context=200, edit=unshifted)
     assert err > 100 * TOLERANCE["float"]
 
-
-def test_an_unknown_loop_is_refused() -> None:
-    from runtime.worker.paths.paged_attention import PagedAttention
-
-    with pytest.raises(ValueError, match="unknown paged kernel loop"):
-        PagedAttention(True, loop="ring1")
