@@ -310,5 +310,7 @@ def test_a_hybrid_model_decodes_through_the_kernel_without_a_tail(model_dir, mon
 
 
 def test_an_unknown_kernel_loop_is_refused():
+    from runtime.worker.paths.paged_attention import PagedAttention
+
     with pytest.raises(ValueError, match="unknown paged kernel loop"):
         PagedAttention(True, loop="ring1")
