@@ -13,8 +13,9 @@ source .gpu/c/env.sh || exit 3
 OUT=${OUT:-/tmp/plan-out}
 mkdir -p "$OUT"
 budget=${PLAN_BUDGET_S:-560}
-rev=$(git rev-parse --short HEAD 2>/dev/null || cat .gpu/c/rev 2>/dev/null || echo unknown)
-echo "rev $rev, items: $*"
+# The device copy's git metadata can be stale: name the sources by their hash instead.
+src=$(find runtime scripts -name '*.py' | sort | xargs cat | sha256sum | cut -c1-16)
+echo "sources sha256 $src, items: $*"
 
 run() {  # name, seconds at most, command...
   local name=$1 limit=$2; shift 2
@@ -33,7 +34,6 @@ for item in "$@"; do
     kernel-ab) run "$item" 200 python3 scripts/paged_kernel_ab.py ;;
     long-prefill) run "$item" 300 python3 scripts/long_prefill_cost.py --shape llama-8b --context 32768 --chunk 2048 ;;
     pytest-kernel) run "$item" 200 python3 -m pytest -q tests/test_paged_kernel_cuda.py ;;
-    pytest-lanes) run "$item" 150 python3 -m pytest -q tests/test_paged_kernel_cuda.py -k lanes ;;
     kernel-32k) run "$item" 120 python3 scripts/profile_decode.py --shape llama-8b --kernel 1,8 --context 32768 --modes "" ;;
     8b-first) run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads first --pairs 1 --json "$OUT/$item.json" ;;
     8b-long) run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads long --long-lens 32768 --json "$OUT/$item.json" ;;
@@ -46,7 +46,7 @@ for item in "$@"; do
     1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item.json" ;;
     1b-first) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads first --pairs 3 --json "$OUT/$item.json" ;;
     pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py ;;
-    *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel pytest-lanes kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
+    *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then
