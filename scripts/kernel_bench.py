@@ -1,8 +1,8 @@
 """GPU time of the paged decode kernel against MLX's fused SDPA on contiguous K/V (CUDA only).
 
 Each call is evaluated on its own; kernel durations come from CUPTI (``kernel_trace``), so
-host overhead is not in the numbers. ``--variant`` edits the kernel source to take one
-stage out (time by difference), ``--launch`` forces (splits, warps).
+host overhead is not in the numbers. ``--variant`` edits the classic loop's source to take
+one stage out (time by difference), ``--launch`` forces (splits, warps).
 
     python3 scripts/kernel_bench.py --rows 1,16,64 --context 300 --slots 131072
 """
@@ -16,7 +16,7 @@ import kernel_trace
 import mlx.core as mx
 import numpy as np
 
-from runtime.worker.paths.cuda import paged_kernels
+from runtime.worker.paths.cuda import paged_loops
 from runtime.worker.paths.paged_attention import PagedAttention, launch_shape
 
 VARIANTS = {
@@ -62,11 +62,11 @@ def main() -> None:
     args = p.parse_args()
     if args.variant:
         old, new = VARIANTS[args.variant]
-        assert old in paged_kernels._BODY
-        paged_kernels._BODY = paged_kernels._BODY.replace(old, new)
+        assert old in paged_loops._CLASSIC_LOOP
+        paged_loops._CLASSIC_LOOP = paged_loops._CLASSIC_LOOP.replace(old, new)
     n_q, n_kv, d = (int(x) for x in args.heads.split(","))
     dtype = mx.bfloat16
-    attn = PagedAttention(True)
+    attn = PagedAttention(True, loop="classic" if args.variant else "pipelined")
     for b in [int(r) for r in args.rows.split(",")]:
         n = args.context - args.tail - 1  # pool positions
         slots = max(args.slots, b * args.context + 8)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from runtime.config import parse_config
 from runtime.scheduler.admission import Limits as SchedLimits
 from runtime.scheduler.core import Scheduler
@@ -105,6 +107,8 @@ def test_service_without_limits_reports_what_it_chose(model_dir, service_factory
         stages = ("loaded the model in", "pools and attention paths ready in", "warmed up in")
         found = [next(i for i, ln in enumerate(svc.lines) if stage in ln) for stage in stages]
         assert found == sorted(found)
+        load_line = svc.lines[found[0]]
+        assert re.search(r"imports \d+\.\d s, device set-up \d+\.\d s", load_line), load_line
         with SyncClient(svc.address) as client:
             status = client.status(timeout=15.0)
             for key in ("max_running", "max_step_tokens", "prefill_chunk", "max_context"):

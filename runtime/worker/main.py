@@ -66,6 +66,7 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         from runtime.worker.paths.prefill_warmup import warm_prefill
         from runtime.worker.paths.rows.parallel_attention import default_streams
 
+        imported = time.perf_counter()
         cuda = mx.cuda.is_available()
         lift_graph_size_limit(os.environ, cuda)  # before the first device operation
         keep_attention_graphs(os.environ, cuda)
@@ -83,7 +84,8 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         load_started = time.perf_counter()
         loaded = load(config, group)
         print(f"runtime worker: loaded the model in {time.perf_counter() - load_started:.1f} s"
-              f" ({load_started - begun:.1f} s of imports and device set-up before)", flush=True)
+              f" ({load_started - begun:.1f} s of imports and device set-up before: imports"
+              f" {imported - begun:.1f} s, device set-up {load_started - imported:.1f} s)", flush=True)
         layout = loaded.layout
         if loaded.fused_groups:
             print(f"runtime worker: fused {loaded.fused_groups} projection groups; {stacked_line(loaded.stacked_rows)}",

@@ -10,6 +10,8 @@ custom kernels in memory only).
 
 from __future__ import annotations
 
+from runtime.worker.paths.cuda.paged_loops import loop_source
+
 # One block per (row, KV head, split). A warp works on 32 / GL positions at once: each
 # group of GL lanes holds one position's K/V row (PER = D / GL elements per lane, loaded as
 # 16-byte vectors where aligned), so a dot product needs log2(GL) shuffles, not five. Every
@@ -122,128 +124,6 @@ _PROLOGUE = """
     const int* trow = table + (size_t)rows[b] * tcap;
 {TAIL_COPY}"""
 
-_CLASSIC_LOOP = """
-    // A warp pass covers GROUPS * UNROLL consecutive positions; all its loads are issued
-    // before any is used, so a warp waits for memory once per pass. The slots of the next
-    // pass are read from the table while this pass's K/V are loading.
-    constexpr int STRIDE = NWARPS * GROUPS * UNROLL;
-    const int tfirst = tbegin + warp * GROUPS * UNROLL;
-    const int pool_end = min(tend, n);
-    int slot[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        const int t = tfirst + u * GROUPS + group;
-        slot[u] = t < pool_end ? trow[t] : 0;
-    }
-    for (int t0 = tfirst; t0 < tend; t0 += STRIDE) {
-        float kr[UNROLL][PER];
-        float vr[UNROLL][PER];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int t = t0 + u * GROUPS + group;
-            if (t >= tend) {
-#pragma unroll
-                for (int i = 0; i < PER; ++i) kr[u][i] = vr[u][i] = 0.f;
-            } else if (t < n) {
-                const size_t base = ((size_t)slot[u] * HKV + h) * D + gl * PER;
-                load_row<T, PER>(keys + base, kr[u]);
-                load_row<T, PER>(values + base, vr[u]);
-            } else {
-{TAIL_LOAD}            }
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int t = t0 + STRIDE + u * GROUPS + group;
-            slot[u] = t < pool_end ? trow[t] : 0;
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (t0 + u * GROUPS >= tend) break;  // uniform across the warp
-            const bool live = t0 + u * GROUPS + group < tend;
-#pragma unroll
-            for (int r = 0; r < NREP; ++r) {
-                float s = 0.f;
-#pragma unroll
-                for (int i = 0; i < PER; ++i) s += qr[r][i] * kr[u][i];
-#pragma unroll
-                for (int off = GL / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
-                if (live) {
-                    const float mn = fmaxf(m[r], s);
-                    const float corr = expf(m[r] - mn);
-                    const float p = expf(s - mn);
-                    l[r] = l[r] * corr + p;
-#pragma unroll
-                    for (int i = 0; i < PER; ++i) acc[r][i] = acc[r][i] * corr + p * vr[u][i];
-                    m[r] = mn;
-                }
-            }
-        }
-    }
-"""
-
-_PIPELINED_LOOP = """
-    // Software-pipelined: while a warp scores pass i, the loads of pass i + 1 are in flight
-    // (kept as loaded, KVRow), so a warp has two passes of K/V outstanding at once. A pass's
-    // GROUPS * UNROLL positions are scored before one online-softmax rescale per query head.
-    constexpr int STRIDE = NWARPS * GROUPS * UNROLL;
-    const int tfirst = tbegin + warp * GROUPS * UNROLL;
-    const int pool_end = min(tend, n);
-    int slot[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        const int t = tfirst + u * GROUPS + group;
-        slot[u] = t < pool_end ? trow[t] : 0;
-    }
-    KVRow<T, PER> cur[UNROLL];
-    KVRow<T, PER> nxt[UNROLL];
-{FETCH_FIRST}    for (int t0 = tfirst; t0 < tend; t0 += STRIDE) {
-        if (t0 + STRIDE < tend) {  // uniform across the warp
-{FETCH_NEXT}        }
-{COMPUTE}#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) cur[u] = nxt[u];
-    }
-"""
-
-# One warp pass's scoring and online-softmax rescale (the pipelined and ring loops): positions
-# T0 + u * GROUPS + group, their K/V in CUR.
-_PASS = """
-#pragma unroll
-        for (int r = 0; r < NREP; ++r) {
-            float s[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                float dot = 0.f;
-#pragma unroll
-                for (int i = 0; i < PER; ++i) dot += qr[r][i] * CUR[u].key(i);
-#pragma unroll
-                for (int off = GL / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
-                s[u] = T0 + u * GROUPS + group < tend ? dot : -INFINITY;
-            }
-            float mn = m[r];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) mn = fmaxf(mn, s[u]);
-            if (mn != -INFINITY) {
-                const float corr = expf(m[r] - mn);
-                float p[UNROLL];
-                float psum = 0.f;
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    p[u] = expf(s[u] - mn);
-                    psum += p[u];
-                }
-                l[r] = l[r] * corr + psum;
-#pragma unroll
-                for (int i = 0; i < PER; ++i) {
-                    float a = acc[r][i] * corr;
-#pragma unroll
-                    for (int u = 0; u < UNROLL; ++u) a += p[u] * CUR[u].value(i);
-                    acc[r][i] = a;
-                }
-                m[r] = mn;
-            }
-        }
-"""
-
 _EPILOGUE = """
     // Merge the warp's groups: lanes with the same gl hold the same elements.
 #pragma unroll
@@ -345,23 +225,11 @@ APPEND_OUTPUTS = ["keys_out", "values_out"]
 # rest of it is unused): its length is a run-time value, so one compiled step serves every
 # tail length.
 TAIL_LENGTH = "    const int RCAP = tail_keys_shape[2];\n    const int R = tail_len[0];\n"
-_TAIL_LOAD = """
-                const size_t base = ((size_t)bh * RCAP + (t - n)) * D + gl * PER;
-                load_row<T, PER>(tail_keys + base, kr[u]);
-                load_row<T, PER>(tail_values + base, vr[u]);
-"""
-
 # Appending: the last position is this step's new_keys/new_values (B, HKV, 1, D), the
 # R - 1 = tail_len[0] before it the old tail (capacity RCAP); the blocks also write old tail + new
 # row to the first R positions of keys_out / values_out (B, HKV, RCAP, D), the step's tail, so no
 # separate concatenation is launched.
 APPEND_LENGTH = "    const int RCAP = tail_keys_shape[2];\n    const int R = tail_len[0] + 1;\n"
-_APPEND_LOAD = """
-                const bool old = t - n < R - 1;
-                const size_t base = (old ? ((size_t)bh * RCAP + (t - n)) * D : (size_t)bh * D) + gl * PER;
-                load_row<T, PER>((old ? tail_keys : new_keys) + base, kr[u]);
-                load_row<T, PER>((old ? tail_values : new_values) + base, vr[u]);
-"""
 APPEND_COPY = """
     {
         // Every block of the (row, KV head) copies a share, 16 bytes per thread and load where
@@ -395,86 +263,14 @@ APPEND_COPY = """
 """
 
 
-# One pass's loads for the pipelined loop: positions T0 + u * GROUPS + group into DST, then the
-# table's slots for the pass after it (their load overlaps this pass's scoring).
-_FETCH = """
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        const int t = T0 + u * GROUPS + group;
-        if (t >= tend) {
-            DST[u].zero();
-        } else if (t < n) {
-            const size_t base = ((size_t)slot[u] * HKV + h) * D + gl * PER;
-            DST[u].load(keys + base, values + base);
-        } else {
-{PIPELINED_TAIL_LOAD}        }
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        const int t = T0 + STRIDE + u * GROUPS + group;
-        slot[u] = t < pool_end ? trow[t] : 0;
-    }
-"""
-_PIPELINED_TAIL = """
-            const size_t base = ((size_t)bh * RCAP + (t - n)) * D + gl * PER;
-            DST[u].load(tail_keys + base, tail_values + base);
-"""
-_PIPELINED_APPEND = """
-            const bool old = t - n < R - 1;
-            const size_t base = (old ? ((size_t)bh * RCAP + (t - n)) * D : (size_t)bh * D) + gl * PER;
-            DST[u].load((old ? tail_keys : new_keys) + base, (old ? tail_values : new_values) + base);
-"""
-
-
-def _ring_loop(stages: int, fetch: str) -> str:
-    """The ring loop: ``stages`` K/V buffers per warp, ``stages - 1`` passes' loads in flight
-    while a pass is scored, the buffers taken in turn (unrolled here, so no register copy makes
-    a warp wait for loads it has just issued), each with its own slots read a round ahead."""
-    def fetch_into(j: int, position: str) -> str:
-        return (fetch.replace("T0 + STRIDE", f"{position} + {stages} * STRIDE").replace("T0", position)
-                .replace("DST", f"kv{j}").replace("slot[u]", f"sl{j}[u]"))
-
-    out = ["    constexpr int STRIDE = NWARPS * GROUPS * UNROLL;\n",
-           "    const int tfirst = tbegin + warp * GROUPS * UNROLL;\n",
-           "    const int pool_end = min(tend, n);\n"]
-    for j in range(stages):
-        out.append(f"    KVRow<T, PER> kv{j}[UNROLL];\n    int sl{j}[UNROLL];\n#pragma unroll\n"
-                   f"    for (int u = 0; u < UNROLL; ++u) {{\n"
-                   f"        const int t = tfirst + {j} * STRIDE + u * GROUPS + group;\n"
-                   f"        sl{j}[u] = t < pool_end ? trow[t] : 0;\n    }}\n")
-    for j in range(stages - 1):
-        out.append(f"    if (tfirst + {j} * STRIDE < tend) {{\n{fetch_into(j, f'(tfirst + {j} * STRIDE)')}    }}\n")
-    out.append(f"    for (int t0 = tfirst; t0 < tend; t0 += {stages} * STRIDE) {{\n")
-    for k in range(stages):
-        ahead = (k + stages - 1) % stages
-        here, later = f"(t0 + {k} * STRIDE)", f"(t0 + {k + stages - 1} * STRIDE)"
-        out.append(f"        if ({here} >= tend) break;  // uniform across the warp\n")
-        out.append(f"        if ({later} < tend) {{\n{fetch_into(ahead, later)}        }}\n")
-        out.append(_PASS.replace("CUR", f"kv{k}").replace("T0", here))
-    out.append("    }\n")
-    return "".join(out)
-
-
 def body(appending: bool, loop: str = "pipelined") -> str:
     """The kernel body up to its write-out, reading a separate tail or appending to it, with
-    ``loop``: ``classic`` (one warp pass of K/V in flight), ``pipelined`` (the next pass's
-    loads issued before this pass is scored), or ``ringN`` (N buffers, N - 1 passes ahead)."""
+    ``loop`` (``paged_loops.loop_source``: classic, pipelined or ringN)."""
     if appending:
-        parts = {"{TAIL_LENGTH}": APPEND_LENGTH, "{TAIL_LOAD}": _APPEND_LOAD, "{TAIL_COPY}": APPEND_COPY}
+        parts = {"{TAIL_LENGTH}": APPEND_LENGTH, "{TAIL_COPY}": APPEND_COPY}
     else:
-        parts = {"{TAIL_LENGTH}": TAIL_LENGTH, "{TAIL_LOAD}": _TAIL_LOAD, "{TAIL_COPY}": ""}
-    fetch = _FETCH.replace("{PIPELINED_TAIL_LOAD}", _PIPELINED_APPEND if appending else _PIPELINED_TAIL)
-    if loop == "classic":
-        code = _CLASSIC_LOOP
-    elif loop == "pipelined":
-        code = (_PIPELINED_LOOP.replace("{FETCH_FIRST}", fetch.replace("T0", "tfirst").replace("DST", "cur"))
-                .replace("{FETCH_NEXT}", fetch.replace("T0", "(t0 + STRIDE)").replace("DST", "nxt"))
-                .replace("{COMPUTE}", _PASS.replace("CUR", "cur").replace("T0", "t0")))
-    elif loop.startswith("ring") and loop[4:].isdigit() and int(loop[4:]) >= 2:
-        code = _ring_loop(int(loop[4:]), fetch)
-    else:
-        raise ValueError(f"unknown paged kernel loop {loop!r}")
-    source = _PROLOGUE + code + _EPILOGUE + BLOCK_MERGE
+        parts = {"{TAIL_LENGTH}": TAIL_LENGTH, "{TAIL_COPY}": ""}
+    source = _PROLOGUE + loop_source(loop, appending) + _EPILOGUE + BLOCK_MERGE
     for marker, text in parts.items():
         source = source.replace(marker, text)
     return source

@@ -1,0 +1,226 @@
+"""CUDA sources of the paged decode kernel's main loop over positions (``paged_kernels.body``).
+
+Each loop walks a block's positions in warp passes of ``GROUPS * UNROLL`` positions (a group
+of GL lanes per position, see ``paged_kernels``) and leaves each lane's running max ``m``,
+sum ``l`` and accumulator ``acc`` for the epilogue:
+
+* ``classic``: a pass's K/V loaded, then scored, with a rescale per position;
+* ``pipelined``: the next pass's loads issued before this pass is scored, one rescale per
+  pass (10-17% faster than classic on an H200); its register copy of the prefetched pass at
+  the end of each iteration waits for those loads, so it keeps about one pass in flight;
+* ``ringN``: N buffers taken in turn (unrolled, no copies), N - 1 passes' loads in flight.
+"""
+
+from __future__ import annotations
+
+_CLASSIC_LOOP = """
+    // A warp pass covers GROUPS * UNROLL consecutive positions; all its loads are issued
+    // before any is used, so a warp waits for memory once per pass. The slots of the next
+    // pass are read from the table while this pass's K/V are loading.
+    constexpr int STRIDE = NWARPS * GROUPS * UNROLL;
+    const int tfirst = tbegin + warp * GROUPS * UNROLL;
+    const int pool_end = min(tend, n);
+    int slot[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int t = tfirst + u * GROUPS + group;
+        slot[u] = t < pool_end ? trow[t] : 0;
+    }
+    for (int t0 = tfirst; t0 < tend; t0 += STRIDE) {
+        float kr[UNROLL][PER];
+        float vr[UNROLL][PER];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int t = t0 + u * GROUPS + group;
+            if (t >= tend) {
+#pragma unroll
+                for (int i = 0; i < PER; ++i) kr[u][i] = vr[u][i] = 0.f;
+            } else if (t < n) {
+                const size_t base = ((size_t)slot[u] * HKV + h) * D + gl * PER;
+                load_row<T, PER>(keys + base, kr[u]);
+                load_row<T, PER>(values + base, vr[u]);
+            } else {
+{TAIL_LOAD}            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int t = t0 + STRIDE + u * GROUPS + group;
+            slot[u] = t < pool_end ? trow[t] : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (t0 + u * GROUPS >= tend) break;  // uniform across the warp
+            const bool live = t0 + u * GROUPS + group < tend;
+#pragma unroll
+            for (int r = 0; r < NREP; ++r) {
+                float s = 0.f;
+#pragma unroll
+                for (int i = 0; i < PER; ++i) s += qr[r][i] * kr[u][i];
+#pragma unroll
+                for (int off = GL / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+                if (live) {
+                    const float mn = fmaxf(m[r], s);
+                    const float corr = expf(m[r] - mn);
+                    const float p = expf(s - mn);
+                    l[r] = l[r] * corr + p;
+#pragma unroll
+                    for (int i = 0; i < PER; ++i) acc[r][i] = acc[r][i] * corr + p * vr[u][i];
+                    m[r] = mn;
+                }
+            }
+        }
+    }
+"""
+
+_PIPELINED_LOOP = """
+    // Software-pipelined: while a warp scores pass i, the loads of pass i + 1 are in flight
+    // (kept as loaded, KVRow), so a warp has two passes of K/V outstanding at once. A pass's
+    // GROUPS * UNROLL positions are scored before one online-softmax rescale per query head.
+    constexpr int STRIDE = NWARPS * GROUPS * UNROLL;
+    const int tfirst = tbegin + warp * GROUPS * UNROLL;
+    const int pool_end = min(tend, n);
+    int slot[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int t = tfirst + u * GROUPS + group;
+        slot[u] = t < pool_end ? trow[t] : 0;
+    }
+    KVRow<T, PER> cur[UNROLL];
+    KVRow<T, PER> nxt[UNROLL];
+{FETCH_FIRST}    for (int t0 = tfirst; t0 < tend; t0 += STRIDE) {
+        if (t0 + STRIDE < tend) {  // uniform across the warp
+{FETCH_NEXT}        }
+{COMPUTE}#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) cur[u] = nxt[u];
+    }
+"""
+
+# One warp pass's scoring and online-softmax rescale (the pipelined and ring loops): positions
+# T0 + u * GROUPS + group, their K/V in CUR.
+_PASS = """
+#pragma unroll
+        for (int r = 0; r < NREP; ++r) {
+            float s[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < PER; ++i) dot += qr[r][i] * CUR[u].key(i);
+#pragma unroll
+                for (int off = GL / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
+                s[u] = T0 + u * GROUPS + group < tend ? dot : -INFINITY;
+            }
+            float mn = m[r];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) mn = fmaxf(mn, s[u]);
+            if (mn != -INFINITY) {
+                const float corr = expf(m[r] - mn);
+                float p[UNROLL];
+                float psum = 0.f;
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    p[u] = expf(s[u] - mn);
+                    psum += p[u];
+                }
+                l[r] = l[r] * corr + psum;
+#pragma unroll
+                for (int i = 0; i < PER; ++i) {
+                    float a = acc[r][i] * corr;
+#pragma unroll
+                    for (int u = 0; u < UNROLL; ++u) a += p[u] * CUR[u].value(i);
+                    acc[r][i] = a;
+                }
+                m[r] = mn;
+            }
+        }
+"""
+
+# The classic loop's loads past the pool: the separate tail, or (appending) the old tail and
+# this step's K/V.
+_TAIL_LOAD = """
+                const size_t base = ((size_t)bh * RCAP + (t - n)) * D + gl * PER;
+                load_row<T, PER>(tail_keys + base, kr[u]);
+                load_row<T, PER>(tail_values + base, vr[u]);
+"""
+
+_APPEND_LOAD = """
+                const bool old = t - n < R - 1;
+                const size_t base = (old ? ((size_t)bh * RCAP + (t - n)) * D : (size_t)bh * D) + gl * PER;
+                load_row<T, PER>((old ? tail_keys : new_keys) + base, kr[u]);
+                load_row<T, PER>((old ? tail_values : new_values) + base, vr[u]);
+"""
+
+# One pass's loads for the pipelined loop: positions T0 + u * GROUPS + group into DST, then the
+# table's slots for the pass after it (their load overlaps this pass's scoring).
+_FETCH = """
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int t = T0 + u * GROUPS + group;
+        if (t >= tend) {
+            DST[u].zero();
+        } else if (t < n) {
+            const size_t base = ((size_t)slot[u] * HKV + h) * D + gl * PER;
+            DST[u].load(keys + base, values + base);
+        } else {
+{PIPELINED_TAIL_LOAD}        }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int t = T0 + STRIDE + u * GROUPS + group;
+        slot[u] = t < pool_end ? trow[t] : 0;
+    }
+"""
+_PIPELINED_TAIL = """
+            const size_t base = ((size_t)bh * RCAP + (t - n)) * D + gl * PER;
+            DST[u].load(tail_keys + base, tail_values + base);
+"""
+_PIPELINED_APPEND = """
+            const bool old = t - n < R - 1;
+            const size_t base = (old ? ((size_t)bh * RCAP + (t - n)) * D : (size_t)bh * D) + gl * PER;
+            DST[u].load((old ? tail_keys : new_keys) + base, (old ? tail_values : new_values) + base);
+"""
+
+
+def _ring_loop(stages: int, fetch: str) -> str:
+    """The ring loop: ``stages`` K/V buffers per warp, ``stages - 1`` passes' loads in flight
+    while a pass is scored, the buffers taken in turn (unrolled here, so no register copy makes
+    a warp wait for loads it has just issued), each with its own slots read a round ahead."""
+    def fetch_into(j: int, position: str) -> str:
+        return (fetch.replace("T0 + STRIDE", f"{position} + {stages} * STRIDE").replace("T0", position)
+                .replace("DST", f"kv{j}").replace("slot[u]", f"sl{j}[u]"))
+
+    out = ["    constexpr int STRIDE = NWARPS * GROUPS * UNROLL;\n",
+           "    const int tfirst = tbegin + warp * GROUPS * UNROLL;\n",
+           "    const int pool_end = min(tend, n);\n"]
+    for j in range(stages):
+        out.append(f"    KVRow<T, PER> kv{j}[UNROLL];\n    int sl{j}[UNROLL];\n#pragma unroll\n"
+                   f"    for (int u = 0; u < UNROLL; ++u) {{\n"
+                   f"        const int t = tfirst + {j} * STRIDE + u * GROUPS + group;\n"
+                   f"        sl{j}[u] = t < pool_end ? trow[t] : 0;\n    }}\n")
+    for j in range(stages - 1):
+        out.append(f"    if (tfirst + {j} * STRIDE < tend) {{\n{fetch_into(j, f'(tfirst + {j} * STRIDE)')}    }}\n")
+    out.append(f"    for (int t0 = tfirst; t0 < tend; t0 += {stages} * STRIDE) {{\n")
+    for k in range(stages):
+        ahead = (k + stages - 1) % stages
+        here, later = f"(t0 + {k} * STRIDE)", f"(t0 + {k + stages - 1} * STRIDE)"
+        out.append(f"        if ({here} >= tend) break;  // uniform across the warp\n")
+        out.append(f"        if ({later} < tend) {{\n{fetch_into(ahead, later)}        }}\n")
+        out.append(_PASS.replace("CUR", f"kv{k}").replace("T0", here))
+    out.append("    }\n")
+    return "".join(out)
+
+
+
+
+def loop_source(loop: str, appending: bool) -> str:
+    """The main loop's source, reading the tail (``tail_keys`` ...) or appending to it."""
+    fetch = _FETCH.replace("{PIPELINED_TAIL_LOAD}", _PIPELINED_APPEND if appending else _PIPELINED_TAIL)
+    if loop == "classic":
+        return _CLASSIC_LOOP.replace("{TAIL_LOAD}", _APPEND_LOAD if appending else _TAIL_LOAD)
+    if loop == "pipelined":
+        return (_PIPELINED_LOOP.replace("{FETCH_FIRST}", fetch.replace("T0", "tfirst").replace("DST", "cur"))
+                .replace("{FETCH_NEXT}", fetch.replace("T0", "(t0 + STRIDE)").replace("DST", "nxt"))
+                .replace("{COMPUTE}", _PASS.replace("CUR", "cur").replace("T0", "t0")))
+    if loop.startswith("ring") and loop[4:].isdigit() and int(loop[4:]) >= 2:
+        return _ring_loop(int(loop[4:]), fetch)
+    raise ValueError(f"unknown paged kernel loop {loop!r}")
