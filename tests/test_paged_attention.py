@@ -286,6 +286,14 @@ def test_a_kernel_that_fails_its_start_up_check_is_not_used(model_dir, monkeypat
     monkeypatch.setattr(PagedAttention, "_append_attend", off_by_a_bit)
     problem = kernel_check.check_paged_kernel(PagedAttention(True), mx.float32, 2, 2, 32)
     assert problem is not None and "differs from MLX's" in problem
+    # Only the kind decode uses is checked (and built): without a decode tail (hybrid models)
+    # the kernel that reads the step's own K/V as the tail.
+    assert kernel_check.check_paged_kernel(PagedAttention(True), mx.float32, 2, 2, 32, tail=False) is None
+    reads_tail = PagedAttention._kernel_attend
+    monkeypatch.setattr(PagedAttention, "_kernel_attend", lambda self, *a, **k: reads_tail(self, *a, **k) + 0.1)
+    problem = kernel_check.check_paged_kernel(PagedAttention(True), mx.float32, 2, 2, 32, tail=False)
+    assert problem is not None and "without a tail differs" in problem
+    monkeypatch.setattr(PagedAttention, "_kernel_attend", reads_tail)
     folder = model_dir("llama")
     svc = InProcessService(folder, max_running=4, row_cache=False, compile_decode=True)
     assert "failed its start-up check" in capfd.readouterr().err

@@ -66,7 +66,7 @@ class AttentionPaths:
         paged = routed and layout.routed and not self.windowed and layout.kv_shape.same_widths
         self.attention = PagedAttention(PagedAttention.kernel_available()) if paged else None
         kernel = self.attention is not None and self.attention.supports(pool.shape.head_dim)
-        if kernel and (problem := self._check_kernel(length_bucket)):
+        if kernel and (problem := self._check_kernel(length_bucket, tail=not hybrid)):
             print(f"runtime worker: the paged attention kernel failed its start-up check ({problem}); "
                   "decode attends through gathered K/V instead", file=sys.stderr, flush=True)
             self.attention, kernel = PagedAttention(False), False
@@ -84,16 +84,18 @@ class AttentionPaths:
         self.tail = DecodeTail(len(layout.attention_layers), TAIL_STEPS) if kernel and not hybrid else None
         self.pending = DeferredSteps(PENDING_STEPS)  # row-cache decode steps not in the pool yet
 
-    def _check_kernel(self, length_bucket: int) -> str | None:
+    def _check_kernel(self, length_bucket: int, tail: bool) -> str | None:
         """The paged kernel's start-up check (``check_paged_kernel``) at two of the launch
-        shapes the warm-up builds anyway: the one-block-per-row kind and the most split one."""
+        shapes the warm-up builds anyway: the one-block-per-row kind and the most split one,
+        of the kernel kind decode will use (appending to a ``tail``, or not)."""
         assert self.attention is not None
         shape = self.pool.shape
         n_rep = shape.n_heads // shape.n_kv_heads
         variants = PagedAttention.variants(shape.n_kv_heads, n_rep, shape.head_dim, self.max_rows, self.max_context,
                                            row_bucket, length_bucket)
         launches = sorted({min(variants), max(variants)})  # fewest splits first, most splits last
-        return check_paged_kernel(self.attention, self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, launches)
+        return check_paged_kernel(self.attention, self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, launches,
+                                  tail)
 
     @property
     def dense(self) -> bool:
@@ -231,7 +233,8 @@ class AttentionPaths:
         n_rep = shape.n_heads // shape.n_kv_heads
         variants = PagedAttention.variants(shape.n_kv_heads, n_rep, shape.head_dim, self.max_rows, self.max_context,
                                            row_bucket, length_bucket)
-        self.attention.warm_up(self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, variants)
+        self.attention.warm_up(self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, variants,
+                               tail=self.tail is not None)
         return len(variants)
 
     def state_arrays(self) -> list[mx.array]:

@@ -252,9 +252,10 @@ class PagedAttention:
         }
 
     def warm_up(self, dtype: mx.Dtype, n_kv: int, n_rep: int, head_dim: int,
-                variants: set[tuple[int, int]]) -> None:
-        """Compile every kernel variant now (tiny inputs), not in the middle of a request:
-        each launch shape reading a tail, and appending to one."""
+                variants: set[tuple[int, int]], tail: bool = True) -> None:
+        """Compile every kernel variant decode can use now (tiny inputs), not in the middle of
+        a request: each launch shape appending to a decode ``tail``, or (without one, hybrid
+        models) reading the step's own K/V as the tail."""
         table = mx.zeros((1, 64), dtype=mx.int32)
         pool = mx.zeros((2, n_kv, head_dim), dtype=dtype)
         tail = mx.zeros((1, n_kv, 2, head_dim), dtype=dtype)
@@ -264,4 +265,7 @@ class PagedAttention:
         rows = mx.zeros((1,), dtype=mx.int32)
         for launch in sorted(variants):
             args = (queries, pool, pool, table, rows, lengths, tail, tail, self._one)
-            mx.eval(self._kernel_attend(*args, 1.0, launch), *self._append_attend([*args, new, new], 1.0, launch))
+            if tail:
+                mx.eval(*self._append_attend([*args, new, new], 1.0, launch))
+            else:
+                mx.eval(self._kernel_attend(*args, 1.0, launch))

@@ -20,11 +20,13 @@ ROWS, CONTEXT, TAIL, CAPACITY = 3, 40, 2, 4
 
 
 def check_paged_kernel(attention: PagedAttention, dtype: mx.Dtype, n_kv: int, n_rep: int, head_dim: int,
-                       launches: list[tuple[int, int]] | None = None) -> str | None:
-    """None when the kernels agree with MLX's attention on a small random batch at each of
-    ``launches`` ((splits, warps); default: unsplit and split in two): the appending kernel
-    (output within ``TOLERANCE``, the new tail exact) and the kernel that reads the step's
-    own K/V as the whole tail (models without a decode tail); else what was wrong."""
+                       launches: list[tuple[int, int]] | None = None, tail: bool = True) -> str | None:
+    """None when the kernel the worker will decode with agrees with MLX's attention on a small
+    random batch at each of ``launches`` ((splits, warps); default: unsplit and split in two);
+    else what was wrong. With a decode ``tail`` that is the appending kernel (output within
+    ``TOLERANCE``, the new tail exact); without one (hybrid models) the kernel that reads the
+    step's own K/V as the whole tail. Only that kind is built: each build is NVRTC seconds at
+    every start on a GPU."""
     rng = np.random.default_rng(0)
     slots = ROWS * CONTEXT + 1
     key = mx.random.key(0)
@@ -48,14 +50,17 @@ def check_paged_kernel(attention: PagedAttention, dtype: mx.Dtype, n_kv: int, n_
         launches = sorted({(splits, warps), (2, warps)})  # one block per row and head, and split in two
     for launch in launches:
         problem = _check_launch(attention, queries, keys_pool, values_pool, table, in_pool, rows, lengths, tail_k,
-                                tail_v, new_k, new_v, scale, launch)
+                                tail_v, new_k, new_v, scale, launch, tail)
         if problem is not None:
             return f"launch {launch}: {problem}"
     return None
 
 
 def _check_launch(attention: PagedAttention, queries, keys_pool, values_pool, table, in_pool, rows, lengths, tail_k,
-                  tail_v, new_k, new_v, scale: float, launch: tuple[int, int]) -> str | None:
+                  tail_v, new_k, new_v, scale: float, launch: tuple[int, int], tail: bool) -> str | None:
+    if not tail:
+        return _check_without_tail(attention, queries, keys_pool, values_pool, table, in_pool, rows, new_k, new_v,
+                                   scale, launch)
     try:
         out, out_k, out_v = attention.attend_appending(
             queries, keys_pool, values_pool, mx.array(table), rows, lengths, tail_k, tail_v,
@@ -77,7 +82,13 @@ def _check_launch(attention: PagedAttention, queries, keys_pool, values_pool, ta
     err = mx.abs(out.astype(mx.float32) - expected).max().item()
     if not err <= TOLERANCE:  # also catches NaN
         return f"attention output differs from MLX's by {err:.3g} (at most {TOLERANCE} expected)"
-    # Without a tail: the pool, then the step's own K/V.
+    return None
+
+
+def _check_without_tail(attention: PagedAttention, queries, keys_pool, values_pool, table, in_pool, rows, new_k,
+                        new_v, scale: float, launch: tuple[int, int]) -> str | None:
+    """The pool, then the step's own K/V (no decode tail)."""
+    index = mx.array(table[:ROWS])
     try:
         alone, _, _ = attention.attend_appending(queries, keys_pool, values_pool, mx.array(table), rows,
                                                  mx.array((in_pool + 1).astype(np.int32)), None, None, None, new_k,
