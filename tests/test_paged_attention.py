@@ -130,8 +130,9 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
     flushed = []
     flush = DecodeTail.flush
     monkeypatch.setattr(DecodeTail, "flush", lambda self, *a: flushed.append(len(self.steps)) or flush(self, *a))
-    warmed = []
-    monkeypatch.setattr(PagedAttention, "warm_up", lambda self, *args: warmed.append(args[-1]))
+    warmed, tails = [], []
+    monkeypatch.setattr(PagedAttention, "warm_up",
+                        lambda self, *args, tail: warmed.append(args[-1]) or tails.append(tail))
     folder = model_dir(arch)
     steps = []
     forward = CompiledPagedDecode.forward
@@ -154,6 +155,7 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
                    for rows in (2, 4, 8)}
     traces = len(one_row_launches) + sum(map(len, row_classes.values())) if compiled else 0
     assert warm_decode(svc.engine) == len(warmed[0]) + traces and len(warmed[0]) > 0 and first in warmed[0]
+    assert tails == [True]  # a decode tail: only the appending kernels are built
     if compiled:
         kept = set(svc.engine.compiled_paged.traces._compiled)
         assert all((rows, launch) in kept for rows, launches in row_classes.items() for launch in launches)

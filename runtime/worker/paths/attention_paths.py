@@ -85,15 +85,19 @@ class AttentionPaths:
         self.pending = DeferredSteps(PENDING_STEPS)  # row-cache decode steps not in the pool yet
 
     def _check_kernel(self, length_bucket: int, tail: bool) -> str | None:
-        """The paged kernel's start-up check (``check_paged_kernel``) at two of the launch
-        shapes the warm-up builds anyway: the one-block-per-row kind and the most split one,
-        of the kernel kind decode will use (appending to a ``tail``, or not)."""
+        """The paged kernel's start-up check (``check_paged_kernel``) of the kernel kind decode
+        will use (appending to a ``tail``, or not) at one launch of every kernel the warm-up
+        builds anyway (one per warps count, unsplit and split; the split count is a grid size),
+        so a kernel that cannot launch (too many registers for its block) is found here."""
         assert self.attention is not None
         shape = self.pool.shape
         n_rep = shape.n_heads // shape.n_kv_heads
         variants = PagedAttention.variants(shape.n_kv_heads, n_rep, shape.head_dim, self.max_rows, self.max_context,
                                            row_bucket, length_bucket)
-        launches = sorted({min(variants), max(variants)})  # fewest splits first, most splits last
+        kernels: dict[tuple[bool, int], tuple[int, int]] = {}
+        for splits, warps in sorted(variants):  # the most split launch of each kernel last, so kept
+            kernels[(splits > 1, warps)] = (splits, warps)
+        launches = sorted(kernels.values())
         return check_paged_kernel(self.attention, self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, launches,
                                   tail)
 

@@ -258,13 +258,13 @@ class PagedAttention:
         models) reading the step's own K/V as the tail."""
         table = mx.zeros((1, 64), dtype=mx.int32)
         pool = mx.zeros((2, n_kv, head_dim), dtype=dtype)
-        tail = mx.zeros((1, n_kv, 2, head_dim), dtype=dtype)
+        old_kv = mx.zeros((1, n_kv, 2, head_dim), dtype=dtype)
         new = mx.zeros((1, n_kv, 1, head_dim), dtype=dtype)
         queries = mx.zeros((1, n_kv * n_rep, 1, head_dim), dtype=dtype)
         lengths = mx.full((1,), 64, dtype=mx.int32)
         rows = mx.zeros((1,), dtype=mx.int32)
         for launch in sorted(variants):
-            args = (queries, pool, pool, table, rows, lengths, tail, tail, self._one)
+            args = (queries, pool, pool, table, rows, lengths, old_kv, old_kv, self._one)
             if tail:
                 mx.eval(*self._append_attend([*args, new, new], 1.0, launch))
             else:
