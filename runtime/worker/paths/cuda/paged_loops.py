@@ -13,10 +13,8 @@ sum ``l`` and accumulator ``acc`` for the epilogue:
 
 from __future__ import annotations
 
-_CLASSIC_LOOP = """
-    // A warp pass covers GROUPS * UNROLL consecutive positions; all its loads are issued
-    // before any is used, so a warp waits for memory once per pass. The slots of the next
-    // pass are read from the table while this pass's K/V are loading.
+# Every loop's first lines: the warp's first position and the table's slots of its first pass.
+_LOOP_START = """
     constexpr int STRIDE = NWARPS * GROUPS * UNROLL;
     const int tfirst = tbegin + warp * GROUPS * UNROLL;
     const int pool_end = min(tend, n);
@@ -26,7 +24,13 @@ _CLASSIC_LOOP = """
         const int t = tfirst + u * GROUPS + group;
         slot[u] = t < pool_end ? trow[t] : 0;
     }
-    for (int t0 = tfirst; t0 < tend; t0 += STRIDE) {
+"""
+
+_CLASSIC_LOOP = """
+    // A warp pass covers GROUPS * UNROLL consecutive positions; all its loads are issued
+    // before any is used, so a warp waits for memory once per pass. The slots of the next
+    // pass are read from the table while this pass's K/V are loading.
+{LOOP_START}    for (int t0 = tfirst; t0 < tend; t0 += STRIDE) {
         float kr[UNROLL][PER];
         float vr[UNROLL][PER];
 #pragma unroll
@@ -73,19 +77,10 @@ _CLASSIC_LOOP = """
 """
 
 _PIPELINED_LOOP = """
-    // Software-pipelined: while a warp scores pass i, the loads of pass i + 1 are in flight
-    // (kept as loaded, KVRow), so a warp has two passes of K/V outstanding at once. A pass's
-    // GROUPS * UNROLL positions are scored before one online-softmax rescale per query head.
-    constexpr int STRIDE = NWARPS * GROUPS * UNROLL;
-    const int tfirst = tbegin + warp * GROUPS * UNROLL;
-    const int pool_end = min(tend, n);
-    int slot[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        const int t = tfirst + u * GROUPS + group;
-        slot[u] = t < pool_end ? trow[t] : 0;
-    }
-    KVRow<T, PER> cur[UNROLL];
+    // Software-pipelined: pass i + 1's loads are issued (kept as loaded, KVRow) before pass i
+    // is scored; a pass's GROUPS * UNROLL positions get one online-softmax rescale per query
+    // head. The copy nxt -> cur at the end waits for those loads (see the module docstring).
+{LOOP_START}    KVRow<T, PER> cur[UNROLL];
     KVRow<T, PER> nxt[UNROLL];
 {FETCH_FIRST}    for (int t0 = tfirst; t0 < tend; t0 += STRIDE) {
         if (t0 + STRIDE < tend) {  // uniform across the warp
@@ -216,9 +211,10 @@ def loop_source(loop: str, appending: bool) -> str:
     """The main loop's source, reading the tail (``tail_keys`` ...) or appending to it."""
     fetch = _FETCH.replace("{PIPELINED_TAIL_LOAD}", _PIPELINED_APPEND if appending else _PIPELINED_TAIL)
     if loop == "classic":
-        return _CLASSIC_LOOP.replace("{TAIL_LOAD}", _APPEND_LOAD if appending else _TAIL_LOAD)
+        return _CLASSIC_LOOP.replace("{LOOP_START}", _LOOP_START).replace(
+            "{TAIL_LOAD}", _APPEND_LOAD if appending else _TAIL_LOAD)
     if loop == "pipelined":
-        return (_PIPELINED_LOOP.replace("{FETCH_FIRST}", fetch.replace("T0", "tfirst").replace("DST", "cur"))
+        return (_PIPELINED_LOOP.replace("{LOOP_START}", _LOOP_START).replace("{FETCH_FIRST}", fetch.replace("T0", "tfirst").replace("DST", "cur"))
                 .replace("{FETCH_NEXT}", fetch.replace("T0", "(t0 + STRIDE)").replace("DST", "nxt"))
                 .replace("{COMPUTE}", _PASS.replace("CUR", "cur").replace("T0", "t0")))
     if loop.startswith("ring") and loop[4:].isdigit() and int(loop[4:]) >= 2:
