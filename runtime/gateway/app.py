@@ -70,26 +70,36 @@ class Gateway:
             self._markup = load_markup(self.tokens.tokenizer)
         return self._markup
 
-    def ready_limits(self) -> convert.Limits:
-        """The limits of the served model; ApiError 503 while the service is still starting."""
+    async def ready_limits(self) -> convert.Limits:
+        """The limits of the served model; ApiError 503 while the service is still starting.
+
+        Before this process's start-up poll has seen the scheduler serve, the scheduler is
+        asked once more now: with several gateway processes on one port, another may already
+        have answered ``/health`` 200, and a client may rightly send its first request here."""
+        if self.limits is None:
+            await self.poll_scheduler()
         if self.limits is None:
             raise ApiError(503, STARTING, code="starting")
         return self.limits
 
-    async def wait_for_scheduler(self) -> None:
-        """Ask for the scheduler's status until its worker is past its start-up (the scheduler
-        answers "starting" until then), then take the model's limits from it."""
+    async def poll_scheduler(self) -> bool:
+        """One status query: take the model's limits if the scheduler is past its start-up
+        (it answers "starting" until then); whether it is."""
         assert self.client is not None
-        while True:
-            try:
-                status = await self.client.status(timeout=STARTUP_POLL_S)
-            except ServiceUnavailable:
-                continue  # not listening yet
-            if status.worker_state == "starting":
-                await asyncio.sleep(STARTUP_POLL_S)
-                continue
+        try:
+            status = await self.client.status(timeout=STARTUP_POLL_S)
+        except ServiceUnavailable:
+            return False  # not listening yet
+        if status.worker_state == "starting":
+            return False
+        if self.limits is None:
             self.limits, self.created = convert.Limits(status.max_context), int(time.time())
-            return
+        return True
+
+    async def wait_for_scheduler(self) -> None:
+        """Ask for the scheduler's status until its worker is past its start-up."""
+        while not await self.poll_scheduler():
+            await asyncio.sleep(STARTUP_POLL_S)
 
     def check(self, model: str | None) -> None:
         if model and model != self.model:
@@ -155,7 +165,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if gw.limits is None:  # the scheduler has not answered yet: the worker is loading the model
+        if gw.limits is None and not await gw.poll_scheduler():  # the worker is still loading the model
             return JSONResponse({"status": "starting", "scheduler": "starting"}, status_code=503)
         status = await status_or_none()
         if status is None or status.worker_state != "up":
@@ -170,7 +180,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict:
-        limits = gw.ready_limits()
+        limits = await gw.ready_limits()
         card = {"id": gw.model, "object": "model", "created": gw.created, "owned_by": "runtime",
                 "root": settings.model_path, "max_model_len": limits.max_context}
         return {"object": "list", "data": [card]}
@@ -178,7 +188,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest) -> Response:
         gw.check(body.model)
-        requests = convert.completion_requests(body, gw.ready_limits())
+        requests = convert.completion_requests(body, await gw.ready_limits())
         envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                     "model": gw.model}
 
@@ -203,7 +213,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         gw.check(body.model)
-        limits = gw.ready_limits()
+        limits = await gw.ready_limits()
         markup = gw.markup()
         tools = plan_tools(body.tools, body.tool_choice, markup.tools)
         requests = convert.chat_requests(body, limits, tools)

@@ -1,0 +1,65 @@
+"""A gateway process asks the scheduler itself before answering ``starting``.
+
+With several gateway processes on one port, ``/health`` may answer 200 from one while another
+has not yet polled the scheduler past its start-up; a request landing there must be served,
+not refused (the early-gateway race the two-process test once hit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from runtime.client import ServiceUnavailable
+from runtime.gateway.app import Gateway
+from runtime.gateway.errors import ApiError
+
+
+@dataclass
+class _Status:
+    worker_state: str
+    max_context: int = 2048
+
+
+class _Scheduler:
+    """A client whose status answers are scripted."""
+
+    def __init__(self, *answers) -> None:
+        self.answers = list(answers)
+        self.asked = 0
+
+    async def status(self, timeout: float):
+        self.asked += 1
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def _gateway(client: _Scheduler) -> Gateway:
+    return Gateway(settings=None, model="m", metrics=None, tokens=None, client=client)  # type: ignore[arg-type]
+
+
+async def test_a_request_before_this_process_polled_asks_the_scheduler():
+    scheduler = _Scheduler(_Status("up", 4096))
+    gw = _gateway(scheduler)
+    limits = await gw.ready_limits()  # the start-up poll has not run: the request asks itself
+    assert limits.max_context == 4096 and scheduler.asked == 1
+    assert (await gw.ready_limits()).max_context == 4096 and scheduler.asked == 1  # asked once only
+
+
+@pytest.mark.parametrize("answer", [_Status("starting"), ServiceUnavailable("not listening")])
+async def test_a_starting_service_is_still_refused_at_once(answer):
+    gw = _gateway(_Scheduler(answer))
+    with pytest.raises(ApiError) as refused:
+        await gw.ready_limits()
+    assert refused.value.status == 503 and refused.value.code == "starting"
+    assert gw.limits is None
+
+
+async def test_the_start_up_poll_waits_for_the_worker():
+    scheduler = _Scheduler(ServiceUnavailable("not yet"), _Status("starting"), _Status("up", 512))
+    gw = _gateway(scheduler)
+    await gw.wait_for_scheduler()
+    assert gw.limits is not None and gw.limits.max_context == 512 and scheduler.asked == 3
