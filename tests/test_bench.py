@@ -1,4 +1,4 @@
-"""Fast checks of the bench's building blocks (no services are started here)."""
+"""Fast checks of the bench's building blocks (no service processes are started here)."""
 
 from __future__ import annotations
 
@@ -77,6 +77,30 @@ def test_sharded_weights_have_a_complete_index(tmp_path):
     files = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
     assert len(files) > 1 and sorted(set(index["weight_map"].values())) == files
     load_model(tmp_path)  # strict: every parameter present
+
+
+def test_a_4bit_shape_is_a_quantized_model_served_token_exact(tmp_path):
+    import mlx.nn as nn
+    from harness import InProcessService
+    from mlx_lm.utils import load_model
+    from model_factory import reference_greedy
+
+    from runtime.worker.model.flat_quantized import (
+        FlatQuantizedEmbedding,
+        FlatQuantizedLinear,
+    )
+
+    folder = synthetic_model("tiny-4bit", tmp_path)
+    model, cfg = load_model(folder)
+    assert cfg["quantization"] == {"group_size": 64, "bits": 4}
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding) and isinstance(model.lm_head, nn.QuantizedLinear)
+    svc = InProcessService(folder, max_running=4)
+    served = svc.engine.model  # its quantized products over (rows, width)
+    assert type(served.model.embed_tokens) is FlatQuantizedEmbedding and type(served.lm_head) is FlatQuantizedLinear
+    reqs = [svc.request(f"q{i}", [5 + i, 17, 42, 9 + i], 8) for i in range(4)]
+    svc.run({0: reqs})  # one batch of 4 decode rows
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, 8)
 
 
 def test_mixed_with_the_bytes_tokenizer_is_refused_before_anything_runs(capsys, tmp_path):

@@ -75,6 +75,11 @@ SHAPES: dict[str, dict] = {
     },
 }
 
+# Each shape also in 4 bits ("llama-8b-4bit"): every matrix quantized as mlx-lm's own
+# ``convert -q`` does by default (affine, group 64), the norms left in the shape's dtype.
+QUANTIZATION = {"group_size": 64, "bits": 4}
+SHAPES.update({f"{name}-4bit": {**cfg, "quantization": dict(QUANTIZATION)} for name, cfg in list(SHAPES.items())})
+
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -221,15 +226,22 @@ def write_weights(
         shards.append([])
         current, current_bytes = {}, 0
 
+    quant = cfg.get("quantization")
     for i, (name, shape) in enumerate(specs):
         w = _init(name, shape, dtype, keys[i])
-        mx.eval(w)
-        if current and current_bytes + w.nbytes > shard_bytes:
+        arrays = {name: w}
+        if quant is not None and len(shape) == 2 and name.endswith(".weight") and shape[-1] % quant["group_size"] == 0:
+            q, scales, biases = mx.quantize(w, group_size=quant["group_size"], bits=quant["bits"])
+            stem = name.removesuffix(".weight")
+            arrays = {name: q, f"{stem}.scales": scales, f"{stem}.biases": biases}
+        mx.eval(arrays)
+        size = sum(a.nbytes for a in arrays.values())
+        if current and current_bytes + size > shard_bytes:
             flush()
-        current[name] = w
-        shards[-1].append(name)
-        current_bytes += w.nbytes
-        total += w.nbytes
+        current.update(arrays)
+        shards[-1].extend(arrays)
+        current_bytes += size
+        total += size
     flush()
     n = len(tmp_names)
     weight_map = {}

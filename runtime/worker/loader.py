@@ -17,6 +17,7 @@ from runtime.worker.model.discovery import (
     UnsupportedModel,
     discover,
 )
+from runtime.worker.model.flat_quantized import flatten_quantized
 from runtime.worker.model.fused_projections import (
     fuse_projections,
     fusion_wanted,
@@ -113,6 +114,7 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
     layout = discover(model)
     if layout.kv_shape is None and not layout.has_aux:
         raise UnsupportedModel("model has neither attention layers nor recurrent-state layers")
+    flatten_quantized(model)  # many-row quantized products as one matrix product each
     fused_groups = 0
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     # Not on a sharded model: its projections are sharded layers the fusion does not know.

@@ -30,6 +30,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from runtime.worker.model.flat_quantized import flat_rows
+
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -83,8 +85,9 @@ class _Stacked:
         if self.quantized:
             assert self.quant is not None
             group_size, bits, mode = self.quant
-            return mx.quantized_matmul(x, a["weight"], scales=a["scales"], biases=a.get("biases"), transpose=True,
-                                       group_size=group_size, bits=bits, mode=mode)
+            return flat_rows(x, lambda rows: mx.quantized_matmul(
+                rows, a["weight"], scales=a["scales"], biases=a.get("biases"), transpose=True, group_size=group_size,
+                bits=bits, mode=mode))
         return x @ a["weight"].T
 
     def project(self, x: mx.array, part: int) -> mx.array:
