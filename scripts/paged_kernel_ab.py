@@ -4,7 +4,9 @@ Variants: ``classic`` (one warp pass of K/V in flight, a rescale per position) a
 ``pipelined`` (the next pass's loads in flight while a pass is scored, one rescale per pass),
 each at ``--unroll`` positions per lane group and pass. Wall time of ``--calls`` chained
 calls per evaluation (as a decode step chains its layers), per (rows, context) case at the
-launch ``launch_shape`` chooses, and at ``--sweep`` (splits x warps) for the first case.
+launch ``launch_shape`` chooses and at its splits with each of ``--warps`` (a loop with more
+buffers may need fewer warps to launch, or run faster with them), and at ``--sweep`` (splits x
+warps) for the first case.
 
     python3 scripts/paged_kernel_ab.py --cases 1x32768,1x4096,8x4096,64x512,256x512
 """
@@ -77,10 +79,11 @@ def agreement(variants: dict, a: dict, launch: tuple[int, int], d: int) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--cases", default="1x32768,1x8192,1x2048,8x4096,64x512,64x2048,256x512")
+    p.add_argument("--cases", default="1x32768,1x8192,1x2048,8x4096,64x512,64x2048,128x768,256x512")
     p.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head dim")
     p.add_argument("--variants", default="classic:1,pipelined:1,ring2:1,ring3:1,ring4:1", help="loop:unroll, ...")
     p.add_argument("--sweep", default="32,64x4,8,16", help="splits x warps tried on the first case")
+    p.add_argument("--warps", default="4,8,16", help="warps tried at every case's default splits")
     p.add_argument("--calls", type=int, default=32)
     args = p.parse_args()
     n_q, n_kv, d = (int(x) for x in args.heads.split(","))
@@ -93,10 +96,10 @@ def main() -> None:
         rows, context = (int(x) for x in case.split("x"))
         a = case_arrays(rows, context, n_q, n_kv, d)
         default = launch_shape(rows, n_kv, n_q // n_kv, d, context)
-        launches = [default]
+        launches = [default] + [(default[0], int(w)) for w in args.warps.split(",") if w and int(w) != default[1]]
         if index == 0 and args.sweep:
             splits_list, warps_list = ([int(x) for x in part.split(",")] for part in args.sweep.split("x"))
-            launches += [(s, w) for s in splits_list for w in warps_list if (s, w) != default]
+            launches += [(s, w) for s in splits_list for w in warps_list if (s, w) not in launches]
         sdpa = chained_us(lambda x: mx.fast.scaled_dot_product_attention(x, a["ck"], a["cv"], scale=d**-0.5),
                           a["q"], args.calls)
         gbytes = 2 * rows * context * n_kv * d * 2 / 1e9
