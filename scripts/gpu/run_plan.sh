@@ -31,7 +31,7 @@ run() {  # name, seconds at most, command...
 
 for item in "$@"; do
   case $item in
-    kernel-ab) run "$item" 200 python3 scripts/paged_kernel_ab.py ;;
+    kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
     long-prefill) run "$item" 300 python3 scripts/long_prefill_cost.py --shape llama-8b --context 32768 --chunk 2048 ;;
     pytest-kernel) run "$item" 200 python3 -m pytest -q tests/test_paged_kernel_cuda.py ;;
     kernel-32k) run "$item" 120 python3 scripts/profile_decode.py --shape llama-8b --kernel 1,8 --context 32768 --modes "" ;;
