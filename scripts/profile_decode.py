@@ -198,6 +198,8 @@ def check_kernel() -> None:
 def time_kernel(batches: list[int], context: int, calls: int = 64) -> None:
     """The paged kernel alone (one split vs the chosen splits) against MLX's fused SDPA on
     contiguous K/V, at the 8B shape (32/8 heads, dim 128), ``calls`` layers chained per eval."""
+    from paged_kernel_ab import chained_us
+
     from runtime.worker.model.discovery import AttentionShape
     from runtime.worker.paths.paged_attention import (
         PagedAttention,
@@ -229,14 +231,7 @@ def time_kernel(batches: list[int], context: int, calls: int = 64) -> None:
             "mx.fast sdpa": lambda x: mx.fast.scaled_dot_product_attention(x, k, v, scale=d**-0.5),
         }
         for name, fn in runs.items():
-            for rep in range(2):
-                x = q
-                mx.eval(x)
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    x = fn(x)
-                mx.eval(x)
-                us = 1e6 * (time.perf_counter() - t0) / calls
+            us = chained_us(fn, q, calls)
             print(f"attention B={b:4d} context {context}: {name:16s} {us:7.1f} us/call", flush=True)
 
 
