@@ -14,6 +14,7 @@ padded keys and array mask.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -110,8 +111,6 @@ def main() -> None:
     p.add_argument("--parts-at", default="16384,18432,30720", help="chunk starts whose attention is timed by parts")
     args = p.parse_args()
     folder = synthetic_model(args.shape, Path(tempfile.gettempdir()) / "runtime-bench")
-    import json
-
     cfg = json.loads((folder / "config.json").read_text())
     n_q, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // n_q

@@ -60,10 +60,11 @@ def chained_us(fn, q: mx.array, calls: int) -> float:
 
 def agreement(variants: dict, a: dict, launch: tuple[int, int], d: int) -> str:
     """Max abs difference of each variant's output from gathered K/V through MLX's SDPA."""
-    n = a["lengths"][0].item() - 9  # pool positions; the tail holds 8 and the step's K/V one more
-    table = a["table"][:, :n]
-    keys = mx.concatenate([a["keys"][table].transpose(0, 2, 1, 3), a["tail_k"][:, :, :8], a["new_k"]], axis=2)
-    values = mx.concatenate([a["values"][table].transpose(0, 2, 1, 3), a["tail_v"][:, :, :8], a["new_v"]], axis=2)
+    held = a["tail_len"].item()  # positions in the tail; the step's K/V come after them
+    table = a["table"][:, : a["lengths"][0].item() - held - 1]
+    keys = mx.concatenate([a["keys"][table].transpose(0, 2, 1, 3), a["tail_k"][:, :, :held], a["new_k"]], axis=2)
+    values = mx.concatenate([a["values"][table].transpose(0, 2, 1, 3), a["tail_v"][:, :, :held], a["new_v"]],
+                            axis=2)
     ref = mx.fast.scaled_dot_product_attention(a["q"], keys, values, scale=d**-0.5).astype(mx.float32)
     diffs = []
     for name, attn in variants.items():

@@ -158,11 +158,8 @@ _EPILOGUE = """
             for (int i = 0; i < PER; ++i) sm_acc[warp][r][gl * PER + i] = acc[r][i];
         }
     }
-"""
-
-# The block's warps merged through shared memory (every loop leaves sm_m, sm_l and sm_acc),
-# up to each output element's write (WRITE_OUT or WRITE_PARTIAL closes the loop).
-BLOCK_MERGE = """
+    // The block's warps, through shared memory, up to each output element's write
+    // (WRITE_OUT or WRITE_PARTIAL closes the loop).
     __syncthreads();
     for (int idx = threadIdx.x; idx < NREP * D; idx += NWARPS * 32) {
         const int r = idx / D;
@@ -224,13 +221,13 @@ APPEND_OUTPUTS = ["keys_out", "values_out"]
 # The tail (B, HKV, RCAP, D), of capacity RCAP, holds a row's last R = tail_len[0] positions (the
 # rest of it is unused): its length is a run-time value, so one compiled step serves every
 # tail length.
-TAIL_LENGTH = "    const int RCAP = tail_keys_shape[2];\n    const int R = tail_len[0];\n"
+_TAIL_LENGTH = "    const int RCAP = tail_keys_shape[2];\n    const int R = tail_len[0];\n"
 # Appending: the last position is this step's new_keys/new_values (B, HKV, 1, D), the
 # R - 1 = tail_len[0] before it the old tail (capacity RCAP); the blocks also write old tail + new
 # row to the first R positions of keys_out / values_out (B, HKV, RCAP, D), the step's tail, so no
 # separate concatenation is launched.
-APPEND_LENGTH = "    const int RCAP = tail_keys_shape[2];\n    const int R = tail_len[0] + 1;\n"
-APPEND_COPY = """
+_APPEND_LENGTH = "    const int RCAP = tail_keys_shape[2];\n    const int R = tail_len[0] + 1;\n"
+_APPEND_COPY = """
     {
         // Every block of the (row, KV head) copies a share, 16 bytes per thread and load where
         // aligned; a thread issues both loads before its stores (one memory wait, not R * 2).
@@ -267,10 +264,10 @@ def body(appending: bool, loop: str = "pipelined") -> str:
     """The kernel body up to its write-out, reading a separate tail or appending to it, with
     ``loop`` (``paged_loops.loop_source``: classic, pipelined or ringN)."""
     if appending:
-        parts = {"{TAIL_LENGTH}": APPEND_LENGTH, "{TAIL_COPY}": APPEND_COPY}
+        parts = {"{TAIL_LENGTH}": _APPEND_LENGTH, "{TAIL_COPY}": _APPEND_COPY}
     else:
-        parts = {"{TAIL_LENGTH}": TAIL_LENGTH, "{TAIL_COPY}": ""}
-    source = _PROLOGUE + loop_source(loop, appending) + _EPILOGUE + BLOCK_MERGE
+        parts = {"{TAIL_LENGTH}": _TAIL_LENGTH, "{TAIL_COPY}": ""}
+    source = _PROLOGUE + loop_source(loop, appending) + _EPILOGUE
     for marker, text in parts.items():
         source = source.replace(marker, text)
     return source
