@@ -130,20 +130,23 @@ _PASS = """
         }
 """
 
-# The classic loop's loads past the pool: the separate tail, or (appending) the old tail and
-# this step's K/V.
-_TAIL_LOAD = """
+# A lane's loads of a position past the pool (``t >= n``): the separate tail, or (appending)
+# the old tail's first R - 1 positions and then this step's K/V. Each is the lines that find
+# the row, and its K and V row pointers.
+_TAIL_ROW = ("""
                 const size_t base = ((size_t)bh * RCAP + (t - n)) * D + gl * PER;
-                load_row<T, PER>(tail_keys + base, kr[u]);
-                load_row<T, PER>(tail_values + base, vr[u]);
-"""
-
-_APPEND_LOAD = """
+""", "tail_keys + base", "tail_values + base")
+_APPEND_ROW = ("""
                 const bool old = t - n < R - 1;
                 const size_t base = (old ? ((size_t)bh * RCAP + (t - n)) * D : (size_t)bh * D) + gl * PER;
-                load_row<T, PER>((old ? tail_keys : new_keys) + base, kr[u]);
-                load_row<T, PER>((old ? tail_values : new_values) + base, vr[u]);
-"""
+""", "(old ? tail_keys : new_keys) + base", "(old ? tail_values : new_values) + base")
+
+
+def _tail_load(appending: bool, load: str) -> str:
+    """The tail's loads, ``load`` a statement with ``{K}`` and ``{V}`` for the row pointers."""
+    find, k, v = _APPEND_ROW if appending else _TAIL_ROW
+    return find + "                " + load.replace("{K}", k).replace("{V}", v) + "\n"
+
 
 # One pass's loads for the pipelined loop: positions T0 + u * GROUPS + group into DST, then the
 # table's slots for the pass after it (their load overlaps this pass's scoring).
@@ -157,7 +160,7 @@ _FETCH = """
             const size_t base = ((size_t)slot[u] * HKV + h) * D + gl * PER;
             DST[u].load(keys + base, values + base);
         } else {
-{PIPELINED_TAIL_LOAD}        }
+{TAIL_LOAD}        }
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -165,16 +168,6 @@ _FETCH = """
         slot[u] = t < pool_end ? trow[t] : 0;
     }
 """
-_PIPELINED_TAIL = """
-            const size_t base = ((size_t)bh * RCAP + (t - n)) * D + gl * PER;
-            DST[u].load(tail_keys + base, tail_values + base);
-"""
-_PIPELINED_APPEND = """
-            const bool old = t - n < R - 1;
-            const size_t base = (old ? ((size_t)bh * RCAP + (t - n)) * D : (size_t)bh * D) + gl * PER;
-            DST[u].load((old ? tail_keys : new_keys) + base, (old ? tail_values : new_values) + base);
-"""
-
 
 def _ring_loop(stages: int, fetch: str) -> str:
     """The ring loop: ``stages`` K/V buffers per warp, ``stages - 1`` passes' loads in flight
@@ -205,16 +198,15 @@ def _ring_loop(stages: int, fetch: str) -> str:
     return "".join(out)
 
 
-
-
 def loop_source(loop: str, appending: bool) -> str:
     """The main loop's source, reading the tail (``tail_keys`` ...) or appending to it."""
-    fetch = _FETCH.replace("{PIPELINED_TAIL_LOAD}", _PIPELINED_APPEND if appending else _PIPELINED_TAIL)
+    fetch = _FETCH.replace("{TAIL_LOAD}", _tail_load(appending, "DST[u].load({K}, {V});"))
     if loop == "classic":
-        return _CLASSIC_LOOP.replace("{LOOP_START}", _LOOP_START).replace(
-            "{TAIL_LOAD}", _APPEND_LOAD if appending else _TAIL_LOAD)
+        tail = _tail_load(appending, "load_row<T, PER>({K}, kr[u]);\n                load_row<T, PER>({V}, vr[u]);")
+        return _CLASSIC_LOOP.replace("{LOOP_START}", _LOOP_START).replace("{TAIL_LOAD}", tail)
     if loop == "pipelined":
-        return (_PIPELINED_LOOP.replace("{LOOP_START}", _LOOP_START).replace("{FETCH_FIRST}", fetch.replace("T0", "tfirst").replace("DST", "cur"))
+        return (_PIPELINED_LOOP.replace("{LOOP_START}", _LOOP_START)
+                .replace("{FETCH_FIRST}", fetch.replace("T0", "tfirst").replace("DST", "cur"))
                 .replace("{FETCH_NEXT}", fetch.replace("T0", "(t0 + STRIDE)").replace("DST", "nxt"))
                 .replace("{COMPUTE}", _PASS.replace("CUR", "cur").replace("T0", "t0")))
     if loop.startswith("ring") and loop[4:].isdigit() and int(loop[4:]) >= 2:
