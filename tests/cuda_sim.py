@@ -37,7 +37,6 @@ _STUBS = r"""
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <bit>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -47,9 +46,7 @@ using std::min;
 #define __device__
 #define __global__
 #define __shared__ static
-#define __align__(n) __attribute__((aligned(n)))
 struct uint4 { unsigned x, y, z, w; };
-struct uint2 { unsigned x, y; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 struct bf16 {  // CUDA's __nv_bfloat16 conversions: round to nearest even (inputs are finite)
     unsigned short bits;
@@ -70,16 +67,6 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     shuffle_slots[warp][lane] = v;
     warp_barriers[warp]->arrive_and_wait();
     return shuffle_slots[warp][lane ^ lane_mask];
-}
-inline float __shfl_sync(unsigned, float v, int source) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    warp_barriers[warp]->arrive_and_wait();
-    shuffle_slots[warp][lane] = v;
-    warp_barriers[warp]->arrive_and_wait();
-    return shuffle_slots[warp][source];
-}
-inline int __shfl_sync(unsigned mask, int v, int source) {
-    return std::bit_cast<int>(__shfl_sync(mask, std::bit_cast<float>(v), source));
 }
 """
 
