@@ -27,11 +27,8 @@ CASES = [
     ("classic", True, 3, "bf16", 1, 128, 2, 2),
     ("pipelined", False, 3, "bf16", 2, 96, 2, 2),
     ("classic", True, 1, "bf16", 2, 96, 2, 4),
-    ("ring2", False, 3, "bf16", 1, 128, 4, 4),
-    ("ring3", True, 1, "float", 1, 64, 2, 2),
-    ("ring3", False, 3, "bf16", 2, 96, 2, 4),
-    ("ring4", True, 3, "bf16", 1, 128, 2, 2),
-    ("ring4", False, 1, "float", 2, 96, 2, 4),
+    ("pipelined", True, 3, "bf16", 1, 64, 4, 4),
+    ("classic", False, 3, "bf16", 1, 128, 4, 4),
 ]
 
 

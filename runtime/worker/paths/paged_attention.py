@@ -28,8 +28,7 @@ from runtime.worker.pools.kv_pool import KVPool
 UNROLL = 1  # positions per lane group and warp pass: more costs registers, hence occupancy (1 measured best)
 # The kernel's loop (``paged_kernels.body``): "classic" (one warp pass of K/V in flight),
 # "pipelined" (the next pass's loads issued first: 10-15% faster than classic on an H200 at
-# 1-256 rows, scripts/paged_kernel_ab.py), "ring2".."ring4" (more passes ahead, no register
-# copies; not yet timed on a GPU).
+# 1-256 rows, scripts/paged_kernel_ab.py).
 LOOP = "pipelined"
 MAX_WARPS = 16  # a block of few (row, KV head) pairs: its warps are the kernel's only parallelism
 SHARED_BYTES = 40 * 1024  # the per-warp partial results live in static shared memory (48 KiB max)

@@ -262,7 +262,7 @@ _APPEND_COPY = """
 
 def body(appending: bool, loop: str = "pipelined") -> str:
     """The kernel body up to its write-out, reading a separate tail or appending to it, with
-    ``loop`` (``paged_loops.loop_source``: classic, pipelined or ringN)."""
+    ``loop`` (``paged_loops.loop_source``: classic or pipelined)."""
     if appending:
         parts = {"{TAIL_LENGTH}": _APPEND_LENGTH, "{TAIL_COPY}": _APPEND_COPY}
     else:

@@ -8,7 +8,10 @@ sum ``l`` and accumulator ``acc`` for the epilogue:
 * ``pipelined``: the next pass's loads issued before this pass is scored, one rescale per
   pass (10-17% faster than classic on an H200); its register copy of the prefetched pass at
   the end of each iteration waits for those loads, so it keeps about one pass in flight;
-* ``ringN``: N buffers taken in turn (unrolled, no copies), N - 1 passes' loads in flight.
+
+Ring loops (N buffers taken in turn, unrolled, N - 1 passes ahead) were measured on an H200 in
+session 19 and removed: no faster than ``pipelined`` at any size (ring3 at 1 x 32k: 161 against
+151 us), ring4 could not launch 16 warps.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ _PIPELINED_LOOP = """
     }
 """
 
-# One warp pass's scoring and online-softmax rescale (the pipelined and ring loops): positions
+# One warp pass's scoring and online-softmax rescale (the pipelined loop): positions
 # T0 + u * GROUPS + group, their K/V in CUR.
 _PASS = """
 #pragma unroll
@@ -169,35 +172,6 @@ _FETCH = """
     }
 """
 
-def _ring_loop(stages: int, fetch: str) -> str:
-    """The ring loop: ``stages`` K/V buffers per warp, ``stages - 1`` passes' loads in flight
-    while a pass is scored, the buffers taken in turn (unrolled here, so no register copy makes
-    a warp wait for loads it has just issued), each with its own slots read a round ahead."""
-    def fetch_into(j: int, position: str) -> str:
-        return (fetch.replace("T0 + STRIDE", f"{position} + {stages} * STRIDE").replace("T0", position)
-                .replace("DST", f"kv{j}").replace("slot[u]", f"sl{j}[u]"))
-
-    out = ["    constexpr int STRIDE = NWARPS * GROUPS * UNROLL;\n",
-           "    const int tfirst = tbegin + warp * GROUPS * UNROLL;\n",
-           "    const int pool_end = min(tend, n);\n"]
-    for j in range(stages):
-        out.append(f"    KVRow<T, PER> kv{j}[UNROLL];\n    int sl{j}[UNROLL];\n#pragma unroll\n"
-                   f"    for (int u = 0; u < UNROLL; ++u) {{\n"
-                   f"        const int t = tfirst + {j} * STRIDE + u * GROUPS + group;\n"
-                   f"        sl{j}[u] = t < pool_end ? trow[t] : 0;\n    }}\n")
-    for j in range(stages - 1):
-        out.append(f"    if (tfirst + {j} * STRIDE < tend) {{\n{fetch_into(j, f'(tfirst + {j} * STRIDE)')}    }}\n")
-    out.append(f"    for (int t0 = tfirst; t0 < tend; t0 += {stages} * STRIDE) {{\n")
-    for k in range(stages):
-        ahead = (k + stages - 1) % stages
-        here, later = f"(t0 + {k} * STRIDE)", f"(t0 + {k + stages - 1} * STRIDE)"
-        out.append(f"        if ({here} >= tend) break;  // uniform across the warp\n")
-        out.append(f"        if ({later} < tend) {{\n{fetch_into(ahead, later)}        }}\n")
-        out.append(_PASS.replace("CUR", f"kv{k}").replace("T0", here))
-    out.append("    }\n")
-    return "".join(out)
-
-
 def loop_source(loop: str, appending: bool) -> str:
     """The main loop's source, reading the tail (``tail_keys`` ...) or appending to it."""
     fetch = _FETCH.replace("{TAIL_LOAD}", _tail_load(appending, "DST[u].load({K}, {V});"))
@@ -209,6 +183,4 @@ def loop_source(loop: str, appending: bool) -> str:
                 .replace("{FETCH_FIRST}", fetch.replace("T0", "tfirst").replace("DST", "cur"))
                 .replace("{FETCH_NEXT}", fetch.replace("T0", "(t0 + STRIDE)").replace("DST", "nxt"))
                 .replace("{COMPUTE}", _PASS.replace("CUR", "cur").replace("T0", "t0")))
-    if loop.startswith("ring") and loop[4:].isdigit() and int(loop[4:]) >= 2:
-        return _ring_loop(int(loop[4:]), fetch)
     raise ValueError(f"unknown paged kernel loop {loop!r}")
