@@ -37,3 +37,19 @@ def test_slow_submits_are_described(tmp_path, monkeypatch) -> None:
     assert "submit" in text and "finalize" in text and "build" in text
     assert ("step 4: 1 prefill chunks (3 tokens), 2 decode rows (sampled or masked); new prefill shapes 1, "
             "new decode traces 1") in text
+
+
+def test_step_times_are_tabled_by_what_the_steps_held(tmp_path) -> None:
+    trace = StepTrace(str(tmp_path / "trace"))
+    engine = FakeEngine()
+    trace.wrap_engine(engine)
+    decode = DecodeBatch(rows=[0, 1], token_ids=[-1, -1], positions=[5, 7], slot_ids=[9, 10], temperatures=[0.0, 0.0])
+    prefill = PrefillChunk(row=2, start=0, token_ids=list(range(300)), slot_ids=list(range(300)))
+    for step_id in range(3):
+        built = engine.build(Step(step_id=step_id, prefills=[prefill] if step_id == 0 else [], decode=decode))
+        engine.submit(built)
+        engine.finalize(built)
+    trace.write()
+    lines = (tmp_path / "trace").read_text().splitlines()
+    table = {" ".join(line.split()[:4]): int(line.split()[4]) for line in lines if line.startswith("  prefill")}
+    assert table == {"prefill 257-512, decode 2-8": 1, "prefill 0, decode 2-8": 2}

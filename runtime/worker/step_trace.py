@@ -28,6 +28,9 @@ class StepTrace:
         self._gc_since = 0.0
         self._threads = _thread_cpu()
         self.slow: list[tuple[float, float, str]] = []  # (seconds, at, what) of the slowest submits
+        # Step wall time by what the step held: from its submit (or the last step's finalize,
+        # if later: steps overlap when chained) to its own finalize.
+        self.steps: dict[str, list[float]] = defaultdict(list)
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -50,10 +53,21 @@ class StepTrace:
         return call
 
     def wrap_engine(self, engine) -> None:
-        setattr(engine, "finalize", self.timed("finalize", engine.finalize))
+        finalize = self.timed("finalize", engine.finalize)
         build, submit = self.timed("build", engine.build), engine.submit
         times = self.times["submit"]
         built_at: dict[int, tuple[str, tuple[int, int]]] = {}  # step id -> (what it holds, shapes before its build)
+        submitted: dict[int, tuple[float, str]] = {}  # step id -> (submit start, step class)
+        last_done = [0.0]
+
+        def timed_finalize(launched):
+            out = finalize(launched)
+            now = time.perf_counter()
+            start, kind = submitted.pop(getattr(launched, "step_id", None), (None, ""))
+            if start is not None:
+                self.steps[kind].append(now - max(start, last_done[0]))
+            last_done[0] = now
+            return out
 
         def traced_build(step):
             before = engine.shapes_built
@@ -61,11 +75,16 @@ class StepTrace:
             if len(built_at) > 64:
                 built_at.clear()  # steps whose submit never came (a failed build)
             built_at[built.step_id] = (_describe(step), before)
+            if len(submitted) > 64:
+                submitted.clear()
+            submitted[built.step_id] = (0.0, _step_class(step))
             return built
 
         def timed_submit(built) -> None:
             what, before = built_at.pop(built.step_id, ("?", engine.shapes_built))
             t0 = time.perf_counter()
+            if built.step_id in submitted:
+                submitted[built.step_id] = (t0, submitted[built.step_id][1])
             try:
                 return submit(built)
             finally:
@@ -79,7 +98,7 @@ class StepTrace:
                     self.slow.sort(key=lambda s: -s[0])
                     del self.slow[SLOW_KEPT:]
 
-        engine.build, engine.submit = traced_build, timed_submit
+        engine.build, engine.submit, engine.finalize = traced_build, timed_submit, timed_finalize
 
     def summary(self) -> str:
         wall = time.perf_counter() - self.started
@@ -92,6 +111,10 @@ class StepTrace:
                 f"{name:10s} {len(v):7d} {v.sum() / 1e6:8.3f} {v.sum() / 1e6 / wall:6.1%}"
                 f"  {v.mean():8.1f} {np.percentile(v, 50):8.1f} {np.percentile(v, 95):8.1f} {v.max():9.1f}"
             )
+        lines.append("steps by what they held (prefill tokens, decode rows): count, mean / p50 / p95 ms")
+        for kind, values in sorted(self.steps.items()):
+            v = np.array(values) * 1e3
+            lines.append(f"  {kind:34s} {len(v):7d}  {v.mean():7.2f} {np.percentile(v, 50):7.2f} {np.percentile(v, 95):7.2f}")
         before, now = self._threads, _thread_cpu()
         used = sorted(((now[t] - before.get(t, 0.0), t) for t in now), reverse=True)
         for took, at, what in self.slow:
@@ -115,6 +138,25 @@ def _describe(step) -> str:
     sampled = decode is not None and bool(decode.mask_rows or decode.deferred_rows or max(decode.temperatures, default=0.0) > 0)
     return (f"{len(step.prefills)} prefill chunks ({tokens} tokens), {rows} decode rows"
             + (" (sampled or masked)" if sampled else ""))
+
+
+def _bucket(n: int, edges: tuple[int, ...]) -> str:
+    if n == 0:
+        return "0"
+    low = 1
+    for edge in edges:
+        if n <= edge:
+            return f"{low}-{edge}"
+        low = edge + 1
+    return f">{edges[-1]}"
+
+
+def _step_class(step) -> str:
+    """A step's class for the step-time table: its prefill tokens and decode rows, bucketed."""
+    tokens = sum(len(c.token_ids) for c in step.prefills)
+    rows = len(step.decode.rows) if step.decode is not None else 0
+    return (f"prefill {_bucket(tokens, (256, 512, 1024, 2048)):>9s}, "
+            f"decode {_bucket(rows, (1, 8, 16, 32, 64, 128)):>7s}")
 
 
 def _thread_cpu() -> dict[str, float]:

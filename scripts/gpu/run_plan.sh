@@ -48,16 +48,17 @@ for item in "$@"; do
     8b-long-trace) RUNTIME_WORKER_TRACE="$OUT/8b-long-worker-trace" run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads long --long-lens 32768 ;;
     8b-mixed) run "$item" 500 python3 -m runtime.bench --synthetic llama-8b --workloads mixed --mixed-rate 10 --json "$OUT/$item.json" ;;
     8b-mixed-rt) run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads mixed --mixed-rate 10 --mixed-runtime-only --json "$OUT/$item.json" ;;
+    8b-mixed-rt-trace) RUNTIME_WORKER_TRACE="$OUT/8b-mixed-worker-trace" run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads mixed --mixed-rate 10 --mixed-runtime-only --json "$OUT/$item.json" ;;
     8b-4bit-sweep) run "$item" 400 python3 -m runtime.bench --synthetic llama-8b-4bit --workloads sweep --concurrency 64 --json "$OUT/$item.json" ;;
     8b-sweep) run "$item" 400 python3 -m runtime.bench --synthetic llama-8b --workloads sweep --concurrency 128 --json "$OUT/$item.json" ;;
     1b-sweep) run "$item" 300 python3 -m runtime.bench --synthetic llama-1b --workloads sweep --concurrency 64,256 --json "$OUT/$item.json" ;;
     1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item.json" ;;
     1b-first) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads first --pairs 3 --json "$OUT/$item.json" ;;
     pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py ;;
-    *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel kernel-gpu kernel-ncu 1b-paired kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
+    *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel kernel-gpu kernel-ncu 1b-paired kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then
   tar czf "$OUT/kernels.tgz" -C ~/.cache/runtime mlx-kernels && echo "kernel cache: $(du -h "$OUT/kernels.tgz" | cut -f1)"
 fi
-cat "$OUT"/8b-long-worker-trace.* 2>/dev/null | head -30
+cat "$OUT"/8b-*-worker-trace.* 2>/dev/null | head -60
