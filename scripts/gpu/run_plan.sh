@@ -35,6 +35,7 @@ for item in "$@"; do
     long-prefill) run "$item" 300 python3 scripts/long_prefill_cost.py --shape llama-8b --context 32768 --chunk 2048 ;;
     pytest-kernel) run "$item" 300 python3 -m pytest -q tests/test_paged_kernel_cuda.py ;;
     kernel-gpu) run "$item" 120 bash -c "python3 scripts/kernel_bench.py --rows 1,8,64 --context 32768 --calls 20 &&
+                                          python3 scripts/kernel_bench.py --rows 1,8 --context 32768 --calls 20 --scatter &&
                                           python3 scripts/kernel_bench.py --rows 1,64 --context 2048 --calls 20 &&
                                           python3 scripts/kernel_bench.py --rows 1 --context 32768 --calls 20 --sweep 8,16,32,64,128x4,8,16" ;;
     kernel-ncu) run "$item" 150 ncu --clock-control none --kernel-name regex:paged -c 1 --section SpeedOfLight \
