@@ -70,31 +70,6 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
 }
 """
 
-# cp.async as the hardware may do it: a copy lands only when a wait retires its group, so a
-# kernel that reads a ring slot before waiting for it reads the slot's old contents.
-_ASYNC_COPY = r"""
-struct PendingCopy { void* dst; unsigned char bytes[16]; };
-thread_local std::vector<std::vector<PendingCopy>> async_groups;  // committed, oldest first
-thread_local std::vector<PendingCopy> async_open;
-inline void copy_async16(void* dst, const void* src) {
-    PendingCopy c;
-    c.dst = dst;
-    std::memcpy(c.bytes, src, 16);
-    async_open.push_back(c);
-}
-inline void async_commit() {
-    async_groups.push_back(std::move(async_open));
-    async_open.clear();
-}
-template <int N>
-inline void async_wait() {
-    while (async_groups.size() > size_t(N)) {
-        for (const PendingCopy& c : async_groups.front()) std::memcpy(c.dst, c.bytes, 16);
-        async_groups.erase(async_groups.begin());
-    }
-}
-"""
-
 _RUNNER = r"""
 template <typename E>
 std::vector<E> read_array() {
@@ -191,8 +166,7 @@ def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n
                     " part_l.data(), part_m_shape, out.data()); });")
     main += ["    write_array(out);"] + [f"    write_array({name});" for name in pk.APPEND_OUTPUTS if appending]
     main += ["    return 0;", "}"]
-    assert pk.ASYNC_COPY in pk.HEADER
-    return _STUBS + pk.HEADER.replace(pk.ASYNC_COPY, _ASYNC_COPY) + decode + combine + _RUNNER + "\n".join(main) + "\n"
+    return _STUBS + pk.HEADER + decode + combine + _RUNNER + "\n".join(main) + "\n"
 
 
 @functools.cache

@@ -8,7 +8,6 @@ the gather + masked ``mx.fast.scaled_dot_product_attention`` the worker always u
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -53,13 +52,6 @@ def lanes_per_position(head_dim: int) -> int:
     return lanes
 
 
-def staged_slot_bytes(head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory of one warp pass in the staged loop's ring (K and V, each lane's elements
-    in whole 16-byte words); the ring needs 2 of these per warp at least."""
-    per_lane = head_dim // lanes_per_position(head_dim) * itemsize
-    return 32 * 2 * -(-per_lane // 16) * 16
-
-
 def warps_for(n_rep: int, head_dim: int, positions: int | None = None, blocks: int = 0) -> int:
     """Warps per block for a launch of ``blocks`` blocks (0: few): many where there are few
     blocks, since each warp works through its positions one dependent pass at a time; no
@@ -70,7 +62,7 @@ def warps_for(n_rep: int, head_dim: int, positions: int | None = None, blocks: i
     if positions is not None:
         while warps > 1 and (warps // 2) * per_pass >= positions:
             warps //= 2
-    while warps > 1 and warps * max(n_rep * head_dim * 4, 2 * staged_slot_bytes(head_dim)) > SHARED_BYTES:
+    while warps > 1 and warps * n_rep * head_dim * 4 > SHARED_BYTES:
         warps //= 2
     per_lane = head_dim // lanes_per_position(head_dim)
     registers = 2 * n_rep * per_lane + 2 * per_lane * UNROLL + 48  # measured 114 at 4 x 8 per lane
@@ -118,7 +110,7 @@ class PagedAttention:
         self.use_kernel = use_kernel
         self.loop = loop
         self.unroll = unroll
-        self._kernels: dict[tuple[str, bool, str], object] = {}
+        self._kernels: dict[tuple[str, bool], object] = {}
         self._scales: dict[float, mx.array] = {}
         self._one = mx.array([1], dtype=mx.int32)  # a tail of this step's K/V alone
 
@@ -198,17 +190,9 @@ class PagedAttention:
             scale_arr = self._scales[scale] = mx.array([scale], dtype=mx.float32)
         return scale_arr
 
-    def loop_for(self, dtype: mx.Dtype) -> str:
-        """The loop the kernels for ``dtype`` use: ``staged`` needs cp.async (sm_80 or later) and
-        fits its ring only for 2-byte K/V at every warps count ``warps_for`` picks."""
-        if self.loop != "staged" or (dtype.size <= 2 and _async_copies()):
-            return self.loop
-        return "pipelined"
-
-    def _kernel(self, kind: str, appending: bool, dtype: mx.Dtype = mx.bfloat16):
+    def _kernel(self, kind: str, appending: bool):
         """The compiled-on-demand kernel object: ``single``, ``split`` or ``combine``."""
-        loop = self.loop_for(dtype)
-        key = (kind, appending, loop)
+        key = (kind, appending)
         if key not in self._kernels:
             if kind == "combine":
                 kernel = mx.fast.cuda_kernel(name="runtime_paged_decode_combine",
@@ -217,10 +201,10 @@ class PagedAttention:
             else:
                 outputs = ["out"] if kind == "single" else ["part_acc", "part_m", "part_l"]
                 kernel = mx.fast.cuda_kernel(
-                    name=f"runtime_paged_decode_{kind}{'_append' if appending else ''}_{loop}",
+                    name=f"runtime_paged_decode_{kind}{'_append' if appending else ''}_{self.loop}",
                     input_names=APPEND_INPUTS if appending else INPUTS,
                     output_names=outputs + (APPEND_OUTPUTS if appending else []),
-                    source=body(appending, loop) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL),
+                    source=body(appending, self.loop) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL),
                     header=HEADER)
             self._kernels[key] = kernel
         return self._kernels[key]
@@ -239,11 +223,11 @@ class PagedAttention:
                     ("UNROLL", self.unroll), ("GL", lanes_per_position(d))]  # the splits come from the grid
         grid = (blocks * splits * warps * 32, 1, 1)
         if splits == 1:
-            return self._kernel("single", appending, queries.dtype)(
+            return self._kernel("single", appending)(
                 inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
                 output_shapes=[queries.shape] + tails, output_dtypes=[queries.dtype] * (1 + len(tails)))
         parts = blocks * splits * n_rep
-        part_acc, part_m, part_l, *tail = self._kernel("split", appending, queries.dtype)(
+        part_acc, part_m, part_l, *tail = self._kernel("split", appending)(
             inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
             output_shapes=[(parts * d,), (parts,), (parts,)] + tails,
             output_dtypes=[mx.float32] * 3 + [queries.dtype] * len(tails))
@@ -284,9 +268,3 @@ class PagedAttention:
                 mx.eval(*self._append_attend([*args, new, new], 1.0, launch))
             else:
                 mx.eval(self._kernel_attend(*args, 1.0, launch))
-
-
-@functools.cache
-def _async_copies() -> bool:
-    """Whether this GPU has cp.async (compute capability 8.0 or later)."""
-    return int(mx.device_info().get("compute_capability_major", 0)) >= 8

@@ -10,14 +10,14 @@ custom kernels in memory only).
 
 from __future__ import annotations
 
-from runtime.worker.paths.cuda.paged_loops import STAGED_SM_ACC, loop_source
+from runtime.worker.paths.cuda.paged_loops import loop_source
 
 # One block per (row, KV head, split). A warp works on 32 / GL positions at once: each
 # group of GL lanes holds one position's K/V row (PER = D / GL elements per lane, loaded as
 # 16-byte vectors where aligned), so a dot product needs log2(GL) shuffles, not five. Every
 # group keeps an online softmax per query head of the GQA group in float32; the groups of a
 # warp are merged by shuffles, then the block's warps through shared memory.
-LOADS = """
+HEADER = """
 template <typename T, int N>
 __device__ inline void load_row(const T* p, float* out) {
     constexpr int V = 16 / sizeof(T);
@@ -85,69 +85,7 @@ struct KVRow {
         return RAW ? static_cast<float>(reinterpret_cast<const T*>(v)[i]) : fv[i];
     }
 };
-
-// The staged loop's ring (paged_loops): a lane's K (then V) elements of one position, as W
-// 16-byte words 32 apart (the warp's lanes side by side), element i in word i / V.
-template <typename T, int N>
-__device__ inline void stage_row(uint4* dst, const T* kp, const T* vp) {
-    using Row = KVRow<T, N>;
-    constexpr int W = (N * (int)sizeof(T) + 15) / 16;
-    if (Row::RAW && ((reinterpret_cast<size_t>(kp) | reinterpret_cast<size_t>(vp)) & 15) == 0) {
-#pragma unroll
-        for (int j = 0; j < W; ++j) {
-            copy_async16(dst + j * 32, reinterpret_cast<const uint4*>(kp) + j);
-            copy_async16(dst + (W + j) * 32, reinterpret_cast<const uint4*>(vp) + j);
-        }
-        return;
-    }
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        reinterpret_cast<T*>(dst + (i / Row::V) * 32)[i % Row::V] = kp[i];
-        reinterpret_cast<T*>(dst + (W + i / Row::V) * 32)[i % Row::V] = vp[i];
-    }
-}
-
-template <typename T, int N>
-__device__ inline void stage_zero(uint4* dst) {
-    constexpr int W = (N * (int)sizeof(T) + 15) / 16;
-#pragma unroll
-    for (int j = 0; j < 2 * W; ++j) dst[j * 32] = make_uint4(0, 0, 0, 0);
-}
-
-template <typename T, int N>
-__device__ inline void unstage_row(KVRow<T, N>& row, const uint4* src) {
-    using Row = KVRow<T, N>;
-    constexpr int W = (N * (int)sizeof(T) + 15) / 16;
-    if (Row::RAW) {
-#pragma unroll
-        for (int j = 0; j < W; ++j) {
-            row.k[j] = src[j * 32];
-            row.v[j] = src[(W + j) * 32];
-        }
-        return;
-    }
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        row.fk[i] = static_cast<float>(reinterpret_cast<const T*>(src + (i / Row::V) * 32)[i % Row::V]);
-        row.fv[i] = static_cast<float>(reinterpret_cast<const T*>(src + (W + i / Row::V) * 32)[i % Row::V]);
-    }
-}
 """
-
-# Asynchronous global -> shared copies (sm_80 and later): the staged loop's loads. The CPU
-# simulator (tests/cuda_sim.py) puts its own versions in place of these.
-ASYNC_COPY = """
-__device__ inline void copy_async16(void* dst, const void* src) {
-    unsigned addr;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(addr), "l"(src) : "memory");
-}
-__device__ inline void async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ inline void async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
-"""
-
-HEADER = ASYNC_COPY + LOADS
 
 _PROLOGUE = """
     constexpr int PER = D / GL;
@@ -208,7 +146,8 @@ _EPILOGUE = """
     }
     __shared__ float sm_m[NWARPS][NREP];
     __shared__ float sm_l[NWARPS][NREP];
-{SM_ACC}#pragma unroll
+    __shared__ float sm_acc[NWARPS][NREP][D];
+#pragma unroll
     for (int r = 0; r < NREP; ++r) {
         if (lane == 0) {
             sm_m[warp][r] = m[r];
@@ -323,12 +262,11 @@ _APPEND_COPY = """
 
 def body(appending: bool, loop: str = "pipelined") -> str:
     """The kernel body up to its write-out, reading a separate tail or appending to it, with
-    ``loop`` (``paged_loops.loop_source``: classic, pipelined or staged)."""
+    ``loop`` (``paged_loops.loop_source``: classic or pipelined)."""
     if appending:
         parts = {"{TAIL_LENGTH}": _APPEND_LENGTH, "{TAIL_COPY}": _APPEND_COPY}
     else:
         parts = {"{TAIL_LENGTH}": _TAIL_LENGTH, "{TAIL_COPY}": ""}
-    parts["{SM_ACC}"] = STAGED_SM_ACC if loop == "staged" else "    __shared__ float sm_acc[NWARPS][NREP][D];\n"
     source = _PROLOGUE + loop_source(loop, appending) + _EPILOGUE
     for marker, text in parts.items():
         source = source.replace(marker, text)

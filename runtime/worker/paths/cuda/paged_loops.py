@@ -8,13 +8,12 @@ sum ``l`` and accumulator ``acc`` for the epilogue:
 * ``pipelined``: the next pass's loads issued before this pass is scored, one rescale per
   pass (10-17% faster than classic on an H200); its register copy of the prefetched pass at
   the end of each iteration waits for those loads, so it keeps about one pass in flight;
-* ``staged``: each lane copies its K/V of the next ``STAGES - 1`` passes into its own slots of
-  a shared-memory ring with ``cp.async`` (sm_80 and later): loads in flight hold no
-  registers, and a warp waits only for the oldest pass, the one it scores next.
 
 Ring loops (N buffers taken in turn, unrolled, N - 1 passes ahead) were measured on an H200 in
 session 19 and removed: no faster than ``pipelined`` at any size (ring3 at 1 x 32k: 161 against
-151 us), ring4 could not launch 16 warps.
+151 us), ring4 could not launch 16 warps. So was a ``staged`` loop (each lane's K/V of the next
+3 passes copied into shared memory with cp.async, no registers held): no faster at any size
+(147 against 135 us at 1 x 32k). The kernel is bound by its instructions, not by memory latency.
 """
 
 from __future__ import annotations
@@ -175,75 +174,6 @@ _FETCH = """
     }
 """
 
-# The staged loop: STAGES ring slots of a pass per warp, as many as fit SHARED_BYTES (no fewer
-# than 2, at most 4: 3 passes in flight). One pass per warp and slot: GROUPS positions, K and V,
-# KVW 16-byte words each per lane. The epilogue's sm_acc reuses the ring's memory.
-_STAGED_LOOP = """
-    static_assert(UNROLL == 1, "the staged loop scores one position per lane group and pass");
-    constexpr int STRIDE = NWARPS * GROUPS;
-    constexpr int KVW = (PER * (int)sizeof(T) + 15) / 16;
-    constexpr int SLOT_WORDS = 2 * KVW * 32;  // one warp's pass: K then V words, lanes side by side
-    constexpr int FIT = {SHARED_BYTES} / (16 * NWARPS * SLOT_WORDS);
-    constexpr int STAGES = FIT < 2 ? 2 : FIT > 4 ? 4 : FIT;
-    constexpr int RING_WORDS = STAGES * NWARPS * SLOT_WORDS;
-    constexpr int ACC_WORDS = (NWARPS * NREP * D + 3) / 4;
-    __shared__ uint4 ring[RING_WORDS > ACC_WORDS ? RING_WORDS : ACC_WORDS];
-    const int tfirst = tbegin + warp * GROUPS;
-    const int pool_end = min(tend, n);
-    int slot = tfirst + group < pool_end ? trow[tfirst + group] : 0;
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-        const int T0 = tfirst + i * STRIDE;
-        uint4* DST = ring + (i * NWARPS + warp) * SLOT_WORDS + lane;
-        if (T0 < tend) {  // uniform across the warp
-{ISSUE}        }
-        const int tn = T0 + STRIDE + group;
-        slot = tn < pool_end ? trow[tn] : 0;
-        async_commit();
-    }
-    int stage = 0;
-    for (int t0 = tfirst; t0 < tend; t0 += STRIDE) {
-        {
-            const int T0 = t0 + (STAGES - 1) * STRIDE;
-            const int into = stage == 0 ? STAGES - 1 : stage - 1;  // the slot scored last pass
-            uint4* DST = ring + (into * NWARPS + warp) * SLOT_WORDS + lane;
-            if (T0 < tend) {
-{ISSUE}            }
-            const int tn = T0 + STRIDE + group;
-            slot = tn < pool_end ? trow[tn] : 0;
-        }
-        async_commit();
-        async_wait<STAGES - 1>();  // this pass's copies are in
-        KVRow<T, PER> cur[1];
-        unstage_row<T, PER>(cur[0], ring + (stage * NWARPS + warp) * SLOT_WORDS + lane);
-{COMPUTE}        stage = stage + 1 == STAGES ? 0 : stage + 1;
-    }
-    async_wait<0>();
-"""
-
-# A lane's copy of position T0 + group into its ring slot DST (zeros past the block's end).
-_ISSUE = """
-            {
-                const int t = T0 + group;
-                if (t >= tend) {
-                    stage_zero<T, PER>(DST);
-                } else if (t < n) {
-                    const size_t base = ((size_t)slot * HKV + h) * D + gl * PER;
-                    stage_row<T, PER>(DST, keys + base, values + base);
-                } else {
-{TAIL_LOAD}                }
-            }
-"""
-
-# The staged loop's epilogue storage: the ring, once every warp is done with it.
-STAGED_SM_ACC = """
-    __syncthreads();  // every warp is done with the staged ring, whose memory holds sm_acc now
-    float (&sm_acc)[NWARPS][NREP][D] = *reinterpret_cast<float (*)[NWARPS][NREP][D]>(ring);
-"""
-
-SHARED_BYTES = 40 * 1024  # the staged ring's budget, as the epilogue's (48 KiB of static shared memory at most)
-
-
 def loop_source(loop: str, appending: bool) -> str:
     """The main loop's source, reading the tail (``tail_keys`` ...) or appending to it."""
     fetch = _FETCH.replace("{TAIL_LOAD}", _tail_load(appending, "DST[u].load({K}, {V});"))
@@ -254,10 +184,5 @@ def loop_source(loop: str, appending: bool) -> str:
         return (_PIPELINED_LOOP.replace("{LOOP_START}", _LOOP_START)
                 .replace("{FETCH_FIRST}", fetch.replace("T0", "tfirst").replace("DST", "cur"))
                 .replace("{FETCH_NEXT}", fetch.replace("T0", "(t0 + STRIDE)").replace("DST", "nxt"))
-                .replace("{COMPUTE}", _PASS.replace("CUR", "cur").replace("T0", "t0")))
-    if loop == "staged":
-        issue = _ISSUE.replace("{TAIL_LOAD}", "    " + _tail_load(appending, "stage_row<T, PER>(DST, {K}, {V});")
-                               .replace("\n                ", "\n                    "))
-        return (_STAGED_LOOP.replace("{SHARED_BYTES}", str(SHARED_BYTES)).replace("{ISSUE}", issue)
                 .replace("{COMPUTE}", _PASS.replace("CUR", "cur").replace("T0", "t0")))
     raise ValueError(f"unknown paged kernel loop {loop!r}")
