@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from runtime.config import Config, ConfigError, load_config
 from runtime.heap import freeze_startup_heap
+from runtime.import_guard import keep_torch_out
 
 if TYPE_CHECKING:
     from runtime.gateway.process import GatewayProcess
@@ -53,6 +54,7 @@ def up(config_path: str) -> int:
             addresses.cleanup()
             print(f"runtime: {exc}", file=sys.stderr)
             return 1
+    keep_torch_out()  # before the tokenizer's imports (transformers would import it)
     from runtime.scheduler.server import Server
 
     try:

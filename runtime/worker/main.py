@@ -26,6 +26,7 @@ import zmq
 
 from runtime.config import Config, parse_config
 from runtime.heap import freeze_startup_heap
+from runtime.import_guard import keep_torch_out
 from runtime.protocol.worker import (
     LoadFailed,
     Masks,
@@ -311,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=None, help="tensor-parallel rank (worker.tensor_parallel > 1)")
     parser.add_argument("--followers", nargs="*", default=[], help="rank 0: the fan-out address of each other rank")
     args = parser.parse_args(argv)
+    keep_torch_out()  # before mlx-lm's imports (transformers would import it)
     # A terminal's Ctrl-C, or a service manager's SIGTERM, reaches the whole process group;
     # the scheduler owns this process's end (Shutdown, then SIGKILL if it does not go), so a
     # worker killed by the same signal is not mistaken for a crash and restarted. A dead
