@@ -19,7 +19,13 @@ from typing import Any
 from runtime.bench import runtime_side
 from runtime.bench.mlx_side import MlxLm
 from runtime.bench.report import table
-from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome, single_view
+from runtime.bench.workloads import (
+    NEAR_TIE_NATS,
+    WARMUP_GEN,
+    Bench,
+    Outcome,
+    single_view,
+)
 
 
 class PairedSingle:
@@ -34,6 +40,7 @@ class PairedSingle:
         self.rt: list[dict[str, float]] = []
         self.ml: list[dict[str, float]] = []
         self.same: list[bool] = []
+        self.divergences: list[dict[str, float] | None] = []
 
     def run(self, address: str, mlx: MlxLm) -> None:
         self.bench.log(f"paired: warm-up, then {len(self.prompts)} pairs of prompt {self.prompt_len}, "
@@ -51,14 +58,26 @@ class PairedSingle:
             self.rt.append(single_view(timings["runtime"]))
             self.ml.append(single_view(timings["mlx"]))
             self.same.append(timings["runtime"].token_ids == timings["mlx"].token_ids)
+            self.divergences.append(divergence(prompt, timings["runtime"].token_ids, timings["mlx"].token_ids, mlx))
 
     def outcome(self) -> Outcome:
         data: dict[str, Any] = {"prompt_len": self.prompt_len, "gen_len": self.gen_len, "pairs": len(self.rt),
-                                "runtime": self.rt, "mlx_lm": self.ml, "tokens_match": self.same}
+                                "runtime": self.rt, "mlx_lm": self.ml, "tokens_match": self.same,
+                                "divergences": self.divergences}
         rows = pair_rows(self.rt, self.ml, (("decode tok/s", "decode_tok_s"), ("end-to-end tok/s", "e2e_tok_s"),
                                             ("TTFT ms", "ttft_ms"), ("ITL p50 ms", "itl_p50_ms")), data)
         return pair_outcome("paired", f"single stream in {len(self.rt)} alternating pairs: prompt {self.prompt_len}, "
-                            f"{self.gen_len} new tokens", rows, data, self.same)
+                            f"{self.gen_len} new tokens", rows, data, self.same, self.divergences)
+
+
+def divergence(prompt: list[int], ours: list[int], theirs: list[int], mlx: MlxLm) -> dict[str, float] | None:
+    """Where the runtime's greedy tokens first leave mlx-lm's, and mlx-lm's own logprob gap
+    between the two tokens there (a near-tie is rounding; a wide gap, a bug); None if they
+    agree, or if one side merely stopped first."""
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if first is None:
+        return None
+    return {"position": first, "logprob_gap": mlx.logprob_gap(prompt + theirs[:first], theirs[first], ours[first])}
 
 
 def paired_ratios(runtime: list[float], mlx: list[float]) -> list[float]:
@@ -80,14 +99,20 @@ def pair_rows(rt: list[dict[str, float]], ml: list[dict[str, float]], metrics, d
     return rows
 
 
-def pair_outcome(name: str, title: str, rows: list[list], data: dict[str, Any], same: list[bool]) -> Outcome:
+def pair_outcome(name: str, title: str, rows: list[list], data: dict[str, Any], same: list[bool],
+                 divergences: list[dict[str, float] | None] = ()) -> Outcome:
     """A paired workload's table (``rows`` from ``pair_rows``) and a warning for any pair whose
-    greedy tokens differ; ``title`` gets the count of matching pairs."""
+    greedy tokens differ, with mlx-lm's logprob gap at each first difference ``divergences``
+    knows; ``title`` gets the count of matching pairs."""
     matching = sum(same)
     tab = table(f"{title} (tokens match mlx-lm in {matching} of {len(same)} pairs)",
                 ["metric", "runtime (median)", "mlx-lm (median)", "median of pair ratios", "pair ratios, range"], rows)
     warnings = []
     if matching < len(same):
+        known = [d for d in divergences if d is not None]
+        notes = "; ".join(f"from output position {d['position']}, mlx-lm's own logprob gap {d['logprob_gap']:.4g} "
+                          f"nats" + (" (a near-tie)" if d["logprob_gap"] < NEAR_TIE_NATS else
+                                     " (NOT a near-tie: look for a bug)") for d in known)
         warnings.append(f"WARNING: {name}: runtime tokens differ from mlx-lm greedy tokens in "
-                        f"{len(same) - matching} of {len(same)} pairs")
+                        f"{len(same) - matching} of {len(same)} pairs" + (f": {notes}" if notes else ""))
     return Outcome(data, [tab], warnings)
