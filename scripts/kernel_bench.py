@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from runtime.worker.paths.cuda import paged_loops
-from runtime.worker.paths.paged_attention import PagedAttention, launch_shape
+from runtime.worker.paths.paged_attention import LOOP, PagedAttention, launch_shape
 
 VARIANTS = {
     # the slot of position t is computed, not read from the table: no dependent load
@@ -58,6 +58,7 @@ def main() -> None:
     p.add_argument("--sweep", default="", help="splits x warps to try, e.g. 1,2,4,8x4,8 (appending kernel only)")
     p.add_argument("--variant", default="", choices=["", *VARIANTS])
     p.add_argument("--scatter", action="store_true", help="each row's slots at random places in the pool")
+    p.add_argument("--loop", default="", help="the kernel's loop (default: paged_attention.LOOP)")
     p.add_argument("--no-trace", action="store_true", help="no CUPTI (under ncu)")
     args = p.parse_args()
     if args.variant:
@@ -66,7 +67,7 @@ def main() -> None:
         paged_loops._CLASSIC_LOOP = paged_loops._CLASSIC_LOOP.replace(old, new)
     n_q, n_kv, d = (int(x) for x in args.heads.split(","))
     dtype = mx.bfloat16
-    attn = PagedAttention(True, loop="classic" if args.variant else "pipelined")
+    attn = PagedAttention(True, loop="classic" if args.variant else args.loop or LOOP)
     for b in [int(r) for r in args.rows.split(",")]:
         n = args.context - args.tail - 1  # pool positions
         slots = max(args.slots, b * args.context + 8)

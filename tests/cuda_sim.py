@@ -61,6 +61,7 @@ std::barrier<>* block_barrier;
 std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
 float shuffle_slots[64][32];
 inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+inline void __syncwarp() { warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     warp_barriers[warp]->arrive_and_wait();  // the warp's previous exchange has been read
@@ -68,6 +69,43 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     warp_barriers[warp]->arrive_and_wait();
     return shuffle_slots[warp][lane ^ lane_mask];
 }
+"""
+
+# Tensor-core products as the PTX ISA lays out m16n8k16's fragments: lane L (group g = L / 4,
+# q = L % 4) holds A's rows g and g + 8, columns 2q, 2q + 1 (+ 8); B's rows (k) 2q, 2q + 1 (+ 8),
+# column g; C's rows g and g + 8, columns 2q, 2q + 1. The warp's lanes meet at a barrier, each
+# rebuilds A and B from all 32 lanes' registers and computes its own four sums in float.
+_MMA = r"""
+unsigned mma_a[64][32][4], mma_b[64][32][2];
+inline float bf16_bits(unsigned bits) { unsigned u = bits << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline float half_of(unsigned reg, int hi) { return bf16_bits(hi ? reg >> 16 : reg & 0xffff); }
+inline void mma16816(float* c, const unsigned* a, const unsigned* b, const bf16*) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    warp_barriers[warp]->arrive_and_wait();
+    for (int i = 0; i < 4; ++i) mma_a[warp][lane][i] = a[i];
+    for (int i = 0; i < 2; ++i) mma_b[warp][lane][i] = b[i];
+    warp_barriers[warp]->arrive_and_wait();
+    float A[16][16], B[16][8];
+    for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, q = l % 4;
+        for (int e = 0; e < 2; ++e) {
+            A[g][2 * q + e] = half_of(mma_a[warp][l][0], e);
+            A[g + 8][2 * q + e] = half_of(mma_a[warp][l][1], e);
+            A[g][2 * q + 8 + e] = half_of(mma_a[warp][l][2], e);
+            A[g + 8][2 * q + 8 + e] = half_of(mma_a[warp][l][3], e);
+            B[2 * q + e][g] = half_of(mma_b[warp][l][0], e);
+            B[2 * q + 8 + e][g] = half_of(mma_b[warp][l][1], e);
+        }
+    }
+    const int g = lane / 4, q = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + (i / 2) * 8, col = 2 * q + i % 2;
+        float sum = 0.f;
+        for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
+        c[i] += sum;
+    }
+}
+inline unsigned pack2(float lo, float hi, const bf16*) { return unsigned(bf16(lo).bits) | (unsigned(bf16(hi).bits) << 16); }
 """
 
 _RUNNER = r"""
@@ -166,7 +204,8 @@ def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n
                     " part_l.data(), part_m_shape, out.data()); });")
     main += ["    write_array(out);"] + [f"    write_array({name});" for name in pk.APPEND_OUTPUTS if appending]
     main += ["    return 0;", "}"]
-    return _STUBS + pk.HEADER + decode + combine + _RUNNER + "\n".join(main) + "\n"
+    assert pk.MMA in pk.HEADER
+    return _STUBS + pk.HEADER.replace(pk.MMA, _MMA) + decode + combine + _RUNNER + "\n".join(main) + "\n"
 
 
 @functools.cache

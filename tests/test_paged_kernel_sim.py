@@ -29,6 +29,11 @@ CASES = [
     ("classic", True, 1, "bf16", 2, 96, 2, 4),
     ("pipelined", True, 3, "bf16", 1, 64, 4, 4),
     ("classic", False, 3, "bf16", 1, 128, 4, 4),
+    ("mma", False, 1, "bf16", 1, 128, 4, 4),
+    ("mma", True, 3, "bf16", 1, 128, 4, 2),
+    ("mma", True, 1, "bf16", 1, 64, 8, 4),
+    ("mma", False, 3, "bf16", 1, 96, 2, 2),
+    ("mma", True, 3, "bf16", 1, 64, 1, 8),
 ]
 
 
@@ -51,3 +56,13 @@ def test_a_wrong_softmax_is_caught() -> None:
     err, _ = run_paged_kernel("pipelined", False, 1, context=200, edit=unshifted)
     assert err > 100 * TOLERANCE["float"]
 
+
+
+def test_a_wrong_mma_fragment_is_caught() -> None:
+    def swapped(source: str) -> str:
+        old = "raw2(vtile[warp][2 * q4][nt * 8 + g], vtile[warp][2 * q4 + 1][nt * 8 + g])"
+        assert old in source
+        return source.replace(old, "raw2(vtile[warp][2 * q4 + 1][nt * 8 + g], vtile[warp][2 * q4][nt * 8 + g])")
+
+    err, _ = run_paged_kernel("mma", False, 1, dtype="bf16", n_rep=4, context=200, edit=swapped)
+    assert err > 10 * TOLERANCE["bf16"]  # values of the wrong positions: far off (about 1.3)

@@ -43,6 +43,8 @@ for item in "$@"; do
                                           python3 scripts/kernel_bench.py --rows 1,8 --context 32768 --calls 20 --scatter &&
                                           python3 scripts/kernel_bench.py --rows 1,64 --context 2048 --calls 20 &&
                                           python3 scripts/kernel_bench.py --rows 1 --context 32768 --calls 20 --sweep 8,16,32,64,128x4,8,16" ;;
+    kernel-gpu-mma) run "$item" 120 bash -c "python3 scripts/kernel_bench.py --loop mma --rows 1,8,64 --context 32768 --calls 20 &&
+                                              python3 scripts/kernel_bench.py --loop mma --rows 1,64 --context 2048 --calls 20" ;;
     kernel-ncu) run "$item" 150 ncu --clock-control none --kernel-name regex:paged -c 1 --section SpeedOfLight \
                   --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
                   python3 scripts/kernel_bench.py --rows 1 --context 32768 --no-trace --calls 2 ;;
@@ -62,7 +64,7 @@ for item in "$@"; do
     1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item.json" ;;
     1b-first) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads first --pairs 3 --json "$OUT/$item.json" ;;
     pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py ;;
-    *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel use-best-loop kernel-gpu kernel-ncu imports 1b-paired kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
+    *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel use-best-loop kernel-gpu kernel-gpu-mma kernel-ncu imports 1b-paired kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then

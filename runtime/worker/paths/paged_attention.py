@@ -8,6 +8,7 @@ the gather + masked ``mx.fast.scaled_dot_product_attention`` the worker always u
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -110,7 +111,7 @@ class PagedAttention:
         self.use_kernel = use_kernel
         self.loop = loop
         self.unroll = unroll
-        self._kernels: dict[tuple[str, bool], object] = {}
+        self._kernels: dict[tuple[str, bool, str], object] = {}
         self._scales: dict[float, mx.array] = {}
         self._one = mx.array([1], dtype=mx.int32)  # a tail of this step's K/V alone
 
@@ -190,9 +191,18 @@ class PagedAttention:
             scale_arr = self._scales[scale] = mx.array([scale], dtype=mx.float32)
         return scale_arr
 
-    def _kernel(self, kind: str, appending: bool):
+    def loop_for(self, dtype: mx.Dtype, n_rep: int, head_dim: int) -> str:
+        """The loop kernels of this shape use: ``mma`` needs tensor cores for its dtype (2-byte
+        K/V, sm_80 or later), head dims of 16s and at most 8 query heads per KV head."""
+        if self.loop != "mma" or (dtype in (mx.bfloat16, mx.float16) and head_dim % 16 == 0 and n_rep <= 8
+                                  and _tensor_cores()):
+            return self.loop
+        return "pipelined"
+
+    def _kernel(self, kind: str, appending: bool, loop: str = ""):
         """The compiled-on-demand kernel object: ``single``, ``split`` or ``combine``."""
-        key = (kind, appending)
+        loop = loop or self.loop
+        key = (kind, appending, loop)
         if key not in self._kernels:
             if kind == "combine":
                 kernel = mx.fast.cuda_kernel(name="runtime_paged_decode_combine",
@@ -201,10 +211,10 @@ class PagedAttention:
             else:
                 outputs = ["out"] if kind == "single" else ["part_acc", "part_m", "part_l"]
                 kernel = mx.fast.cuda_kernel(
-                    name=f"runtime_paged_decode_{kind}{'_append' if appending else ''}_{self.loop}",
+                    name=f"runtime_paged_decode_{kind}{'_append' if appending else ''}_{loop}",
                     input_names=APPEND_INPUTS if appending else INPUTS,
                     output_names=outputs + (APPEND_OUTPUTS if appending else []),
-                    source=body(appending, self.loop) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL),
+                    source=body(appending, loop) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL),
                     header=HEADER)
             self._kernels[key] = kernel
         return self._kernels[key]
@@ -216,6 +226,10 @@ class PagedAttention:
         b, n_q, _, d = queries.shape
         n_rep = n_q // n_kv
         splits, warps = launch or launch_shape(b, n_kv, n_rep, d, 0)
+        loop = self.loop_for(queries.dtype, n_rep, d)
+        if loop == "mma":  # each warp stages 16 positions' V rows in shared memory
+            while warps > 1 and warps * 16 * (d + 8) * 2 > SHARED_BYTES:
+                warps //= 2
         blocks = b * n_kv
         appending = tail_shape is not None
         tails = [tail_shape, tail_shape] if tail_shape is not None else []
@@ -223,11 +237,11 @@ class PagedAttention:
                     ("UNROLL", self.unroll), ("GL", lanes_per_position(d))]  # the splits come from the grid
         grid = (blocks * splits * warps * 32, 1, 1)
         if splits == 1:
-            return self._kernel("single", appending)(
+            return self._kernel("single", appending, loop)(
                 inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
                 output_shapes=[queries.shape] + tails, output_dtypes=[queries.dtype] * (1 + len(tails)))
         parts = blocks * splits * n_rep
-        part_acc, part_m, part_l, *tail = self._kernel("split", appending)(
+        part_acc, part_m, part_l, *tail = self._kernel("split", appending, loop)(
             inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
             output_shapes=[(parts * d,), (parts,), (parts,)] + tails,
             output_dtypes=[mx.float32] * 3 + [queries.dtype] * len(tails))
@@ -268,3 +282,9 @@ class PagedAttention:
                 mx.eval(*self._append_attend([*args, new, new], 1.0, launch))
             else:
                 mx.eval(self._kernel_attend(*args, 1.0, launch))
+
+
+@functools.cache
+def _tensor_cores() -> bool:
+    """Whether this GPU runs the mma loop's bf16 / fp16 m16n8k16 products (sm_80 or later)."""
+    return int(mx.device_info().get("compute_capability_major", 0)) >= 8

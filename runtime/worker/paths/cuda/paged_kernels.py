@@ -10,7 +10,7 @@ custom kernels in memory only).
 
 from __future__ import annotations
 
-from runtime.worker.paths.cuda.paged_loops import loop_source
+from runtime.worker.paths.cuda.paged_loops import MMA_WARP_OUT, loop_source
 
 # One block per (row, KV head, split). A warp works on 32 / GL positions at once: each
 # group of GL lanes holds one position's K/V row (PER = D / GL elements per lane, loaded as
@@ -87,6 +87,50 @@ struct KVRow {
 };
 """
 
+# Tensor-core helpers (the mma loop, sm_80 and later): one m16n8k16 product c += a x b on
+# 2-byte inputs with float accumulators, and bf16 / fp16 pairs packed into 32-bit registers.
+# The CPU simulator (tests/cuda_sim.py) puts its own versions in place of these.
+MMA = """
+__device__ inline void mma16816(float* c, const unsigned* a, const unsigned* b, const __nv_bfloat16*) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ inline void mma16816(float* c, const unsigned* a, const unsigned* b, const __half*) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ inline unsigned pack2(float lo, float hi, const __nv_bfloat16*) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+__device__ inline unsigned pack2(float lo, float hi, const __half*) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+"""
+
+# Both 2-byte elements' bits in one register, ``lo`` in the low half (as mma fragments hold them).
+_RAW2 = """
+template <typename T>
+__device__ inline unsigned raw2(const T& lo, const T& hi) {
+    return unsigned(*reinterpret_cast<const unsigned short*>(&lo)) |
+           (unsigned(*reinterpret_cast<const unsigned short*>(&hi)) << 16);
+}
+"""
+
+# Two adjacent elements as one register: one 4-byte load where aligned.
+_LOAD2 = """
+template <typename T>
+__device__ inline unsigned load2(const T* p) {
+    if ((reinterpret_cast<size_t>(p) & 3) == 0) return *reinterpret_cast<const unsigned*>(p);
+    return raw2(p[0], p[1]);
+}
+"""
+
+HEADER = MMA + _RAW2 + _LOAD2 + HEADER
+
 _PROLOGUE = """
     constexpr int PER = D / GL;
     constexpr int GROUPS = 32 / GL;
@@ -124,7 +168,7 @@ _PROLOGUE = """
     const int* trow = table + (size_t)rows[b] * tcap;
 {TAIL_COPY}"""
 
-_EPILOGUE = """
+_GROUP_MERGE = """
     // Merge the warp's groups: lanes with the same gl hold the same elements.
 #pragma unroll
     for (int r = 0; r < NREP; ++r) {
@@ -158,6 +202,11 @@ _EPILOGUE = """
             for (int i = 0; i < PER; ++i) sm_acc[warp][r][gl * PER + i] = acc[r][i];
         }
     }
+"""
+
+# The block's warps merged: each warp has left its running max sm_m, sum sm_l and accumulator
+# sm_acc per query head of the group.
+_BLOCK_MERGE = """
     // The block's warps, through shared memory, up to each output element's write
     // (WRITE_OUT or WRITE_PARTIAL closes the loop).
     __syncthreads();
@@ -262,12 +311,13 @@ _APPEND_COPY = """
 
 def body(appending: bool, loop: str = "pipelined") -> str:
     """The kernel body up to its write-out, reading a separate tail or appending to it, with
-    ``loop`` (``paged_loops.loop_source``: classic or pipelined)."""
+    ``loop`` (``paged_loops.loop_source``: classic, pipelined or mma)."""
     if appending:
         parts = {"{TAIL_LENGTH}": _APPEND_LENGTH, "{TAIL_COPY}": _APPEND_COPY}
     else:
         parts = {"{TAIL_LENGTH}": _TAIL_LENGTH, "{TAIL_COPY}": ""}
-    source = _PROLOGUE + loop_source(loop, appending) + _EPILOGUE
+    warp_out = MMA_WARP_OUT if loop == "mma" else _GROUP_MERGE
+    source = _PROLOGUE + loop_source(loop, appending) + warp_out + _BLOCK_MERGE
     for marker, text in parts.items():
         source = source.replace(marker, text)
     return source
