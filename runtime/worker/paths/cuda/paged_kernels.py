@@ -91,20 +91,24 @@ struct KVRow {
 # 2-byte inputs with float accumulators, and bf16 / fp16 pairs packed into 32-bit registers.
 # The CPU simulator (tests/cuda_sim.py) puts its own versions in place of these.
 MMA = """
+template <int UNUSED = 0>  // a template: built only where a kernel calls it (sm_80 PTX)
 __device__ inline void mma16816(float* c, const unsigned* a, const unsigned* b, const __nv_bfloat16*) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+template <int UNUSED = 0>  // a template: built only where a kernel calls it (sm_80 PTX)
 __device__ inline void mma16816(float* c, const unsigned* a, const unsigned* b, const __half*) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+template <int UNUSED = 0>
 __device__ inline unsigned pack2(float lo, float hi, const __nv_bfloat16*) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<unsigned*>(&v);
 }
+template <int UNUSED = 0>
 __device__ inline unsigned pack2(float lo, float hi, const __half*) {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<unsigned*>(&v);
