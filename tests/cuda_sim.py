@@ -105,6 +105,18 @@ inline void mma16816(float* c, const unsigned* a, const unsigned* b, const bf16*
         c[i] += sum;
     }
 }
+const void* ldsm_rows[64][32];
+inline void ldsm_x4_trans(unsigned* r, const void* row) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    warp_barriers[warp]->arrive_and_wait();
+    ldsm_rows[warp][lane] = row;
+    warp_barriers[warp]->arrive_and_wait();
+    for (int m = 0; m < 4; ++m) {
+        const unsigned short* lo = static_cast<const unsigned short*>(ldsm_rows[warp][m * 8 + 2 * (lane % 4)]);
+        const unsigned short* hi = static_cast<const unsigned short*>(ldsm_rows[warp][m * 8 + 2 * (lane % 4) + 1]);
+        r[m] = unsigned(lo[lane / 4]) | (unsigned(hi[lane / 4]) << 16);
+    }
+}
 inline unsigned pack2(float lo, float hi, const bf16*) { return unsigned(bf16(lo).bits) | (unsigned(bf16(hi).bits) << 16); }
 """
 

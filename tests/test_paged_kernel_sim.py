@@ -60,9 +60,9 @@ def test_a_wrong_softmax_is_caught() -> None:
 
 def test_a_wrong_mma_fragment_is_caught() -> None:
     def swapped(source: str) -> str:
-        old = "raw2(vtile[warp][2 * q4][nt * 8 + g], vtile[warp][2 * q4 + 1][nt * 8 + g])"
-        assert old in source
-        return source.replace(old, "raw2(vtile[warp][2 * q4 + 1][nt * 8 + g], vtile[warp][2 * q4][nt * 8 + g])")
+        old = "mma16816(oacc[nt + 1], pa, vb + 2, (const T*)nullptr);"
+        assert old in source  # the second n-tile's product with the first one's V fragments
+        return source.replace(old, "mma16816(oacc[nt + 1], pa, vb, (const T*)nullptr);")
 
     err, _ = run_paged_kernel("mma", False, 1, dtype="bf16", n_rep=4, context=200, edit=swapped)
     assert err > 10 * TOLERANCE["bf16"]  # values of the wrong positions: far off (about 1.3)

@@ -103,6 +103,16 @@ __device__ inline void mma16816(float* c, const unsigned* a, const unsigned* b, 
                  "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+// Four 8x8 tiles of 2-byte elements from shared memory, transposed: lanes 8m..8m+7 give the
+// addresses of tile m's rows; lane L gets tile m's (rows 2 (L % 4), 2 (L % 4) + 1; column L / 4)
+// in r[m], an mma B fragment when the tile's rows are k.
+template <int UNUSED = 0>
+__device__ inline void ldsm_x4_trans(unsigned* r, const void* row) {
+    unsigned addr;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
 template <int UNUSED = 0>
 __device__ inline unsigned pack2(float lo, float hi, const __nv_bfloat16*) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);

@@ -275,12 +275,18 @@ _MMA_LOOP = """
         const unsigned pa[4] = {pack2(pv[0], pv[1], (const T*)nullptr), 0u, pack2(pv[2], pv[3], (const T*)nullptr), 0u};
         __syncwarp();  // the V tile is written
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const unsigned vb[2] = {raw2(vtile[warp][2 * q4][nt * 8 + g], vtile[warp][2 * q4 + 1][nt * 8 + g]),
-                                    raw2(vtile[warp][2 * q4 + 8][nt * 8 + g], vtile[warp][2 * q4 + 9][nt * 8 + g])};
+        for (int nt = 0; nt < NT; nt += 2) {
+            // V's B fragments of n-tiles nt and nt + 1: tiles (positions 0-7 | 8-15) x (dims of nt | nt + 1)
+            unsigned vb[4];
+            const int m = lane / 8;
+            ldsm_x4_trans(vb, &vtile[warp][(m % 2) * 8 + lane % 8][(nt + m / 2) * 8]);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) oacc[nt][e] *= corr;
+            for (int e = 0; e < 4; ++e) {
+                oacc[nt][e] *= corr;
+                oacc[nt + 1][e] *= corr;
+            }
             mma16816(oacc[nt], pa, vb, (const T*)nullptr);
+            mma16816(oacc[nt + 1], pa, vb + 2, (const T*)nullptr);
         }
         __syncwarp();  // the V tile is read before the next pass writes it
     }
