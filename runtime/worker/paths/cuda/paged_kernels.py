@@ -10,7 +10,8 @@ custom kernels in memory only).
 
 from __future__ import annotations
 
-from runtime.worker.paths.cuda.paged_loops import MMA_WARP_OUT, loop_source
+from runtime.worker.paths.cuda.paged_loops import loop_source
+from runtime.worker.paths.cuda.paged_mma import LOAD2, MMA, MMA_WARP_OUT, RAW2
 
 # One block per (row, KV head, split). A warp works on 32 / GL positions at once: each
 # group of GL lanes holds one position's K/V row (PER = D / GL elements per lane, loaded as
@@ -87,63 +88,7 @@ struct KVRow {
 };
 """
 
-# Tensor-core helpers (the mma loop, sm_80 and later): one m16n8k16 product c += a x b on
-# 2-byte inputs with float accumulators, and bf16 / fp16 pairs packed into 32-bit registers.
-# The CPU simulator (tests/cuda_sim.py) puts its own versions in place of these.
-MMA = """
-template <int UNUSED = 0>  // a template: built only where a kernel calls it (sm_80 PTX)
-__device__ inline void mma16816(float* c, const unsigned* a, const unsigned* b, const __nv_bfloat16*) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-template <int UNUSED = 0>  // a template: built only where a kernel calls it (sm_80 PTX)
-__device__ inline void mma16816(float* c, const unsigned* a, const unsigned* b, const __half*) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// Four 8x8 tiles of 2-byte elements from shared memory, transposed: lanes 8m..8m+7 give the
-// addresses of tile m's rows; lane L gets tile m's (rows 2 (L % 4), 2 (L % 4) + 1; column L / 4)
-// in r[m], an mma B fragment when the tile's rows are k.
-template <int UNUSED = 0>
-__device__ inline void ldsm_x4_trans(unsigned* r, const void* row) {
-    unsigned addr;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(row));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-template <int UNUSED = 0>
-__device__ inline unsigned pack2(float lo, float hi, const __nv_bfloat16*) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-}
-template <int UNUSED = 0>
-__device__ inline unsigned pack2(float lo, float hi, const __half*) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-}
-"""
-
-# Both 2-byte elements' bits in one register, ``lo`` in the low half (as mma fragments hold them).
-_RAW2 = """
-template <typename T>
-__device__ inline unsigned raw2(const T& lo, const T& hi) {
-    return unsigned(*reinterpret_cast<const unsigned short*>(&lo)) |
-           (unsigned(*reinterpret_cast<const unsigned short*>(&hi)) << 16);
-}
-"""
-
-# Two adjacent elements as one register: one 4-byte load where aligned.
-_LOAD2 = """
-template <typename T>
-__device__ inline unsigned load2(const T* p) {
-    if ((reinterpret_cast<size_t>(p) & 3) == 0) return *reinterpret_cast<const unsigned*>(p);
-    return raw2(p[0], p[1]);
-}
-"""
-
-HEADER = MMA + _RAW2 + _LOAD2 + HEADER
+HEADER = MMA + RAW2 + LOAD2 + HEADER
 
 _PROLOGUE = """
     constexpr int PER = D / GL;

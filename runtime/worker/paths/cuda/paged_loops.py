@@ -8,10 +8,8 @@ sum ``l`` and accumulator ``acc`` for the epilogue:
 * ``pipelined``: the next pass's loads issued before this pass is scored, one rescale per
   pass (10-17% faster than classic on an H200); its register copy of the prefetched pass at
   the end of each iteration waits for those loads, so it keeps about one pass in flight;
-* ``mma``: tensor cores (sm_80 and later, 2-byte K/V, up to 8 query heads per KV head): a
-  warp takes 16 positions at a time; the scores of the GQA group are two m16n8k16 tiles
-  (rows: query heads; columns: 8 positions each, K read from the pool as B fragments), whose
-  registers are then the A fragment of P for ``O += P V`` (V staged in shared memory).
+* ``mma``: tensor cores, 16 positions a warp at a time (``paged_mma``; it leaves its results
+  in the block merge's shared memory itself).
 
 Ring loops (N buffers taken in turn, unrolled, N - 1 passes ahead) were measured on an H200 in
 session 19 and removed: no faster than ``pipelined`` at any size (ring3 at 1 x 32k: 161 against
@@ -21,6 +19,8 @@ session 19 and removed: no faster than ``pipelined`` at any size (ring3 at 1 x 3
 """
 
 from __future__ import annotations
+
+from runtime.worker.paths.cuda.paged_mma import mma_loop_source
 
 # Every loop's first lines: the warp's first position and the table's slots of its first pass.
 _LOOP_START = """
@@ -178,140 +178,6 @@ _FETCH = """
     }
 """
 
-# Position t's K or V row (``{KV}``: keys or values) for the mma loop: the pool's slot, or the
-# tail (appending: the old tail's first R - 1 positions, then this step's K/V).
-_MMA_ROW = {
-    False: "(t < n ? {KV} + ((size_t)trow[t] * HKV + h) * D : tail_{KV} + ((size_t)bh * RCAP + (t - n)) * D)",
-    True: "(t < n ? {KV} + ((size_t)trow[t] * HKV + h) * D : t - n < R - 1 ? tail_{KV} + ((size_t)bh * RCAP + (t - n)) * D"
-          " : new_{KV} + (size_t)bh * D)",
-}
-
-_MMA_LOOP = """
-    static_assert(D % 16 == 0 && NREP <= 8, "the mma loop takes head dims of 16s and at most 8 query heads");
-    constexpr int KS = D / 16;  // k-steps of the score product
-    constexpr int NT = D / 8;  // n-tiles of the output
-    constexpr int VROW = D + 8;  // a staged V row in elements: 16 bytes of padding against bank conflicts
-    constexpr int STRIDE = NWARPS * 16;
-    constexpr int VBYTES = NWARPS * 16 * VROW * (int)sizeof(T);
-    constexpr int ABYTES = NWARPS * NREP * D * 4;
-    __shared__ uint4 mma_smem[((VBYTES > ABYTES ? VBYTES : ABYTES) + 15) / 16];  // V tiles; sm_acc after
-    T (&vtile)[NWARPS][16][VROW] = *reinterpret_cast<T (*)[NWARPS][16][VROW]>(mma_smem);
-    const int g = lane / 4;  // the lane's query head (fragment row) and K position within a tile
-    const int q4 = lane % 4;
-    const bool head = g < NREP;
-    unsigned qa[KS][2];  // Q's A fragments, row g: dims ks * 16 + 2 * q4 (+1) and 8 more
-    {
-        const T* qrow = queries + ((size_t)bh * NREP + (head ? g : 0)) * D;
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            qa[ks][0] = head ? load2(qrow + ks * 16 + 2 * q4) : 0u;
-            qa[ks][1] = head ? load2(qrow + ks * 16 + 8 + 2 * q4) : 0u;
-        }
-    }
-    float om = -INFINITY;  // head g's running max and sum
-    float ol = 0.f;
-    float oacc[NT][4];  // O fragments: row g, dims nt * 8 + 2 * q4 (+1); [2], [3] are rows g + 8 (unused)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) oacc[nt][0] = oacc[nt][1] = oacc[nt][2] = oacc[nt][3] = 0.f;
-    for (int t0 = tbegin + warp * 16; t0 < tend; t0 += STRIDE) {
-        {  // this pass's V rows into the warp's tile: two lanes a position, half a row each
-            const int p = lane / 2;
-            const int t = t0 + p;
-            T* dst = &vtile[warp][p][(lane % 2) * (D / 2)];
-            if (t < tend) {
-                const T* src = {V_ROW} + (lane % 2) * (D / 2);
-                if ((D / 2 * (int)sizeof(T)) % 16 == 0 && (reinterpret_cast<size_t>(src) & 15) == 0) {
-#pragma unroll
-                    for (int i = 0; i < D / 2 * (int)sizeof(T) / 16; ++i)
-                        reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-                } else {
-#pragma unroll
-                    for (int i = 0; i < D / 2; ++i) dst[i] = src[i];
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < D / 2; ++i) dst[i] = static_cast<T>(0.f);
-            }
-        }
-        float st[2][4];  // score tiles: row g, positions t0 + j * 8 + 2 * q4 (+1)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const int t = t0 + j * 8 + g;
-            const T* krow = t < tend ? {K_ROW} : nullptr;
-            st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.f;
-#pragma unroll
-            for (int ks = 0; ks < KS; ++ks) {
-                unsigned kb[2];
-                kb[0] = krow ? load2(krow + ks * 16 + 2 * q4) : 0u;
-                kb[1] = krow ? load2(krow + ks * 16 + 8 + 2 * q4) : 0u;
-                const unsigned a[4] = {qa[ks][0], 0u, qa[ks][1], 0u};
-                mma16816(st[j], a, kb, (const T*)nullptr);
-            }
-        }
-        float sv[4];
-        float mx = -INFINITY;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int t = t0 + (e / 2) * 8 + 2 * q4 + (e % 2);
-            sv[e] = t < tend ? st[e / 2][e % 2] * sc : -INFINITY;
-            mx = fmaxf(mx, sv[e]);
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        const float mn = fmaxf(om, mx);
-        float pv[4];
-        float corr = 1.f;
-        float ps = 0.f;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            pv[e] = mn == -INFINITY ? 0.f : expf(sv[e] - mn);
-            ps += pv[e];
-        }
-        if (mn != -INFINITY) corr = expf(om - mn);
-        ps += __shfl_xor_sync(0xffffffff, ps, 1);
-        ps += __shfl_xor_sync(0xffffffff, ps, 2);
-        ol = ol * corr + ps;
-        om = mn;
-        const unsigned pa[4] = {pack2(pv[0], pv[1], (const T*)nullptr), 0u, pack2(pv[2], pv[3], (const T*)nullptr), 0u};
-        __syncwarp();  // the V tile is written
-#pragma unroll
-        for (int nt = 0; nt < NT; nt += 2) {
-            // V's B fragments of n-tiles nt and nt + 1: tiles (positions 0-7 | 8-15) x (dims of nt | nt + 1)
-            unsigned vb[4];
-            const int m = lane / 8;
-            ldsm_x4_trans(vb, &vtile[warp][(m % 2) * 8 + lane % 8][(nt + m / 2) * 8]);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                oacc[nt][e] *= corr;
-                oacc[nt + 1][e] *= corr;
-            }
-            mma16816(oacc[nt], pa, vb, (const T*)nullptr);
-            mma16816(oacc[nt + 1], pa, vb + 2, (const T*)nullptr);
-        }
-        __syncwarp();  // the V tile is read before the next pass writes it
-    }
-"""
-
-# The mma loop's results into the block merge's shared memory (reusing the V tiles' memory).
-MMA_WARP_OUT = """
-    __shared__ float sm_m[NWARPS][NREP];
-    __shared__ float sm_l[NWARPS][NREP];
-    __syncthreads();  // every warp is done with its V tile, whose memory holds sm_acc now
-    float (&sm_acc)[NWARPS][NREP][D] = *reinterpret_cast<float (*)[NWARPS][NREP][D]>(mma_smem);
-    if (head) {
-        if (q4 == 0) {
-            sm_m[warp][g] = om;
-            sm_l[warp][g] = ol;
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            sm_acc[warp][g][nt * 8 + 2 * q4] = oacc[nt][0];
-            sm_acc[warp][g][nt * 8 + 2 * q4 + 1] = oacc[nt][1];
-        }
-    }
-"""
-
-
 def loop_source(loop: str, appending: bool) -> str:
     """The main loop's source, reading the tail (``tail_keys`` ...) or appending to it."""
     fetch = _FETCH.replace("{TAIL_LOAD}", _tail_load(appending, "DST[u].load({K}, {V});"))
@@ -324,7 +190,5 @@ def loop_source(loop: str, appending: bool) -> str:
                 .replace("{FETCH_NEXT}", fetch.replace("T0", "(t0 + STRIDE)").replace("DST", "nxt"))
                 .replace("{COMPUTE}", _PASS.replace("CUR", "cur").replace("T0", "t0")))
     if loop == "mma":
-        row = _MMA_ROW[appending]
-        return (_MMA_LOOP.replace("{V_ROW}", row.replace("{KV}", "values"))
-                .replace("{K_ROW}", row.replace("{KV}", "keys")))
+        return mma_loop_source(appending)
     raise ValueError(f"unknown paged kernel loop {loop!r}")
