@@ -34,6 +34,7 @@ CASES = [
     ("mma", True, 1, "bf16", 1, 64, 8, 4),
     ("mma", False, 3, "bf16", 1, 96, 2, 2),
     ("mma", True, 3, "bf16", 1, 64, 1, 8),
+    ("mma", True, 3, "bf16", 1, 256, 2, 2),  # Gemma's head dim: 32 output tiles
 ]
 
 
