@@ -17,6 +17,7 @@ import statistics
 from typing import Any
 
 from runtime.bench import runtime_side
+from runtime.bench.long_prompt import first_difference
 from runtime.bench.mlx_side import MlxLm
 from runtime.bench.report import table
 from runtime.bench.workloads import (
@@ -74,8 +75,8 @@ def divergence(prompt: list[int], ours: list[int], theirs: list[int], mlx: MlxLm
     """Where the runtime's greedy tokens first leave mlx-lm's, and mlx-lm's own logprob gap
     between the two tokens there (a near-tie is rounding; a wide gap, a bug); None if they
     agree, or if one side merely stopped first."""
-    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    if first is None:
+    first = first_difference(ours, theirs)
+    if first is None or first >= min(len(ours), len(theirs)):
         return None
     return {"position": first, "logprob_gap": mlx.logprob_gap(prompt + theirs[:first], theirs[first], ours[first])}
 

@@ -56,7 +56,8 @@ class StepTrace:
         finalize = self.timed("finalize", engine.finalize)
         build, submit = self.timed("build", engine.build), engine.submit
         times = self.times["submit"]
-        built_at: dict[int, tuple[str, tuple[int, int]]] = {}  # step id -> (what it holds, shapes before its build)
+        # step id -> (what it holds, its class for the step table, shapes before its build)
+        built_at: dict[int, tuple[str, str, tuple[int, int]]] = {}
         submitted: dict[int, tuple[float, str]] = {}  # step id -> (submit start, step class)
         last_done = [0.0]
 
@@ -74,17 +75,15 @@ class StepTrace:
             built = build(step)
             if len(built_at) > 64:
                 built_at.clear()  # steps whose submit never came (a failed build)
-            built_at[built.step_id] = (_describe(step), before)
-            if len(submitted) > 64:
-                submitted.clear()
-            submitted[built.step_id] = (0.0, _step_class(step))
+            built_at[built.step_id] = (_describe(step), _step_class(step), before)
             return built
 
         def timed_submit(built) -> None:
-            what, before = built_at.pop(built.step_id, ("?", engine.shapes_built))
+            what, kind, before = built_at.pop(built.step_id, ("?", "", engine.shapes_built))
             t0 = time.perf_counter()
-            if built.step_id in submitted:
-                submitted[built.step_id] = (t0, submitted[built.step_id][1])
+            if len(submitted) > 64:
+                submitted.clear()  # steps whose finalize never came (a failed step)
+            submitted[built.step_id] = (t0, kind)
             try:
                 return submit(built)
             finally:
@@ -132,9 +131,8 @@ class StepTrace:
 
 def _describe(step) -> str:
     """What a step holds, in a few words: its prefill chunks and decode rows."""
-    tokens = sum(len(c.token_ids) for c in step.prefills)
+    tokens, rows = _sizes(step)
     decode = step.decode
-    rows = len(decode.rows) if decode is not None else 0
     sampled = decode is not None and bool(decode.mask_rows or decode.deferred_rows or max(decode.temperatures, default=0.0) > 0)
     return (f"{len(step.prefills)} prefill chunks ({tokens} tokens), {rows} decode rows"
             + (" (sampled or masked)" if sampled else ""))
@@ -151,10 +149,14 @@ def _bucket(n: int, edges: tuple[int, ...]) -> str:
     return f">{edges[-1]}"
 
 
+def _sizes(step) -> tuple[int, int]:
+    """A step's prefill tokens and decode rows."""
+    return sum(len(c.token_ids) for c in step.prefills), len(step.decode.rows) if step.decode is not None else 0
+
+
 def _step_class(step) -> str:
     """A step's class for the step-time table: its prefill tokens and decode rows, bucketed."""
-    tokens = sum(len(c.token_ids) for c in step.prefills)
-    rows = len(step.decode.rows) if step.decode is not None else 0
+    tokens, rows = _sizes(step)
     return (f"prefill {_bucket(tokens, (256, 512, 1024, 2048)):>9s}, "
             f"decode {_bucket(rows, (1, 8, 16, 32, 64, 128)):>7s}")
 

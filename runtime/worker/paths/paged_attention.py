@@ -228,7 +228,7 @@ class PagedAttention:
         splits, warps = launch or launch_shape(b, n_kv, n_rep, d, 0)
         loop = self.loop_for(queries.dtype, n_rep, d)
         if loop == "mma":  # each warp stages 16 positions' V rows in shared memory
-            while warps > 1 and warps * 16 * (d + 8) * 2 > SHARED_BYTES:
+            while warps > 1 and warps * 16 * (d + 8) * queries.dtype.size > SHARED_BYTES:
                 warps //= 2
         blocks = b * n_kv
         appending = tail_shape is not None

@@ -201,8 +201,6 @@ MMA_WARP_OUT = """
 """
 
 
-
-
 def mma_loop_source(appending: bool) -> str:
     """The mma loop's source, reading the tail or (``appending``) the old tail and this step's K/V."""
     row = _MMA_ROW[appending]
