@@ -123,6 +123,13 @@ def test_parser_lists():
         build_parser().parse_args(["--synthetic", "tiny", "--workloads", "nope"])
 
 
+def test_parser_offers_every_synthetic_shape():
+    from runtime.bench.models import SHAPES
+
+    for shape in SHAPES:  # the 4-bit shapes too: a GPU plan item once asked for one the parser refused
+        assert build_parser().parse_args(["--synthetic", shape]).synthetic == shape
+
+
 def test_sampling_workload_reports_the_median_of_per_round_ratios():
     from runtime.bench.measure import StreamTiming
     from runtime.bench.sampling import Sampling
