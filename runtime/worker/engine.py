@@ -195,19 +195,24 @@ class Engine:
         """Run a step's prefill chunks, then build its decode (after the previous read-back).
 
         Each chunk is evaluated before the next is built: a later chunk's pool write would
-        otherwise find the pools held by the earlier chunk's graph and copy them whole.
+        otherwise find the pools held by the earlier chunk's graph and copy them whole. The
+        last one is not where the decode only appends to the tail (emptied by the flush here):
+        nothing after it writes the pools, so the host encodes the decode while the device
+        runs the prefill.
         """
         if launched.step is None or not launched.step.prefills:
             return
         self.paths.flush()
         groups = prefill_groups(launched.step.prefills, batchable=True, max_padding=self.max_padding,
                                 recurrent=self.aux_pool is not None)
-        for group in groups:
+        appends_only = self.paths.tail is not None
+        for i, group in enumerate(groups):
             if group[0].token_ids:
                 self._prefill_batch(group)
             else:
                 self._prefill(group[0])
-            mx.eval(self._written())
+            if i + 1 < len(groups) or not appends_only:
+                mx.eval(self._written())
         self._build_decode(launched)
 
     def _prefill_batch(self, group: list[PrefillChunk]) -> None:

@@ -6,6 +6,7 @@
 #   device call two (after .gpu/a/stash.sh), carry [".gpu/b", ".gpu/c", ".gpu/k"]:
 #     bash scripts/gpu/run_plan.sh 8b-first 8b-long kernel-32k
 #
+# An item may end in @nographs or @graphs (MLX's CUDA graphs off or on for that item).
 # Items run in the order given; the budget (default 560 s, the call's limit less a margin) is
 # shared: an item gets what is left. Set PLAN_BUDGET_S to change it.
 set -u
@@ -17,8 +18,8 @@ budget=${PLAN_BUDGET_S:-560}
 src=$(find runtime scripts -name '*.py' | sort | xargs cat | sha256sum | cut -c1-16)
 echo "sources sha256 $src, items: $*"
 
-run() {  # name, seconds at most, command...
-  local name=$1 limit=$2; shift 2
+run() {  # name, seconds at most, command... (the item's @tag, if any, names its log too)
+  local name=$1$tag limit=$2; shift 2
   local left=$(( budget - SECONDS - 15 ))
   (( left < limit )) && limit=$left
   if (( limit < 20 )); then echo "== $name: skipped, the budget is spent"; return; fi
@@ -30,6 +31,12 @@ run() {  # name, seconds at most, command...
 }
 
 for item in "$@"; do
+  # ITEM@nographs / ITEM@graphs: the same item with MLX's CUDA graphs off / on (MLX_USE_CUDA_GRAPHS)
+  tag=; unset MLX_USE_CUDA_GRAPHS
+  case $item in
+    *@nographs) item=${item%@*}; tag=-nographs; export MLX_USE_CUDA_GRAPHS=0 ;;
+    *@graphs) item=${item%@*}; tag=-graphs; export MLX_USE_CUDA_GRAPHS=1 ;;
+  esac
   case $item in
     kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
     long-prefill) run "$item" 300 python3 scripts/long_prefill_cost.py --shape llama-8b --context 32768 --chunk 2048 ;;
@@ -49,20 +56,20 @@ for item in "$@"; do
                   --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
                   python3 scripts/kernel_bench.py --rows 1 --context 32768 --no-trace --calls 2 ;;
     imports) run "$item" 60 bash -c "python3 -X importtime -c 'import mlx.core, runtime.worker.loader, runtime.worker.engine' 2>&1 | sort -t'|' -k2 -n | tail -30; python3 -c 'import sys, time; t = time.perf_counter(); import mlx.core; a = time.perf_counter(); import runtime.worker.loader; print(\"mlx.core %.2f s, loader %.2f s, torch imported: %s\" % (a - t, time.perf_counter() - a, \"torch\" in sys.modules))'" ;;
-    1b-paired) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads paired --pairs 5 --json "$OUT/$item.json" ;;
+    1b-paired) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads paired --pairs 5 --json "$OUT/$item$tag.json" ;;
     kernel-32k) run "$item" 120 python3 scripts/profile_decode.py --shape llama-8b --kernel 1,8 --context 32768 --modes "" ;;
-    8b-first) run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads first --pairs 1 --json "$OUT/$item.json" ;;
-    8b-long) run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads long --long-lens 32768 --json "$OUT/$item.json" ;;
-    8b-long-warm) run "$item" 400 python3 -m runtime.bench --synthetic llama-8b --workloads long --long-lens 32768 --long-warm --json "$OUT/$item.json" ;;
+    8b-first) run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads first --pairs 1 --json "$OUT/$item$tag.json" ;;
+    8b-long) run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads long --long-lens 32768 --json "$OUT/$item$tag.json" ;;
+    8b-long-warm) run "$item" 400 python3 -m runtime.bench --synthetic llama-8b --workloads long --long-lens 32768 --long-warm --json "$OUT/$item$tag.json" ;;
     8b-long-trace) RUNTIME_WORKER_TRACE="$OUT/8b-long-worker-trace" run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads long --long-lens 32768 ;;
-    8b-mixed) run "$item" 500 python3 -m runtime.bench --synthetic llama-8b --workloads mixed --mixed-rate 10 --json "$OUT/$item.json" ;;
-    8b-mixed-rt) run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads mixed --mixed-rate 10 --mixed-runtime-only --json "$OUT/$item.json" ;;
-    8b-mixed-rt-trace) RUNTIME_WORKER_TRACE="$OUT/8b-mixed-worker-trace" run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads mixed --mixed-rate 10 --mixed-runtime-only --json "$OUT/$item.json" ;;
-    8b-4bit-sweep) run "$item" 400 python3 -m runtime.bench --synthetic llama-8b-4bit --workloads sweep --concurrency 64 --json "$OUT/$item.json" ;;
-    8b-sweep) run "$item" 400 python3 -m runtime.bench --synthetic llama-8b --workloads sweep --concurrency 128 --json "$OUT/$item.json" ;;
-    1b-sweep) run "$item" 300 python3 -m runtime.bench --synthetic llama-1b --workloads sweep --concurrency 64,256 --json "$OUT/$item.json" ;;
-    1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item.json" ;;
-    1b-first) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads first --pairs 3 --json "$OUT/$item.json" ;;
+    8b-mixed) run "$item" 500 python3 -m runtime.bench --synthetic llama-8b --workloads mixed --mixed-rate 10 --json "$OUT/$item$tag.json" ;;
+    8b-mixed-rt) run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads mixed --mixed-rate 10 --mixed-runtime-only --json "$OUT/$item$tag.json" ;;
+    8b-mixed-rt-trace) RUNTIME_WORKER_TRACE="$OUT/8b-mixed-worker-trace$tag" run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads mixed --mixed-rate 10 --mixed-runtime-only --json "$OUT/$item$tag.json" ;;
+    8b-4bit-sweep) run "$item" 400 python3 -m runtime.bench --synthetic llama-8b-4bit --workloads sweep --concurrency 64 --json "$OUT/$item$tag.json" ;;
+    8b-sweep) run "$item" 400 python3 -m runtime.bench --synthetic llama-8b --workloads sweep --concurrency 128 --json "$OUT/$item$tag.json" ;;
+    1b-sweep) run "$item" 300 python3 -m runtime.bench --synthetic llama-1b --workloads sweep --concurrency 64,256 --json "$OUT/$item$tag.json" ;;
+    1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item$tag.json" ;;
+    1b-first) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads first --pairs 3 --json "$OUT/$item$tag.json" ;;
     pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py ;;
     *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel use-best-loop kernel-gpu kernel-gpu-mma kernel-ncu imports 1b-paired kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
   esac
@@ -70,4 +77,6 @@ done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then
   tar czf "$OUT/kernels.tgz" -C ~/.cache/runtime mlx-kernels && echo "kernel cache: $(du -h "$OUT/kernels.tgz" | cut -f1)"
 fi
-cat "$OUT"/8b-*-worker-trace.* 2>/dev/null | head -60
+for trace in "$OUT"/8b-*-worker-trace*; do
+  [ -f "$trace" ] && { echo "== $trace"; head -32 "$trace"; }
+done
