@@ -7,8 +7,9 @@ lanes of a warp through a barrier, ``__syncthreads`` waits on a block-wide one, 
 ``__shared__`` arrays are statics shared by the block's lanes. A split launch is followed by
 the COMBINE kernel, as on the GPU. The result is compared with a float64 numpy reference.
 
-This checks the kernels' arithmetic and indexing (slot table, tail, splits, warp and group
-merges, the appended tail's copy), not their speed or anything CUDA-specific about memory:
+The tensor-core loop's ``mma.sync``, ``__shfl_sync`` and ``__byte_perm`` are emulated with
+the PTX ISA's fragment layouts and CUDA's byte selection. This checks the kernels' arithmetic
+and indexing (slot table, tail, splits, warp and group merges, the appended tail's copy), not their speed or anything CUDA-specific about memory:
 coalescing, shared-memory banks, the memory model. Buffers come from ``std::vector`` (16-byte
 aligned), so the 16-byte load paths run wherever the kernels' alignment checks allow them.
 """
@@ -47,6 +48,7 @@ using std::min;
 #define __global__
 #define __shared__ static
 struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 struct bf16 {  // CUDA's __nv_bfloat16 conversions: round to nearest even (inputs are finite)
     unsigned short bits;
@@ -68,6 +70,20 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     shuffle_slots[warp][lane] = v;
     warp_barriers[warp]->arrive_and_wait();
     return shuffle_slots[warp][lane ^ lane_mask];
+}
+inline float __shfl_sync(unsigned, float v, int src_lane) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    warp_barriers[warp]->arrive_and_wait();
+    shuffle_slots[warp][lane] = v;
+    warp_barriers[warp]->arrive_and_wait();
+    return shuffle_slots[warp][src_lane % 32];
+}
+// Result byte n is byte (selector nibble n, low 3 bits) of y:x (x the low four bytes).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long bytes = (unsigned long long)y << 32 | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; ++n) r |= unsigned((bytes >> (8 * ((s >> (4 * n)) & 7))) & 0xff) << (8 * n);
+    return r;
 }
 """
 
@@ -103,18 +119,6 @@ inline void mma16816(float* c, const unsigned* a, const unsigned* b, const bf16*
         float sum = 0.f;
         for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
         c[i] += sum;
-    }
-}
-const void* ldsm_rows[64][32];
-inline void ldsm_x4_trans(unsigned* r, const void* row) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    warp_barriers[warp]->arrive_and_wait();
-    ldsm_rows[warp][lane] = row;
-    warp_barriers[warp]->arrive_and_wait();
-    for (int m = 0; m < 4; ++m) {
-        const unsigned short* lo = static_cast<const unsigned short*>(ldsm_rows[warp][m * 8 + 2 * (lane % 4)]);
-        const unsigned short* hi = static_cast<const unsigned short*>(ldsm_rows[warp][m * 8 + 2 * (lane % 4) + 1]);
-        r[m] = unsigned(lo[lane / 4]) | (unsigned(hi[lane / 4]) << 16);
     }
 }
 inline unsigned pack2(float lo, float hi, const bf16*) { return unsigned(bf16(lo).bits) | (unsigned(bf16(hi).bits) << 16); }

@@ -58,12 +58,38 @@ def test_a_wrong_softmax_is_caught() -> None:
     assert err > 100 * TOLERANCE["float"]
 
 
+@pytest.mark.parametrize(("head_dim", "n_rep"), [(128, 1), (128, 4), (64, 8), (96, 2)])
+def test_the_mma_loop_over_many_passes_matches_the_reference(head_dim: int, n_rep: int) -> None:
+    # About 30 passes a warp: each pass rescales the output kept from the ones before.
+    err, tail_exact = run_paged_kernel("mma", True, 1, dtype="bf16", head_dim=head_dim, n_rep=n_rep, warps=2,
+                                       context=1000)
+    assert err < TOLERANCE["bf16"] and tail_exact
+
+
+def test_a_wrong_rescale_in_the_mma_loop_is_caught() -> None:
+    def other_head(source: str) -> str:  # head 2 q4 rescaled by head 2 q4 + 1's factor
+        old = "__shfl_sync(0xffffffff, corr, 8 * q4);"
+        assert old in source
+        return source.replace(old, "__shfl_sync(0xffffffff, corr, 8 * q4 + 4);")
+
+    err, _ = run_paged_kernel("mma", True, 1, dtype="bf16", n_rep=4, warps=2, context=1000, edit=other_head)
+    assert err > 5 * TOLERANCE["bf16"]
+
 
 def test_a_wrong_mma_fragment_is_caught() -> None:
     def swapped(source: str) -> str:
-        old = "mma16816(oacc[nt + 1], pa, vb + 2, (const T*)nullptr);"
-        assert old in source  # the second n-tile's product with the first one's V fragments
-        return source.replace(old, "mma16816(oacc[nt + 1], pa, vb, (const T*)nullptr);")
+        old = "__byte_perm(vw[2][mt], vw[3][mt], 0x5410), __byte_perm(vw[2][mt], vw[3][mt], 0x7632)"
+        assert old in source  # V^T's fragment of positions 8-15: dims vdim and vdim + 1 exchanged
+        return source.replace(old, "__byte_perm(vw[2][mt], vw[3][mt], 0x7632), __byte_perm(vw[2][mt], vw[3][mt], 0x5410)")
 
     err, _ = run_paged_kernel("mma", False, 1, dtype="bf16", n_rep=4, context=200, edit=swapped)
-    assert err > 10 * TOLERANCE["bf16"]  # values of the wrong positions: far off (about 1.3)
+    assert err > 10 * TOLERANCE["bf16"]
+
+
+def test_the_mma_loop_without_aligned_pointers_matches_the_reference() -> None:
+    def unaligned(source: str) -> str:  # the element-by-element loads a misaligned buffer takes
+        assert "const bool aligned = " in source
+        return source.replace("const bool aligned = ", "const bool aligned = false && ")
+
+    err, _ = run_paged_kernel("mma", True, 3, dtype="bf16", n_rep=4, head_dim=96, context=200, edit=unaligned)
+    assert err < TOLERANCE["bf16"]

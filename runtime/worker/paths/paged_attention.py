@@ -227,9 +227,6 @@ class PagedAttention:
         n_rep = n_q // n_kv
         splits, warps = launch or launch_shape(b, n_kv, n_rep, d, 0)
         loop = self.loop_for(queries.dtype, n_rep, d)
-        if loop == "mma":  # each warp stages 16 positions' V rows in shared memory
-            while warps > 1 and warps * 16 * (d + 8) * queries.dtype.size > SHARED_BYTES:
-                warps //= 2
         blocks = b * n_kv
         appending = tail_shape is not None
         tails = [tail_shape, tail_shape] if tail_shape is not None else []

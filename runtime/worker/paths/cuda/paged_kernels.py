@@ -11,7 +11,7 @@ custom kernels in memory only).
 from __future__ import annotations
 
 from runtime.worker.paths.cuda.paged_loops import loop_source
-from runtime.worker.paths.cuda.paged_mma import LOAD2, MMA, MMA_WARP_OUT, RAW2
+from runtime.worker.paths.cuda.paged_mma import LOAD_CHUNK, MMA, MMA_WARP_OUT, RAW2
 
 # One block per (row, KV head, split). A warp works on 32 / GL positions at once: each
 # group of GL lanes holds one position's K/V row (PER = D / GL elements per lane, loaded as
@@ -88,7 +88,7 @@ struct KVRow {
 };
 """
 
-HEADER = MMA + RAW2 + LOAD2 + HEADER
+HEADER = MMA + RAW2 + LOAD_CHUNK + HEADER
 
 _PROLOGUE = """
     constexpr int PER = D / GL;

@@ -1,12 +1,22 @@
 """CUDA sources of the paged decode kernel's tensor-core loop (``mma``) and its helpers.
 
 The loop (sm_80 and later, 2-byte K/V, head dims of 16s, up to 8 query heads per KV head)
-takes 16 positions a warp at a time: the GQA group's scores are two m16n8k16 tiles (rows:
-query heads, 8 of 16 used at most; columns: 8 positions each, K read from the pool as B
-fragments), whose C registers are then the A fragment of P for ``O += P V``, V's B fragments
-loaded from a per-warp shared-memory tile by ``ldmatrix.trans``. P is rounded to the K/V
-dtype for its product, as cuDNN's and FlashAttention's are. ``tests/cuda_sim.py`` emulates
-``mma.sync`` and ``ldmatrix`` with the PTX ISA's fragment layouts.
+takes 16 positions a warp at a time, every K/V element read once, straight from the pool into
+registers by 16-byte loads (no shared memory):
+
+* scores S = Q K^T as two m16n8k16 tiles (rows: the GQA group's query heads, 8 of 16 used
+  at most; columns: 8 positions each). The k axis (head dims) is permuted the same way for Q
+  and K, so a lane's B fragments of K are whole 16-byte pieces of its position's row;
+* the output as O^T = V^T P^T (rows: 16 head dims a tile, columns: the 8 query heads): the
+  score tiles' C registers are P^T's B fragment as they lie, and V^T's A fragments are pairs
+  of positions at one dim, made from two rows' words by ``__byte_perm``. The output's dims are
+  permuted too (``vdim``) so that each lane's V loads are whole 16-byte pieces.
+
+P is rounded to the K/V dtype for its product, as cuDNN's and FlashAttention's are. The
+session-19 loop of the same name (K by 4-byte loads, V through a shared-memory tile and
+``ldmatrix.trans``) was correct on an H200 but 1.8x slower than ``pipelined`` (168 against
+95 us at 1 x 32k). ``tests/cuda_sim.py`` emulates ``mma.sync`` with the PTX ISA's fragment
+layouts, and ``__byte_perm`` / ``__shfl_sync``.
 """
 
 from __future__ import annotations
@@ -26,16 +36,6 @@ __device__ inline void mma16816(float* c, const unsigned* a, const unsigned* b, 
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// Four 8x8 tiles of 2-byte elements from shared memory, transposed: lanes 8m..8m+7 give the
-// addresses of tile m's rows; lane L gets tile m's (rows 2 (L % 4), 2 (L % 4) + 1; column L / 4)
-// in r[m], an mma B fragment when the tile's rows are k.
-template <int UNUSED = 0>
-__device__ inline void ldsm_x4_trans(unsigned* r, const void* row) {
-    unsigned addr;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(row));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
 }
 template <int UNUSED = 0>
 __device__ inline unsigned pack2(float lo, float hi, const __nv_bfloat16*) {
@@ -58,12 +58,27 @@ __device__ inline unsigned raw2(const T& lo, const T& hi) {
 }
 """
 
-# Two adjacent elements as one register: one 4-byte load where aligned.
-LOAD2 = """
-template <typename T>
-__device__ inline unsigned load2(const T* p) {
-    if ((reinterpret_cast<size_t>(p) & 3) == 0) return *reinterpret_cast<const unsigned*>(p);
-    return raw2(p[0], p[1]);
+# C adjacent 32-bit words of 2-byte elements from p (4 C-byte aligned where ``aligned``: one
+# 16-, 8- or 4-byte load; else element by element).
+LOAD_CHUNK = """
+template <int C, typename T>
+__device__ inline void load_chunk(const T* p, unsigned* w, bool aligned) {
+    if (aligned && C == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        w[0] = v.x;
+        w[C > 1 ? 1 : 0] = v.y;
+        w[C > 2 ? 2 : 0] = v.z;
+        w[C > 3 ? 3 : 0] = v.w;
+    } else if (aligned && C == 2) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        w[0] = v.x;
+        w[C > 1 ? 1 : 0] = v.y;
+    } else if (aligned) {
+        w[0] = *reinterpret_cast<const unsigned*>(p);
+    } else {
+#pragma unroll
+        for (int c = 0; c < C; ++c) w[c] = raw2(p[2 * c], p[2 * c + 1]);
+    }
 }
 """
 
@@ -78,63 +93,57 @@ _MMA_ROW = {
 _MMA_LOOP = """
     static_assert(D % 16 == 0 && NREP <= 8, "the mma loop takes head dims of 16s and at most 8 query heads");
     constexpr int KS = D / 16;  // k-steps of the score product
-    constexpr int NT = D / 8;  // n-tiles of the output
-    constexpr int VROW = D + 8;  // a staged V row in elements: 16 bytes of padding against bank conflicts
+    constexpr int KW = D / 8;  // words of a K (and Q) row a lane holds: two a k-step
+    constexpr int MT = D / 16;  // m-tiles (16 dims) of the output; a lane holds word mt of a V row for tile mt
+    constexpr int CK = KW % 4 == 0 ? 4 : KW % 2 == 0 ? 2 : 1;  // words per K load
+    constexpr int CV = MT % 4 == 0 ? 4 : MT % 2 == 0 ? 2 : 1;  // words per V load
     constexpr int STRIDE = NWARPS * 16;
-    constexpr int VBYTES = NWARPS * 16 * VROW * (int)sizeof(T);
-    constexpr int ABYTES = NWARPS * NREP * D * 4;
-    __shared__ uint4 mma_smem[((VBYTES > ABYTES ? VBYTES : ABYTES) + 15) / 16];  // V tiles; sm_acc after
-    T (&vtile)[NWARPS][16][VROW] = *reinterpret_cast<T (*)[NWARPS][16][VROW]>(mma_smem);
-    const int g = lane / 4;  // the lane's query head (fragment row) and K position within a tile
+    const int g = lane / 4;  // fragment row / column group
     const int q4 = lane % 4;
-    const bool head = g < NREP;
-    unsigned qa[KS][2];  // Q's A fragments, row g: dims ks * 16 + 2 * q4 (+1) and 8 more
+    // A lane's K / Q word w holds dims kdim(w), +1 (lanes q4 = 0..3 side by side in each load);
+    // its V word mt holds dims vdim(mt), +1 (lanes g = 0..7 side by side), output tile mt's rows g, g + 8.
+#define KDIM(w) (((w) / CK) * 8 * CK + q4 * 2 * CK + 2 * ((w) % CK))
+#define VDIM(w) (((w) / CV) * 16 * CV + g * 2 * CV + 2 * ((w) % CV))
+    const bool aligned = ((reinterpret_cast<size_t>(keys) | reinterpret_cast<size_t>(values) |
+                           reinterpret_cast<size_t>(tail_keys) | reinterpret_cast<size_t>(tail_values){NEW_PTRS}) & 15) == 0;
+    unsigned qa[KW];  // Q's A fragments, row (query head) g
     {
-        const T* qrow = queries + ((size_t)bh * NREP + (head ? g : 0)) * D;
+        const T* qrow = queries + ((size_t)bh * NREP + (g < NREP ? g : 0)) * D;
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            qa[ks][0] = head ? load2(qrow + ks * 16 + 2 * q4) : 0u;
-            qa[ks][1] = head ? load2(qrow + ks * 16 + 8 + 2 * q4) : 0u;
-        }
+        for (int w = 0; w < KW; ++w) qa[w] = g < NREP ? raw2(qrow[KDIM(w)], qrow[KDIM(w) + 1]) : 0u;
     }
     float om = -INFINITY;  // head g's running max and sum
     float ol = 0.f;
-    float oacc[NT][4];  // O fragments: row g, dims nt * 8 + 2 * q4 (+1); [2], [3] are rows g + 8 (unused)
+    float oacc[MT][4];  // O^T's C fragments: dims vdim(mt) ([0], [1]) and vdim(mt) + 1 ([2], [3]) of heads 2 q4 and 2 q4 + 1
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) oacc[nt][0] = oacc[nt][1] = oacc[nt][2] = oacc[nt][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt) oacc[mt][0] = oacc[mt][1] = oacc[mt][2] = oacc[mt][3] = 0.f;
+    const T* kpad = keys + (size_t)h * D;  // positions past the end read slot 0 (finite), weighted 0
+    const T* vpad = values + (size_t)h * D;
     for (int t0 = tbegin + warp * 16; t0 < tend; t0 += STRIDE) {
-        {  // this pass's V rows into the warp's tile: two lanes a position, half a row each
-            const int p = lane / 2;
-            const int t = t0 + p;
-            T* dst = &vtile[warp][p][(lane % 2) * (D / 2)];
-            if (t < tend) {
-                const T* src = {V_ROW} + (lane % 2) * (D / 2);
-                if ((D / 2 * (int)sizeof(T)) % 16 == 0 && (reinterpret_cast<size_t>(src) & 15) == 0) {
+        unsigned kw[2][KW];  // K rows of positions t0 + g and t0 + 8 + g
+        unsigned vw[4][MT];  // V rows of positions t0 + 2 q4, + 1, t0 + 8 + 2 q4, + 1
 #pragma unroll
-                    for (int i = 0; i < D / 2 * (int)sizeof(T) / 16; ++i)
-                        reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-                } else {
+        for (int j = 0; j < 2; ++j) {
+            const int t = t0 + j * 8 + g;
+            const T* krow = t < tend ? {K_ROW} : kpad;
 #pragma unroll
-                    for (int i = 0; i < D / 2; ++i) dst[i] = src[i];
-                }
-            } else {
+            for (int i = 0; i < KW / CK; ++i) load_chunk<CK>(krow + KDIM(i * CK), &kw[j][i * CK], aligned);
+        }
 #pragma unroll
-                for (int i = 0; i < D / 2; ++i) dst[i] = static_cast<T>(0.f);
-            }
+        for (int p = 0; p < 4; ++p) {
+            const int t = t0 + (p / 2) * 8 + 2 * q4 + p % 2;
+            const T* vrow = t < tend ? {V_ROW} : vpad;
+#pragma unroll
+            for (int i = 0; i < MT / CV; ++i) load_chunk<CV>(vrow + VDIM(i * CV), &vw[p][i * CV], aligned);
         }
         float st[2][4];  // score tiles: row g, positions t0 + j * 8 + 2 * q4 (+1)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-            const int t = t0 + j * 8 + g;
-            const T* krow = t < tend ? {K_ROW} : nullptr;
             st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.f;
 #pragma unroll
             for (int ks = 0; ks < KS; ++ks) {
-                unsigned kb[2];
-                kb[0] = krow ? load2(krow + ks * 16 + 2 * q4) : 0u;
-                kb[1] = krow ? load2(krow + ks * 16 + 8 + 2 * q4) : 0u;
-                const unsigned a[4] = {qa[ks][0], 0u, qa[ks][1], 0u};
-                mma16816(st[j], a, kb, (const T*)nullptr);
+                const unsigned a[4] = {qa[2 * ks], 0u, qa[2 * ks + 1], 0u};
+                mma16816(st[j], a, &kw[j][2 * ks], (const T*)nullptr);
             }
         }
         float sv[4];
@@ -161,47 +170,51 @@ _MMA_LOOP = """
         ps += __shfl_xor_sync(0xffffffff, ps, 2);
         ol = ol * corr + ps;
         om = mn;
-        const unsigned pa[4] = {pack2(pv[0], pv[1], (const T*)nullptr), 0u, pack2(pv[2], pv[3], (const T*)nullptr), 0u};
-        __syncwarp();  // the V tile is written
+        // P^T's B fragment (rows: positions 2 q4, + 1 and 8 + 2 q4, + 1; column: head g).
+        const unsigned pb[2] = {pack2(pv[0], pv[1], (const T*)nullptr), pack2(pv[2], pv[3], (const T*)nullptr)};
+        const float c0 = __shfl_sync(0xffffffff, corr, 8 * q4);  // the rescale of head 2 q4 (lanes of group 2 q4)
+        const float c1 = __shfl_sync(0xffffffff, corr, 8 * q4 + 4);  // and of head 2 q4 + 1
 #pragma unroll
-        for (int nt = 0; nt < NT; nt += 2) {
-            // V's B fragments of n-tiles nt and nt + 1: tiles (positions 0-7 | 8-15) x (dims of nt | nt + 1)
-            unsigned vb[4];
-            const int m = lane / 8;
-            ldsm_x4_trans(vb, &vtile[warp][(m % 2) * 8 + lane % 8][(nt + m / 2) * 8]);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                oacc[nt][e] *= corr;
-                oacc[nt + 1][e] *= corr;
-            }
-            mma16816(oacc[nt], pa, vb, (const T*)nullptr);
-            mma16816(oacc[nt + 1], pa, vb + 2, (const T*)nullptr);
+        for (int mt = 0; mt < MT; ++mt) {
+            // V^T's A fragment: rows vdim(mt) (low halves) and + 1 (high halves), columns the positions
+            const unsigned va[4] = {__byte_perm(vw[0][mt], vw[1][mt], 0x5410), __byte_perm(vw[0][mt], vw[1][mt], 0x7632),
+                                    __byte_perm(vw[2][mt], vw[3][mt], 0x5410), __byte_perm(vw[2][mt], vw[3][mt], 0x7632)};
+            oacc[mt][0] *= c0;
+            oacc[mt][2] *= c0;
+            oacc[mt][1] *= c1;
+            oacc[mt][3] *= c1;
+            mma16816(oacc[mt], va, pb, (const T*)nullptr);
         }
-        __syncwarp();  // the V tile is read before the next pass writes it
     }
 """
 
-# The mma loop's results into the block merge's shared memory (reusing the V tiles' memory).
+# The mma loop's results into the block merge's shared memory.
 MMA_WARP_OUT = """
     __shared__ float sm_m[NWARPS][NREP];
     __shared__ float sm_l[NWARPS][NREP];
-    __syncthreads();  // every warp is done with its V tile, whose memory holds sm_acc now
-    float (&sm_acc)[NWARPS][NREP][D] = *reinterpret_cast<float (*)[NWARPS][NREP][D]>(mma_smem);
-    if (head) {
-        if (q4 == 0) {
-            sm_m[warp][g] = om;
-            sm_l[warp][g] = ol;
-        }
+    __shared__ float sm_acc[NWARPS][NREP][D];
+    if (q4 == 0 && g < NREP) {
+        sm_m[warp][g] = om;
+        sm_l[warp][g] = ol;
+    }
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            sm_acc[warp][g][nt * 8 + 2 * q4] = oacc[nt][0];
-            sm_acc[warp][g][nt * 8 + 2 * q4 + 1] = oacc[nt][1];
+    for (int r = 0; r < 2; ++r) {
+        if (2 * q4 + r < NREP) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                sm_acc[warp][2 * q4 + r][VDIM(mt)] = oacc[mt][r];
+                sm_acc[warp][2 * q4 + r][VDIM(mt) + 1] = oacc[mt][2 + r];
+            }
         }
     }
+#undef KDIM
+#undef VDIM
 """
 
 
 def mma_loop_source(appending: bool) -> str:
     """The mma loop's source, reading the tail or (``appending``) the old tail and this step's K/V."""
     row = _MMA_ROW[appending]
-    return _MMA_LOOP.replace("{V_ROW}", row.replace("{KV}", "values")).replace("{K_ROW}", row.replace("{KV}", "keys"))
+    new = " | reinterpret_cast<size_t>(new_keys) | reinterpret_cast<size_t>(new_values)" if appending else ""
+    return (_MMA_LOOP.replace("{V_ROW}", row.replace("{KV}", "values")).replace("{K_ROW}", row.replace("{KV}", "keys"))
+            .replace("{NEW_PTRS}", new))
