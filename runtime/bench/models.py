@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -277,6 +278,12 @@ def synthetic_model(
     total = write_weights(folder, cfg, seed=seed, log=log)
     marker.write_text(json.dumps({"format": FORMAT_VERSION, "config": cfg, "bytes": total}))
     mx.clear_cache()  # give the drawing buffers back before services start on the same device
+    # The page cache's write-back of a new folder (16 GB for the 8B) would otherwise compete
+    # with the timed runs for the host: in session 20's GPU A/Bs the run right after a model
+    # write was the slower one both times (the likely cause, not a proven one).
+    if log is not None:
+        log(f"flushing {total / 1e9:.1f} GB to disk before timing")
+    os.sync()
     return folder
 
 
