@@ -82,7 +82,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--cases", default="1x32768,1x8192,1x2048,8x4096,64x512,64x2048,128x768,256x512")
     p.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head dim")
-    p.add_argument("--variants", default="classic:1,pipelined:1,mma:1", help="loop:unroll, ...")
+    p.add_argument("--variants", default="classic:1,pipelined:1,mma:1,mma_ahead:1", help="loop:unroll, ...")
     p.add_argument("--sweep", default="32,64x4,8,16", help="splits x warps tried on the first case")
     p.add_argument("--warps", default="4,8,16", help="warps tried at every case's default splits")
     p.add_argument("--calls", type=int, default=32)

@@ -38,7 +38,7 @@ def _case(rows: int, n_q: int, n_kv: int, d: int, context: int, tail: int, seed:
     return pool_args, (tail_k, tail_v, new_k, new_v), lengths
 
 
-@pytest.mark.parametrize(("loop", "unroll"), [("pipelined", 1), ("classic", 1), ("mma", 1)])
+@pytest.mark.parametrize(("loop", "unroll"), [("pipelined", 1), ("classic", 1), ("mma", 1), ("mma_ahead", 1)])
 @pytest.mark.parametrize(("n_q", "n_kv", "d"), [(32, 8, 64), (32, 8, 128), (16, 2, 128), (8, 8, 64), (16, 4, 96)])
 def test_the_appending_kernel_equals_reading_a_concatenated_tail(n_q, n_kv, d, loop, unroll):
     attention = PagedAttention(True, loop=loop, unroll=unroll)

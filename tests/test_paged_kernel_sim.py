@@ -35,6 +35,9 @@ CASES = [
     ("mma", False, 3, "bf16", 1, 96, 2, 2),
     ("mma", True, 3, "bf16", 1, 64, 1, 8),
     ("mma", True, 3, "bf16", 1, 256, 2, 2),  # Gemma's head dim: 32 output tiles
+    ("mma_ahead", False, 1, "bf16", 1, 128, 4, 4),
+    ("mma_ahead", True, 3, "bf16", 1, 96, 2, 2),
+    ("mma_ahead", True, 1, "bf16", 1, 64, 8, 2),
 ]
 
 
@@ -58,12 +61,15 @@ def test_a_wrong_softmax_is_caught() -> None:
     assert err > 100 * TOLERANCE["float"]
 
 
-@pytest.mark.parametrize(("head_dim", "n_rep"), [(128, 1), (128, 4), (64, 8), (96, 2)])
-def test_the_mma_loop_over_many_passes_matches_the_reference(head_dim: int, n_rep: int) -> None:
-    # About 30 passes a warp: each pass rescales the output kept from the ones before.
-    err, tail_exact = run_paged_kernel("mma", True, 1, dtype="bf16", head_dim=head_dim, n_rep=n_rep, warps=2,
-                                       context=1000)
-    assert err < TOLERANCE["bf16"] and tail_exact
+@pytest.mark.parametrize(("loop", "head_dim", "n_rep"),
+                         [("mma", 128, 1), ("mma", 128, 4), ("mma", 64, 8), ("mma", 96, 2), ("mma_ahead", 128, 4),
+                          ("mma_ahead", 96, 8)])
+def test_the_mma_loops_over_many_passes_match_the_reference(loop: str, head_dim: int, n_rep: int) -> None:
+    # About 30 passes a warp (odd and even counts): each rescales the output kept from the ones before.
+    for context in (1000, 1016):
+        err, tail_exact = run_paged_kernel(loop, True, 1, dtype="bf16", head_dim=head_dim, n_rep=n_rep, warps=2,
+                                           context=context)
+        assert err < TOLERANCE["bf16"] and tail_exact, f"context {context}: error {err:.3g}"
 
 
 def test_a_wrong_rescale_in_the_mma_loop_is_caught() -> None:

@@ -50,8 +50,9 @@ for item in "$@"; do
                                           python3 scripts/kernel_bench.py --rows 1,8 --context 32768 --calls 20 --scatter &&
                                           python3 scripts/kernel_bench.py --rows 1,64 --context 2048 --calls 20 &&
                                           python3 scripts/kernel_bench.py --rows 1 --context 32768 --calls 20 --sweep 8,16,32,64,128x4,8,16" ;;
-    kernel-gpu-mma) run "$item" 120 bash -c "python3 scripts/kernel_bench.py --loop mma --rows 1,8,64 --context 32768 --calls 20 &&
-                                              python3 scripts/kernel_bench.py --loop mma --rows 1,64 --context 2048 --calls 20" ;;
+    kernel-gpu-mma) run "$item" 150 bash -c "for loop in mma mma_ahead; do
+                                                python3 scripts/kernel_bench.py --loop \$loop --rows 1,8,64 --context 32768 --calls 20 &&
+                                                python3 scripts/kernel_bench.py --loop \$loop --rows 1,64 --context 2048 --calls 20; done" ;;
     kernel-ncu) run "$item" 150 ncu --clock-control none --kernel-name regex:paged -c 1 --section SpeedOfLight \
                   --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
                   python3 scripts/kernel_bench.py --rows 1 --context 32768 --no-trace --calls 2 ;;

@@ -23,13 +23,15 @@ from runtime.worker.paths.cuda.paged_kernels import (
     WRITE_PARTIAL,
     body,
 )
+from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS
 from runtime.worker.paths.decode_plan import bucket_lengths
 from runtime.worker.pools.kv_pool import KVPool
 
 UNROLL = 1  # positions per lane group and warp pass: more costs registers, hence occupancy (1 measured best)
 # The kernel's loop (``paged_kernels.body``): "classic" (one warp pass of K/V in flight),
 # "pipelined" (the next pass's loads issued first: 10-15% faster than classic on an H200 at
-# 1-256 rows, scripts/paged_kernel_ab.py).
+# 1-256 rows, scripts/paged_kernel_ab.py), "mma" / "mma_ahead" (tensor cores; not measured
+# in their current form yet).
 LOOP = "pipelined"
 MAX_WARPS = 16  # a block of few (row, KV head) pairs: its warps are the kernel's only parallelism
 SHARED_BYTES = 40 * 1024  # the per-warp partial results live in static shared memory (48 KiB max)
@@ -192,10 +194,10 @@ class PagedAttention:
         return scale_arr
 
     def loop_for(self, dtype: mx.Dtype, n_rep: int, head_dim: int) -> str:
-        """The loop kernels of this shape use: ``mma`` needs tensor cores for its dtype (2-byte
-        K/V, sm_80 or later), head dims of 16s and at most 8 query heads per KV head."""
-        if self.loop != "mma" or (dtype in (mx.bfloat16, mx.float16) and head_dim % 16 == 0 and n_rep <= 8
-                                  and _tensor_cores()):
+        """The loop kernels of this shape use: the mma loops need tensor cores for their dtype
+        (2-byte K/V, sm_80 or later), head dims of 16s and at most 8 query heads per KV head."""
+        if self.loop not in MMA_LOOPS or (dtype in (mx.bfloat16, mx.float16) and head_dim % 16 == 0
+                                          and n_rep <= 8 and _tensor_cores()):
             return self.loop
         return "pipelined"
 

@@ -11,7 +11,13 @@ custom kernels in memory only).
 from __future__ import annotations
 
 from runtime.worker.paths.cuda.paged_loops import loop_source
-from runtime.worker.paths.cuda.paged_mma import LOAD_CHUNK, MMA, MMA_WARP_OUT, RAW2
+from runtime.worker.paths.cuda.paged_mma import (
+    LOAD_CHUNK,
+    MMA,
+    MMA_LOOPS,
+    MMA_WARP_OUT,
+    RAW2,
+)
 
 # One block per (row, KV head, split). A warp works on 32 / GL positions at once: each
 # group of GL lanes holds one position's K/V row (PER = D / GL elements per lane, loaded as
@@ -270,12 +276,12 @@ _APPEND_COPY = """
 
 def body(appending: bool, loop: str = "pipelined") -> str:
     """The kernel body up to its write-out, reading a separate tail or appending to it, with
-    ``loop`` (``paged_loops.loop_source``: classic, pipelined or mma)."""
+    ``loop`` (``paged_loops.loop_source``: classic, pipelined, mma or mma_ahead)."""
     if appending:
         parts = {"{TAIL_LENGTH}": _APPEND_LENGTH, "{TAIL_COPY}": _APPEND_COPY}
     else:
         parts = {"{TAIL_LENGTH}": _TAIL_LENGTH, "{TAIL_COPY}": ""}
-    warp_out = MMA_WARP_OUT if loop == "mma" else _GROUP_MERGE
+    warp_out = MMA_WARP_OUT if loop in MMA_LOOPS else _GROUP_MERGE
     source = _PROLOGUE + loop_source(loop, appending) + warp_out + _BLOCK_MERGE
     for marker, text in parts.items():
         source = source.replace(marker, text)

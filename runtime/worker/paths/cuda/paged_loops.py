@@ -9,7 +9,8 @@ sum ``l`` and accumulator ``acc`` for the epilogue:
   pass (10-17% faster than classic on an H200); its register copy of the prefetched pass at
   the end of each iteration waits for those loads, so it keeps about one pass in flight;
 * ``mma``: tensor cores, 16 positions a warp at a time (``paged_mma``; it leaves its results
-  in the block merge's shared memory itself).
+  in the block merge's shared memory itself); ``mma_ahead`` the same with the next pass's
+  loads issued before this pass is computed.
 
 Ring loops (N buffers taken in turn, unrolled, N - 1 passes ahead) were measured on an H200 in
 session 19 and removed: no faster than ``pipelined`` at any size (ring3 at 1 x 32k: 161 against
@@ -20,7 +21,7 @@ session 19 and removed: no faster than ``pipelined`` at any size (ring3 at 1 x 3
 
 from __future__ import annotations
 
-from runtime.worker.paths.cuda.paged_mma import mma_loop_source
+from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS, mma_loop_source
 
 # Every loop's first lines: the warp's first position and the table's slots of its first pass.
 _LOOP_START = """
@@ -189,6 +190,6 @@ def loop_source(loop: str, appending: bool) -> str:
                 .replace("{FETCH_FIRST}", fetch.replace("T0", "tfirst").replace("DST", "cur"))
                 .replace("{FETCH_NEXT}", fetch.replace("T0", "(t0 + STRIDE)").replace("DST", "nxt"))
                 .replace("{COMPUTE}", _PASS.replace("CUR", "cur").replace("T0", "t0")))
-    if loop == "mma":
-        return mma_loop_source(appending)
+    if loop in MMA_LOOPS:
+        return mma_loop_source(appending, loop)
     raise ValueError(f"unknown paged kernel loop {loop!r}")

@@ -90,7 +90,7 @@ _MMA_ROW = {
           " : new_{KV} + (size_t)bh * D)",
 }
 
-_MMA_LOOP = """
+_MMA_PROLOGUE = """
     static_assert(D % 16 == 0 && NREP <= 8, "the mma loop takes head dims of 16s and at most 8 query heads");
     constexpr int KS = D / 16;  // k-steps of the score product
     constexpr int KW = D / 8;  // words of a K (and Q) row a lane holds: two a k-step
@@ -119,38 +119,44 @@ _MMA_LOOP = """
     for (int mt = 0; mt < MT; ++mt) oacc[mt][0] = oacc[mt][1] = oacc[mt][2] = oacc[mt][3] = 0.f;
     const T* kpad = keys + (size_t)h * D;  // positions past the end read slot 0 (finite), weighted 0
     const T* vpad = values + (size_t)h * D;
-    for (int t0 = tbegin + warp * 16; t0 < tend; t0 += STRIDE) {
-        unsigned kw[2][KW];  // K rows of positions t0 + g and t0 + 8 + g
-        unsigned vw[4][MT];  // V rows of positions t0 + 2 q4, + 1, t0 + 8 + 2 q4, + 1
+"""
+
+# One pass's loads: the K rows of positions T0 + g and T0 + 8 + g into KW_[2][KW], the V rows of
+# positions T0 + 2 q4, + 1, T0 + 8 + 2 q4, + 1 into VW_[4][MT].
+_MMA_LOAD = """
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-            const int t = t0 + j * 8 + g;
+            const int t = T0 + j * 8 + g;
             const T* krow = t < tend ? {K_ROW} : kpad;
 #pragma unroll
-            for (int i = 0; i < KW / CK; ++i) load_chunk<CK>(krow + KDIM(i * CK), &kw[j][i * CK], aligned);
+            for (int i = 0; i < KW / CK; ++i) load_chunk<CK>(krow + KDIM(i * CK), &KW_[j][i * CK], aligned);
         }
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
-            const int t = t0 + (p / 2) * 8 + 2 * q4 + p % 2;
+            const int t = T0 + (p / 2) * 8 + 2 * q4 + p % 2;
             const T* vrow = t < tend ? {V_ROW} : vpad;
 #pragma unroll
-            for (int i = 0; i < MT / CV; ++i) load_chunk<CV>(vrow + VDIM(i * CV), &vw[p][i * CV], aligned);
+            for (int i = 0; i < MT / CV; ++i) load_chunk<CV>(vrow + VDIM(i * CV), &VW_[p][i * CV], aligned);
         }
-        float st[2][4];  // score tiles: row g, positions t0 + j * 8 + 2 * q4 (+1)
+"""
+
+# One pass's scores, online softmax and output update, from KW_ / VW_ loaded for T0.
+_MMA_COMPUTE = """
+        float st[2][4];  // score tiles: row g, positions T0 + j * 8 + 2 * q4 (+1)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
             st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.f;
 #pragma unroll
             for (int ks = 0; ks < KS; ++ks) {
                 const unsigned a[4] = {qa[2 * ks], 0u, qa[2 * ks + 1], 0u};
-                mma16816(st[j], a, &kw[j][2 * ks], (const T*)nullptr);
+                mma16816(st[j], a, &KW_[j][2 * ks], (const T*)nullptr);
             }
         }
         float sv[4];
         float mx = -INFINITY;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int t = t0 + (e / 2) * 8 + 2 * q4 + (e % 2);
+            const int t = T0 + (e / 2) * 8 + 2 * q4 + (e % 2);
             sv[e] = t < tend ? st[e / 2][e % 2] * sc : -INFINITY;
             mx = fmaxf(mx, sv[e]);
         }
@@ -177,14 +183,40 @@ _MMA_LOOP = """
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             // V^T's A fragment: rows vdim(mt) (low halves) and + 1 (high halves), columns the positions
-            const unsigned va[4] = {__byte_perm(vw[0][mt], vw[1][mt], 0x5410), __byte_perm(vw[0][mt], vw[1][mt], 0x7632),
-                                    __byte_perm(vw[2][mt], vw[3][mt], 0x5410), __byte_perm(vw[2][mt], vw[3][mt], 0x7632)};
+            const unsigned va[4] = {__byte_perm(VW_[0][mt], VW_[1][mt], 0x5410), __byte_perm(VW_[0][mt], VW_[1][mt], 0x7632),
+                                    __byte_perm(VW_[2][mt], VW_[3][mt], 0x5410), __byte_perm(VW_[2][mt], VW_[3][mt], 0x7632)};
             oacc[mt][0] *= c0;
             oacc[mt][2] *= c0;
             oacc[mt][1] *= c1;
             oacc[mt][3] *= c1;
             mma16816(oacc[mt], va, pb, (const T*)nullptr);
         }
+"""
+
+# mma: a pass loaded, then computed.
+_MMA_LOOP = """
+    for (int t0 = tbegin + warp * 16; t0 < tend; t0 += STRIDE) {
+        unsigned kw[2][KW];
+        unsigned vw[4][MT];
+{LOAD_T0}{COMPUTE_T0}    }
+"""
+
+# mma_ahead: the next pass's loads issued before this pass is computed, two register buffers
+# taken in turn (no copy between them).
+_MMA_AHEAD_LOOP = """
+    unsigned kw[2][KW], vw[4][MT], kn[2][KW], vn[4][MT];
+    int t0 = tbegin + warp * 16;
+    if (t0 < tend) {
+{LOAD_A_T0}    }
+    while (t0 < tend) {
+        const int t1 = t0 + STRIDE;
+        if (t1 < tend) {
+{LOAD_B_T1}        }
+{COMPUTE_A_T0}        if (t1 >= tend) break;
+        const int t2 = t1 + STRIDE;
+        if (t2 < tend) {
+{LOAD_A_T2}        }
+{COMPUTE_B_T1}        t0 = t2;
     }
 """
 
@@ -212,9 +244,32 @@ MMA_WARP_OUT = """
 """
 
 
-def mma_loop_source(appending: bool) -> str:
-    """The mma loop's source, reading the tail or (``appending``) the old tail and this step's K/V."""
+MMA_LOOPS = ("mma", "mma_ahead")
+
+
+def mma_loop_source(appending: bool, loop: str = "mma") -> str:
+    """The ``mma`` or ``mma_ahead`` loop's source, reading the tail or (``appending``) the old
+    tail and this step's K/V."""
     row = _MMA_ROW[appending]
     new = " | reinterpret_cast<size_t>(new_keys) | reinterpret_cast<size_t>(new_values)" if appending else ""
-    return (_MMA_LOOP.replace("{V_ROW}", row.replace("{KV}", "values")).replace("{K_ROW}", row.replace("{KV}", "keys"))
-            .replace("{NEW_PTRS}", new))
+    load = _MMA_LOAD.replace("{V_ROW}", row.replace("{KV}", "values")).replace("{K_ROW}", row.replace("{KV}", "keys"))
+
+    def loads(k: str, v: str, t0: str) -> str:
+        return load.replace("KW_", k).replace("VW_", v).replace("T0", t0)
+
+    def computes(k: str, v: str, t0: str) -> str:  # a block of its own: mma_ahead has two
+        return "        {\n" + _MMA_COMPUTE.replace("KW_", k).replace("VW_", v).replace("T0", t0) + "        }\n"
+
+    if loop == "mma":
+        parts = {"{LOAD_T0}": loads("kw", "vw", "t0"), "{COMPUTE_T0}": computes("kw", "vw", "t0")}
+        source = _MMA_LOOP
+    elif loop == "mma_ahead":
+        parts = {"{LOAD_A_T0}": loads("kw", "vw", "t0"), "{LOAD_B_T1}": loads("kn", "vn", "t1"),
+                 "{LOAD_A_T2}": loads("kw", "vw", "t2"), "{COMPUTE_A_T0}": computes("kw", "vw", "t0"),
+                 "{COMPUTE_B_T1}": computes("kn", "vn", "t1")}
+        source = _MMA_AHEAD_LOOP
+    else:
+        raise ValueError(f"unknown mma loop {loop!r}")
+    for marker, text in parts.items():
+        source = source.replace(marker, text)
+    return _MMA_PROLOGUE.replace("{NEW_PTRS}", new) + source
