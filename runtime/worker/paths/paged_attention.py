@@ -195,11 +195,13 @@ class PagedAttention:
 
     def loop_for(self, dtype: mx.Dtype, n_rep: int, head_dim: int) -> str:
         """The loop kernels of this shape use: the mma loops need tensor cores for their dtype
-        (2-byte K/V, sm_80 or later), head dims of 16s and at most 8 query heads per KV head."""
-        if self.loop not in MMA_LOOPS or (dtype in (mx.bfloat16, mx.float16) and head_dim % 16 == 0
-                                          and n_rep <= 8 and _tensor_cores()):
+        (2-byte K/V, sm_80 or later), head dims of 16s and at most 8 query heads per KV head;
+        ``mma_ahead`` holds two passes' K/V in registers, too many past head dim 128 (``mma``)."""
+        if self.loop not in MMA_LOOPS:
             return self.loop
-        return "pipelined"
+        if not (dtype in (mx.bfloat16, mx.float16) and head_dim % 16 == 0 and n_rep <= 8 and _tensor_cores()):
+            return "pipelined"
+        return "mma" if self.loop == "mma_ahead" and head_dim > 128 else self.loop
 
     def _kernel(self, kind: str, appending: bool, loop: str = ""):
         """The compiled-on-demand kernel object: ``single``, ``split`` or ``combine``."""

@@ -1,0 +1,28 @@
+"""Which loop the paged kernel builds for a shape (``PagedAttention.loop_for``): the tensor-core
+loops only where their products and fragments apply, else the loop they fall back to."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from runtime.worker.paths import paged_attention
+from runtime.worker.paths.paged_attention import PagedAttention
+
+
+@pytest.mark.parametrize(("loop", "dtype", "n_rep", "head_dim", "tensor_cores", "expected"), [
+    ("pipelined", mx.bfloat16, 4, 128, True, "pipelined"),
+    ("classic", mx.float32, 4, 128, False, "classic"),
+    ("mma", mx.bfloat16, 4, 128, True, "mma"),
+    ("mma", mx.float16, 8, 64, True, "mma"),
+    ("mma", mx.float32, 4, 128, True, "pipelined"),  # no 4-byte products
+    ("mma", mx.bfloat16, 4, 72, True, "pipelined"),  # not a head dim of 16s
+    ("mma", mx.bfloat16, 16, 128, True, "pipelined"),  # more query heads than an n-tile's 8
+    ("mma", mx.bfloat16, 4, 128, False, "pipelined"),  # before sm_80
+    ("mma_ahead", mx.bfloat16, 4, 128, True, "mma_ahead"),
+    ("mma_ahead", mx.bfloat16, 2, 256, True, "mma"),  # two passes of 256-wide rows: too many registers
+    ("mma_ahead", mx.bfloat16, 4, 128, False, "pipelined"),
+])
+def test_loop_for(monkeypatch, loop, dtype, n_rep, head_dim, tensor_cores, expected):
+    monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: tensor_cores)
+    assert PagedAttention(False, loop=loop).loop_for(dtype, n_rep, head_dim) == expected
