@@ -24,8 +24,9 @@ run() {  # name, seconds at most, command... (the item's @tag, if any, names its
   (( left < limit )) && limit=$left
   if (( limit < 20 )); then echo "== $name: skipped, the budget is spent"; return; fi
   echo "== $name (at most ${limit} s)"
+  local started=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "   rc $?"
+  echo "   rc $?, $(( SECONDS - started )) s"
   grep -E "^\| |^rows |^ +start |^ *[0-9]+ \||^total|stacked products|warmed up in|pools and attention|loaded the model|WARNING|passed|failed" \
     "$OUT/$name.log" | grep -v "^| *-" | head -40
 }
