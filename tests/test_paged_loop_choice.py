@@ -7,7 +7,11 @@ import mlx.core as mx
 import pytest
 
 from runtime.worker.paths import paged_attention
-from runtime.worker.paths.paged_attention import PagedAttention
+from runtime.worker.paths.paged_attention import (
+    MMA_MAX_WARPS,
+    PagedAttention,
+    loop_warps,
+)
 
 
 @pytest.mark.parametrize(("loop", "dtype", "n_rep", "head_dim", "tensor_cores", "expected"), [
@@ -20,9 +24,17 @@ from runtime.worker.paths.paged_attention import PagedAttention
     ("mma", mx.bfloat16, 16, 128, True, "pipelined"),  # more query heads than an n-tile's 8
     ("mma", mx.bfloat16, 4, 128, False, "pipelined"),  # before sm_80
     ("mma_ahead", mx.bfloat16, 4, 128, True, "mma_ahead"),
-    ("mma_ahead", mx.bfloat16, 2, 256, True, "mma"),  # two passes of 256-wide rows: too many registers
+    ("mma", mx.bfloat16, 2, 256, True, "pipelined"),  # a lane's K/V words of 256-wide rows spill
+    ("mma_ahead", mx.bfloat16, 2, 256, True, "pipelined"),
     ("mma_ahead", mx.bfloat16, 4, 128, False, "pipelined"),
 ])
 def test_loop_for(monkeypatch, loop, dtype, n_rep, head_dim, tensor_cores, expected):
     monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: tensor_cores)
     assert PagedAttention(False, loop=loop).loop_for(dtype, n_rep, head_dim) == expected
+
+
+def test_the_mma_loops_launch_at_most_their_warps():
+    # 16 warps of 164-255 registers a lane exceed the register file: such a launch fails.
+    assert [loop_warps("mma", w) for w in (4, 8, 16)] == [4, 8, MMA_MAX_WARPS]
+    assert loop_warps("mma_ahead", 16) == MMA_MAX_WARPS == 8
+    assert loop_warps("pipelined", 16) == 16

@@ -87,6 +87,16 @@ def splits_for(blocks: int, max_length: int) -> int:
     return splits
 
 
+# The mma loops hold a pass's K/V words in registers: 164 (mma) to 255 (mma_ahead) a lane at
+# head dim 128 on sm_90 (scripts/nvrtc_check.py), so a block of 16 warps cannot launch.
+MMA_MAX_WARPS = 8
+
+
+def loop_warps(loop: str, warps: int) -> int:
+    """The warps a block of ``loop``'s kernel launches with, given ``launch_shape``'s."""
+    return min(warps, MMA_MAX_WARPS) if loop in MMA_LOOPS else warps
+
+
 def launch_shape(rows: int, n_kv: int, n_rep: int, head_dim: int, max_length: int) -> tuple[int, int]:
     """(splits, warps) for a decode batch of ``rows`` whose longest row attends to at most
     ``max_length`` positions (0: unknown, no split); one per step, shared by every layer."""
@@ -195,13 +205,12 @@ class PagedAttention:
 
     def loop_for(self, dtype: mx.Dtype, n_rep: int, head_dim: int) -> str:
         """The loop kernels of this shape use: the mma loops need tensor cores for their dtype
-        (2-byte K/V, sm_80 or later), head dims of 16s and at most 8 query heads per KV head;
-        ``mma_ahead`` holds two passes' K/V in registers, too many past head dim 128 (``mma``)."""
-        if self.loop not in MMA_LOOPS:
+        (2-byte K/V, sm_80 or later), head dims of 16s up to 128 (past it a lane's K/V words
+        spill, ``scripts/nvrtc_check.py``) and at most 8 query heads per KV head."""
+        if self.loop not in MMA_LOOPS or (dtype in (mx.bfloat16, mx.float16) and head_dim % 16 == 0
+                                          and head_dim <= 128 and n_rep <= 8 and _tensor_cores()):
             return self.loop
-        if not (dtype in (mx.bfloat16, mx.float16) and head_dim % 16 == 0 and n_rep <= 8 and _tensor_cores()):
-            return "pipelined"
-        return "mma" if self.loop == "mma_ahead" and head_dim > 128 else self.loop
+        return "pipelined"
 
     def _kernel(self, kind: str, appending: bool, loop: str = ""):
         """The compiled-on-demand kernel object: ``single``, ``split`` or ``combine``."""
@@ -231,6 +240,7 @@ class PagedAttention:
         n_rep = n_q // n_kv
         splits, warps = launch or launch_shape(b, n_kv, n_rep, d, 0)
         loop = self.loop_for(queries.dtype, n_rep, d)
+        warps = loop_warps(loop, warps)
         blocks = b * n_kv
         appending = tail_shape is not None
         tails = [tail_shape, tail_shape] if tail_shape is not None else []

@@ -1,0 +1,116 @@
+"""Build the paged decode kernels with NVRTC on a machine without a GPU, as MLX would build them,
+and print each build's register count and spills (ptxas's own report).
+
+A kernel that does not build, or that spills registers, is then found here rather than in a
+GPU window. NVRTC and the CUDA headers come from pip (no GPU or driver is needed to compile):
+
+    python3 -m venv /tmp/nvrtc && /tmp/nvrtc/bin/pip install "nvidia-cuda-nvrtc==13.*" "nvidia-cuda-runtime==13.*"
+    # MLX's device headers: its source at the wheel's version, and the CUDA wheel's include dir
+    python3 scripts/nvrtc_check.py --site /tmp/nvrtc/lib/python3.11/site-packages \
+        --include /tmp/mlxdev --include /tmp/mlxcuda/mlx/include --include /tmp/mlxcuda/mlx/include/cccl
+
+The source wrapping repeats ``mlx/backend/cuda/custom_kernel.cpp`` (MLX 0.32): its default
+header, the ``mlx::core::cu`` namespace, one pointer per input and output, ``Shape`` parameters
+for the ``NAME_shape`` names the source uses, and the template arguments as constants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.worker.paths.cuda import paged_kernels as pk  # noqa: E402
+from runtime.worker.paths.paged_attention import lanes_per_position  # noqa: E402
+
+_INT_INPUTS = {"table", "rows", "lengths", "tail_len"}
+REGISTER_FILE = 65536  # 32-bit registers an SM (and so a block) has, sm_80 to sm_90; allocated 8 at a time a lane
+_DEFAULT_HEADER = '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
+
+
+def kernel_source(name: str, appending: bool, split: bool, loop: str, d: int, n_rep: int, n_kv: int,
+                  warps: int) -> str:
+    """The full translation unit MLX's ``cuda_kernel`` makes of the decode kernel's source."""
+    body = pk.body(appending, loop) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
+    inputs = pk.APPEND_INPUTS if appending else pk.INPUTS
+    outputs = (["part_acc", "part_m", "part_l"] if split else ["out"]) + (pk.APPEND_OUTPUTS if appending else [])
+    params = []
+    for arg in inputs:
+        kind = "int32_t" if arg in _INT_INPUTS else "float" if arg == "scale" else "__nv_bfloat16"
+        params.append(f"    const {kind}* {arg}")
+        if re.search(rf"\b{arg}_shape\b", body):
+            params.append(f"    const __grid_constant__ Shape {arg}_shape")
+    params += [f"    {'float' if out.startswith('part') else '__nv_bfloat16'}* {out}" for out in outputs]
+    constants = (f"  using T = __nv_bfloat16;\n  constexpr int D = {d};\n  constexpr int NREP = {n_rep};\n"
+                 f"  constexpr int HKV = {n_kv};\n  constexpr int NWARPS = {warps};\n  constexpr int UNROLL = 1;\n"
+                 f"  constexpr int GL = {lanes_per_position(d)};\n")
+    return (_DEFAULT_HEADER + pk.HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            f"__global__ void {name}(\n" + ",\n".join(params) + ") {\n" + constants + "\n" + body
+            + "\n}\n\n} // namespace mlx::core::cu\n")
+
+
+class Nvrtc:
+    """The few NVRTC calls a compile and its log need."""
+
+    def __init__(self, library: Path) -> None:
+        self.lib = ctypes.CDLL(str(library))
+
+    def compile(self, source: str, options: list[str]) -> tuple[bool, str]:
+        prog = ctypes.c_void_p()
+        if self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None):
+            raise RuntimeError("nvrtcCreateProgram failed")
+        opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        result = self.lib.nvrtcCompileProgram(prog, len(options), opts)
+        size = ctypes.c_size_t()
+        self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value + 1)
+        self.lib.nvrtcGetProgramLog(prog, log)
+        self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        return result == 0, log.value.decode(errors="replace")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--site", type=Path, required=True, help="site-packages holding nvidia/cu13 (NVRTC, headers)")
+    p.add_argument("--include", type=Path, action="append", default=[], help="more include folders (MLX's)")
+    p.add_argument("--arch", default="sm_90a", help="the GPU architecture (MLX builds sm_90a on an H100/H200)")
+    p.add_argument("--loops", default="pipelined,mma,mma_ahead")
+    p.add_argument("--shapes", default="4x128,8x64,2x96,1x128", help="query heads per KV head x head dim, ...")
+    p.add_argument("--warps", default="4,16")
+    args = p.parse_args()
+    cuda = args.site / "nvidia" / "cu13"
+    nvrtc = Nvrtc(next((cuda / "lib").glob("libnvrtc.so.*")))
+    includes = [f"--include-path={path}" for path in [*args.include, cuda / "include"]]
+    options = ["--device-as-default-execution-space", f"--gpu-architecture={args.arch}", "--ptxas-options=-v",
+               *includes]
+    failures = 0
+    for loop in args.loops.split(","):
+        for shape in args.shapes.split(","):
+            n_rep, d = (int(x) for x in shape.split("x"))
+            for warps in (int(w) for w in args.warps.split(",")):
+                for appending in (False, True):
+                    for split in (False, True):
+                        name = f"paged_{loop}_{'append' if appending else 'read'}_{'split' if split else 'single'}"
+                        ok, log = nvrtc.compile(kernel_source(name, appending, split, loop, d, n_rep, 8, warps),
+                                                options)
+                        used = re.search(r"Used (\d+) registers", log)
+                        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+                        label = f"{name:34} nrep {n_rep} d {d:3} warps {warps:2}"
+                        if not ok:
+                            failures += 1
+                            print(f"{label}: FAILED\n{log[:3000]}")
+                        else:
+                            regs = int(used.group(1)) if used else 0
+                            fits = max((w for w in (1, 2, 4, 8, 16) if -(-regs // 8) * 8 * 32 * w <= REGISTER_FILE),
+                                       default=0) if regs else "?"
+                            print(f"{label}: {regs or '?'} registers (a block of at most {fits} warps launches), "
+                                  f"spills {spills.group(1) + '/' + spills.group(2) if spills else '?'} bytes (st/ld)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
