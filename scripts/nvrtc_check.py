@@ -17,9 +17,12 @@ for the ``NAME_shape`` names the source uses, and the template arguments as cons
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,6 +31,7 @@ from runtime.worker.paths.cuda import paged_kernels as pk  # noqa: E402
 from runtime.worker.paths.paged_attention import lanes_per_position  # noqa: E402
 
 _INT_INPUTS = {"table", "rows", "lengths", "tail_len"}
+SASS_KINDS = ("LDG", "LDS", "STS", "LDSM", "HMMA", "SHFL", "PRMT", "FFMA", "FMUL", "FADD", "MUFU", "F2F", "BRA")
 REGISTER_FILE = 65536  # 32-bit registers an SM (and so a block) has, sm_80 to sm_90; allocated 8 at a time a lane
 _DEFAULT_HEADER = '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
 
@@ -59,7 +63,8 @@ class Nvrtc:
     def __init__(self, library: Path) -> None:
         self.lib = ctypes.CDLL(str(library))
 
-    def compile(self, source: str, options: list[str]) -> tuple[bool, str]:
+    def compile(self, source: str, options: list[str]) -> tuple[bool, str, bytes]:
+        """(built, the log, the CUBIN)."""
         prog = ctypes.c_void_p()
         if self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None):
             raise RuntimeError("nvrtcCreateProgram failed")
@@ -69,8 +74,28 @@ class Nvrtc:
         self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
         log = ctypes.create_string_buffer(size.value + 1)
         self.lib.nvrtcGetProgramLog(prog, log)
+        cubin = b""
+        if result == 0:
+            self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+            buffer = ctypes.create_string_buffer(size.value)
+            self.lib.nvrtcGetCUBIN(prog, buffer)
+            cubin = buffer.raw
         self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        return result == 0, log.value.decode(errors="replace")
+        return result == 0, log.value.decode(errors="replace"), cubin
+
+
+def opcode_counts(nvdisasm: Path, cubin: bytes) -> dict[str, int]:
+    """Static SASS instructions of a CUBIN by opcode (its first word, less modifiers)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(nvdisasm), f.name], capture_output=True, text=True, check=True).stdout
+    counts: dict[str, int] = collections.Counter()
+    for line in text.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            counts[m.group(1)] += 1
+    return dict(counts)
 
 
 def main() -> int:
@@ -81,6 +106,7 @@ def main() -> int:
     p.add_argument("--loops", default="pipelined,mma,mma_ahead")
     p.add_argument("--shapes", default="4x128,8x64,2x96,1x128", help="query heads per KV head x head dim, ...")
     p.add_argument("--warps", default="4,16")
+    p.add_argument("--sass", action="store_true", help="also count each build's SASS instructions by kind (nvdisasm)")
     args = p.parse_args()
     cuda = args.site / "nvidia" / "cu13"
     nvrtc = Nvrtc(next((cuda / "lib").glob("libnvrtc.so.*")))
@@ -95,8 +121,8 @@ def main() -> int:
                 for appending in (False, True):
                     for split in (False, True):
                         name = f"paged_{loop}_{'append' if appending else 'read'}_{'split' if split else 'single'}"
-                        ok, log = nvrtc.compile(kernel_source(name, appending, split, loop, d, n_rep, 8, warps),
-                                                options)
+                        ok, log, cubin = nvrtc.compile(
+                            kernel_source(name, appending, split, loop, d, n_rep, 8, warps), options)
                         used = re.search(r"Used (\d+) registers", log)
                         spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
                         label = f"{name:34} nrep {n_rep} d {d:3} warps {warps:2}"
@@ -109,6 +135,11 @@ def main() -> int:
                                        default=0) if regs else "?"
                             print(f"{label}: {regs or '?'} registers (a block of at most {fits} warps launches), "
                                   f"spills {spills.group(1) + '/' + spills.group(2) if spills else '?'} bytes (st/ld)")
+                            if args.sass:
+                                counts = opcode_counts(cuda / "bin" / "nvdisasm", cubin)
+                                kinds = {k: sum(v for op, v in counts.items() if op.startswith(k)) for k in SASS_KINDS}
+                                print(f"    {sum(counts.values())} instructions: "
+                                      + ", ".join(f"{k} {n}" for k, n in kinds.items()))
     return 1 if failures else 0
 
 
