@@ -119,6 +119,7 @@ _MMA_PROLOGUE = """
     for (int mt = 0; mt < MT; ++mt) oacc[mt][0] = oacc[mt][1] = oacc[mt][2] = oacc[mt][3] = 0.f;
     const T* kpad = keys + (size_t)h * D;  // positions past the end read slot 0 (finite), weighted 0
     const T* vpad = values + (size_t)h * D;
+    const int pool_end = min(n, tend);  // a pass below it reads the pool only (most passes: a short path)
 """
 
 # One pass's loads: the K rows of positions T0 + g and T0 + 8 + g into KW_[2][KW], the V rows of
@@ -127,16 +128,16 @@ _MMA_LOAD = """
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
             const int t = T0 + j * 8 + g;
-            const T* krow = t < tend ? {K_ROW} : kpad;
+            const T* krow = {K_ROW};
 #pragma unroll
-            for (int i = 0; i < KW / CK; ++i) load_chunk<CK>(krow + KDIM(i * CK), &KW_[j][i * CK], aligned);
+            for (int i = 0; i < KW / CK; ++i) load_chunk<CK>(krow + KDIM(i * CK), &KW_[j][i * CK], ALIGNED);
         }
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
             const int t = T0 + (p / 2) * 8 + 2 * q4 + p % 2;
-            const T* vrow = t < tend ? {V_ROW} : vpad;
+            const T* vrow = {V_ROW};
 #pragma unroll
-            for (int i = 0; i < MT / CV; ++i) load_chunk<CV>(vrow + VDIM(i * CV), &VW_[p][i * CV], aligned);
+            for (int i = 0; i < MT / CV; ++i) load_chunk<CV>(vrow + VDIM(i * CV), &VW_[p][i * CV], ALIGNED);
         }
 """
 
@@ -194,29 +195,43 @@ _MMA_COMPUTE = """
 """
 
 # mma: a pass loaded, then computed.
+# A pool pass's slots (its K rows' into SK_[2], its V rows' into SV_[4]), loaded a pass ahead
+# so a pass's K/V loads do not wait for its table reads.
+_MMA_SLOTS = """
+        if (T0 + 16 <= pool_end) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) SK_[j] = trow[T0 + j * 8 + g];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) SV_[p] = trow[T0 + (p / 2) * 8 + 2 * q4 + p % 2];
+        }
+"""
+
+# mma: a pass loaded (its slots were read during the pass before), then computed.
 _MMA_LOOP = """
-    for (int t0 = tbegin + warp * 16; t0 < tend; t0 += STRIDE) {
+    int sk[2], sv[4];
+{SLOTS_FIRST}    for (int t0 = tbegin + warp * 16; t0 < tend; t0 += STRIDE) {
         unsigned kw[2][KW];
         unsigned vw[4][MT];
-{LOAD_T0}{COMPUTE_T0}    }
+{LOAD_T0}{SLOTS_NEXT}{COMPUTE_T0}    }
 """
 
 # mma_ahead: the next pass's loads issued before this pass is computed, two register buffers
-# taken in turn (no copy between them).
+# (and slot sets) taken in turn, no copy between them.
 _MMA_AHEAD_LOOP = """
     unsigned kw[2][KW], vw[4][MT], kn[2][KW], vn[4][MT];
+    int sk[2], sv[4], skn[2], svn[4];
     int t0 = tbegin + warp * 16;
-    if (t0 < tend) {
+{SLOTS_A_T0}    if (t0 < tend) {
 {LOAD_A_T0}    }
-    while (t0 < tend) {
+{SLOTS_B_T1}    while (t0 < tend) {
         const int t1 = t0 + STRIDE;
+        const int t2 = t1 + STRIDE;
         if (t1 < tend) {
 {LOAD_B_T1}        }
-{COMPUTE_A_T0}        if (t1 >= tend) break;
-        const int t2 = t1 + STRIDE;
+{SLOTS_A_T2}{COMPUTE_A_T0}        if (t1 >= tend) break;
         if (t2 < tend) {
 {LOAD_A_T2}        }
-{COMPUTE_B_T1}        t0 = t2;
+{SLOTS_B_T3}{COMPUTE_B_T1}        t0 = t2;
     }
 """
 
@@ -249,27 +264,51 @@ MMA_LOOPS = ("mma", "mma_ahead")
 
 def mma_loop_source(appending: bool, loop: str = "mma") -> str:
     """The ``mma`` or ``mma_ahead`` loop's source, reading the tail or (``appending``) the old
-    tail and this step's K/V."""
+    tail and this step's K/V.
+
+    The loop is written twice, for 16-byte aligned buffers (the usual case: whole 16-byte
+    loads) and for others (element loads), so no load carries a run-time alignment test; and
+    each pass's loads take a short path where the whole pass lies in the pool (a row's
+    address from the slot table only) and the full selection (pool, tail, this step's K/V,
+    past the end) otherwise.
+    """
     row = _MMA_ROW[appending]
     new = " | reinterpret_cast<size_t>(new_keys) | reinterpret_cast<size_t>(new_values)" if appending else ""
-    load = _MMA_LOAD.replace("{V_ROW}", row.replace("{KV}", "values")).replace("{K_ROW}", row.replace("{KV}", "keys"))
+    general = (_MMA_LOAD.replace("{K_ROW}", f"t < tend ? {row} : kpad".replace("{KV}", "keys"))
+               .replace("{V_ROW}", f"t < tend ? {row} : vpad".replace("{KV}", "values")))
+    short = (_MMA_LOAD.replace("{K_ROW}", "keys + ((size_t)SK_[j] * HKV + h) * D")
+             .replace("{V_ROW}", "values + ((size_t)SV_[p] * HKV + h) * D"))
 
-    def loads(k: str, v: str, t0: str) -> str:
-        return load.replace("KW_", k).replace("VW_", v).replace("T0", t0)
+    def loads(k: str, v: str, t0: str, aligned: str, slots: tuple[str, str]) -> str:
+        both = f"        if (T0 + 16 <= pool_end) {{\n{short}        }} else {{\n{general}        }}\n"
+        return (both.replace("KW_", k).replace("VW_", v).replace("T0", t0).replace("ALIGNED", aligned)
+                .replace("SK_", slots[0]).replace("SV_", slots[1]))
+
+    def slots_for(t0: str, slots: tuple[str, str]) -> str:
+        return _MMA_SLOTS.replace("T0", t0).replace("SK_", slots[0]).replace("SV_", slots[1])
 
     def computes(k: str, v: str, t0: str) -> str:  # a block of its own: mma_ahead has two
         return "        {\n" + _MMA_COMPUTE.replace("KW_", k).replace("VW_", v).replace("T0", t0) + "        }\n"
 
-    if loop == "mma":
-        parts = {"{LOAD_T0}": loads("kw", "vw", "t0"), "{COMPUTE_T0}": computes("kw", "vw", "t0")}
-        source = _MMA_LOOP
-    elif loop == "mma_ahead":
-        parts = {"{LOAD_A_T0}": loads("kw", "vw", "t0"), "{LOAD_B_T1}": loads("kn", "vn", "t1"),
-                 "{LOAD_A_T2}": loads("kw", "vw", "t2"), "{COMPUTE_A_T0}": computes("kw", "vw", "t0"),
-                 "{COMPUTE_B_T1}": computes("kn", "vn", "t1")}
-        source = _MMA_AHEAD_LOOP
-    else:
-        raise ValueError(f"unknown mma loop {loop!r}")
-    for marker, text in parts.items():
-        source = source.replace(marker, text)
-    return _MMA_PROLOGUE.replace("{NEW_PTRS}", new) + source
+    a, b = ("sk", "sv"), ("skn", "svn")
+
+    def loop_text(aligned: str) -> str:
+        if loop == "mma":
+            parts = {"{SLOTS_FIRST}": slots_for("(tbegin + warp * 16)", a), "{LOAD_T0}": loads("kw", "vw", "t0", aligned, a),
+                     "{SLOTS_NEXT}": slots_for("(t0 + STRIDE)", a), "{COMPUTE_T0}": computes("kw", "vw", "t0")}
+            source = _MMA_LOOP
+        elif loop == "mma_ahead":
+            parts = {"{SLOTS_A_T0}": slots_for("t0", a), "{LOAD_A_T0}": loads("kw", "vw", "t0", aligned, a),
+                     "{SLOTS_B_T1}": slots_for("(t0 + STRIDE)", b), "{LOAD_B_T1}": loads("kn", "vn", "t1", aligned, b),
+                     "{SLOTS_A_T2}": slots_for("t2", a), "{LOAD_A_T2}": loads("kw", "vw", "t2", aligned, a),
+                     "{SLOTS_B_T3}": slots_for("(t2 + STRIDE)", b), "{COMPUTE_A_T0}": computes("kw", "vw", "t0"),
+                     "{COMPUTE_B_T1}": computes("kn", "vn", "t1")}
+            source = _MMA_AHEAD_LOOP
+        else:
+            raise ValueError(f"unknown mma loop {loop!r}")
+        for marker, text in parts.items():
+            source = source.replace(marker, text)
+        return source
+
+    return (_MMA_PROLOGUE.replace("{NEW_PTRS}", new) + "    if (aligned) {\n" + loop_text("true")
+            + "    } else {\n" + loop_text("false") + "    }\n")
