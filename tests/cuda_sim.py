@@ -7,9 +7,10 @@ lanes of a warp through a barrier, ``__syncthreads`` waits on a block-wide one, 
 ``__shared__`` arrays are statics shared by the block's lanes. A split launch is followed by
 the COMBINE kernel, as on the GPU. The result is compared with a float64 numpy reference.
 
-The tensor-core loop's ``mma.sync``, ``__shfl_sync`` and ``__byte_perm`` are emulated with
-the PTX ISA's fragment layouts and CUDA's byte selection. This checks the kernels' arithmetic
-and indexing (slot table, tail, splits, warp and group merges, the appended tail's copy), not their speed or anything CUDA-specific about memory:
+The tensor-core loop's ``mma.sync``, ``__shfl_sync``, ``__any_sync`` and ``__byte_perm`` are
+emulated with the PTX ISA's fragment layouts and CUDA's byte selection. This checks the
+kernels' arithmetic and indexing (slot table, tail, splits, warp and group merges, the appended
+tail's copy), not their speed or anything CUDA-specific about memory:
 coalescing, shared-memory banks, the memory model. Buffers come from ``std::vector`` (16-byte
 aligned), so the 16-byte load paths run wherever the kernels' alignment checks allow them.
 """
@@ -77,6 +78,15 @@ inline float __shfl_sync(unsigned, float v, int src_lane) {
     shuffle_slots[warp][lane] = v;
     warp_barriers[warp]->arrive_and_wait();
     return shuffle_slots[warp][src_lane % 32];
+}
+int vote_slots[64][32];
+inline bool __any_sync(unsigned, bool v) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    warp_barriers[warp]->arrive_and_wait();
+    vote_slots[warp][lane] = v;
+    warp_barriers[warp]->arrive_and_wait();
+    for (int l = 0; l < 32; ++l) if (vote_slots[warp][l]) return true;
+    return false;
 }
 // Result byte n is byte (selector nibble n, low 3 bits) of y:x (x the low four bytes).
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {

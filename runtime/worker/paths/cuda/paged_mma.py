@@ -181,15 +181,20 @@ _MMA_COMPUTE = """
         const unsigned pb[2] = {pack2(pv[0], pv[1], (const T*)nullptr), pack2(pv[2], pv[3], (const T*)nullptr)};
         const float c0 = __shfl_sync(0xffffffff, corr, 8 * q4);  // the rescale of head 2 q4 (lanes of group 2 q4)
         const float c1 = __shfl_sync(0xffffffff, corr, 8 * q4 + 4);  // and of head 2 q4 + 1
+        if (__any_sync(0xffffffff, corr != 1.f)) {  // most passes leave every head's max as it was
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                oacc[mt][0] *= c0;
+                oacc[mt][2] *= c0;
+                oacc[mt][1] *= c1;
+                oacc[mt][3] *= c1;
+            }
+        }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             // V^T's A fragment: rows vdim(mt) (low halves) and + 1 (high halves), columns the positions
             const unsigned va[4] = {__byte_perm(VW_[0][mt], VW_[1][mt], 0x5410), __byte_perm(VW_[0][mt], VW_[1][mt], 0x7632),
                                     __byte_perm(VW_[2][mt], VW_[3][mt], 0x5410), __byte_perm(VW_[2][mt], VW_[3][mt], 0x7632)};
-            oacc[mt][0] *= c0;
-            oacc[mt][2] *= c0;
-            oacc[mt][1] *= c1;
-            oacc[mt][3] *= c1;
             mma16816(oacc[mt], va, pb, (const T*)nullptr);
         }
 """
