@@ -28,11 +28,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.worker.paths.cuda import paged_kernels as pk  # noqa: E402
-from runtime.worker.paths.paged_attention import lanes_per_position  # noqa: E402
+from runtime.worker.paths.paged_attention import (  # noqa: E402
+    REGISTERS,
+    lanes_per_position,
+    loop_warps,
+    warps_for,
+)
 
 _INT_INPUTS = {"table", "rows", "lengths", "tail_len"}
 SASS_KINDS = ("LDG", "LDS", "STS", "LDSM", "HMMA", "SHFL", "PRMT", "FFMA", "FMUL", "FADD", "MUFU", "F2F", "BRA")
-REGISTER_FILE = 65536  # 32-bit registers an SM (and so a block) has, sm_80 to sm_90; allocated 8 at a time a lane
+REGISTER_FILE = REGISTERS  # 32-bit registers a block may use; allocated 8 at a time a lane
 _DEFAULT_HEADER = '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
 
 
@@ -107,6 +112,8 @@ def main() -> int:
     p.add_argument("--shapes", default="4x128,8x64,2x96,1x128", help="query heads per KV head x head dim, ...")
     p.add_argument("--warps", default="4,16")
     p.add_argument("--sass", action="store_true", help="also count each build's SASS instructions by kind (nvdisasm)")
+    p.add_argument("--launches", action="store_true",
+                   help="per loop and shape, whether the most warps the launch shapes pick (few blocks) can launch")
     args = p.parse_args()
     cuda = args.site / "nvidia" / "cu13"
     nvrtc = Nvrtc(next((cuda / "lib").glob("libnvrtc.so.*")))
@@ -114,6 +121,19 @@ def main() -> int:
     options = ["--device-as-default-execution-space", f"--gpu-architecture={args.arch}", "--ptxas-options=-v",
                *includes]
     failures = 0
+    if args.launches:
+        for loop in args.loops.split(","):
+            for shape in args.shapes.split(","):
+                n_rep, d = (int(x) for x in shape.split("x"))
+                warps = loop_warps(loop, warps_for(n_rep, d))
+                ok, log, _ = nvrtc.compile(kernel_source("paged", True, True, loop, d, n_rep, 8, warps), options)
+                used = re.search(r"Used (\d+) registers", log)
+                regs = int(used.group(1)) if ok and used else 0
+                fits = bool(regs) and -(-regs // 8) * 8 * 32 * warps <= REGISTER_FILE
+                failures += not fits
+                print(f"{loop:10} nrep {n_rep} d {d:3}: picks {warps:2} warps, {regs or '?'} registers: "
+                      f"{'launches' if fits else 'CANNOT LAUNCH'}")
+        return 1 if failures else 0
     for loop in args.loops.split(","):
         for shape in args.shapes.split(","):
             n_rep, d = (int(x) for x in shape.split("x"))

@@ -11,13 +11,8 @@ custom kernels in memory only).
 from __future__ import annotations
 
 from runtime.worker.paths.cuda.paged_loops import loop_source
-from runtime.worker.paths.cuda.paged_mma import (
-    LOAD_CHUNK,
-    MMA,
-    MMA_LOOPS,
-    MMA_WARP_OUT,
-    RAW2,
-)
+from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS, MMA_WARP_OUT
+from runtime.worker.paths.cuda.tensor_core import LOAD_CHUNK, MMA, RAW2
 
 # One block per (row, KV head, split). A warp works on 32 / GL positions at once: each
 # group of GL lanes holds one position's K/V row (PER = D / GL elements per lane, loaded as

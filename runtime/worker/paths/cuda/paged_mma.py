@@ -1,4 +1,4 @@
-"""CUDA sources of the paged decode kernel's tensor-core loop (``mma``) and its helpers.
+"""CUDA sources of the paged decode kernel's tensor-core loops (``mma``, ``mma_ahead``).
 
 The loop (sm_80 and later, 2-byte K/V, head dims of 16s, up to 8 query heads per KV head)
 takes 16 positions a warp at a time, every K/V element read once, straight from the pool into
@@ -15,72 +15,11 @@ registers by 16-byte loads (no shared memory):
 P is rounded to the K/V dtype for its product, as cuDNN's and FlashAttention's are. The
 session-19 loop of the same name (K by 4-byte loads, V through a shared-memory tile and
 ``ldmatrix.trans``) was correct on an H200 but 1.8x slower than ``pipelined`` (168 against
-95 us at 1 x 32k). ``tests/cuda_sim.py`` emulates ``mma.sync`` with the PTX ISA's fragment
-layouts, and ``__byte_perm`` / ``__shfl_sync``.
+95 us at 1 x 32k). Its device helpers are in ``tensor_core``; ``tests/cuda_sim.py`` emulates
+``mma.sync`` with the PTX ISA's fragment layouts, and the warp intrinsics.
 """
 
 from __future__ import annotations
-
-# Tensor-core helpers (the mma loop, sm_80 and later): one m16n8k16 product c += a x b on
-# 2-byte inputs with float accumulators, and bf16 / fp16 pairs packed into 32-bit registers.
-# The CPU simulator (tests/cuda_sim.py) puts its own versions in place of these.
-MMA = """
-template <int UNUSED = 0>  // a template: built only where a kernel calls it (sm_80 PTX)
-__device__ inline void mma16816(float* c, const unsigned* a, const unsigned* b, const __nv_bfloat16*) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-template <int UNUSED = 0>  // a template: built only where a kernel calls it (sm_80 PTX)
-__device__ inline void mma16816(float* c, const unsigned* a, const unsigned* b, const __half*) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-template <int UNUSED = 0>
-__device__ inline unsigned pack2(float lo, float hi, const __nv_bfloat16*) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-}
-template <int UNUSED = 0>
-__device__ inline unsigned pack2(float lo, float hi, const __half*) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-}
-"""
-
-# Both 2-byte elements' bits in one register, ``lo`` in the low half (as mma fragments hold them).
-RAW2 = """
-template <typename T>
-__device__ inline unsigned raw2(const T& lo, const T& hi) {
-    return unsigned(*reinterpret_cast<const unsigned short*>(&lo)) |
-           (unsigned(*reinterpret_cast<const unsigned short*>(&hi)) << 16);
-}
-"""
-
-# C adjacent 32-bit words of 2-byte elements from p (4 C-byte aligned where ``aligned``: one
-# 16-, 8- or 4-byte load; else element by element).
-LOAD_CHUNK = """
-template <int C, typename T>
-__device__ inline void load_chunk(const T* p, unsigned* w, bool aligned) {
-    if (aligned && C == 4) {
-        const uint4 v = *reinterpret_cast<const uint4*>(p);
-        w[0] = v.x;
-        w[C > 1 ? 1 : 0] = v.y;
-        w[C > 2 ? 2 : 0] = v.z;
-        w[C > 3 ? 3 : 0] = v.w;
-    } else if (aligned && C == 2) {
-        const uint2 v = *reinterpret_cast<const uint2*>(p);
-        w[0] = v.x;
-        w[C > 1 ? 1 : 0] = v.y;
-    } else if (aligned) {
-        w[0] = *reinterpret_cast<const unsigned*>(p);
-    } else {
-#pragma unroll
-        for (int c = 0; c < C; ++c) w[c] = raw2(p[2 * c], p[2 * c + 1]);
-    }
-}
-"""
 
 # Position t's K or V row (``{KV}``: keys or values) for the mma loop: the pool's slot, or the
 # tail (appending: the old tail's first R - 1 positions, then this step's K/V).
@@ -199,7 +138,6 @@ _MMA_COMPUTE = """
         }
 """
 
-# mma: a pass loaded, then computed.
 # A pool pass's slots (its K rows' into SK_[2], its V rows' into SV_[4]), loaded a pass ahead
 # so a pass's K/V loads do not wait for its table reads.
 _MMA_SLOTS = """
