@@ -125,7 +125,7 @@ def main() -> int:
         for loop in args.loops.split(","):
             for shape in args.shapes.split(","):
                 n_rep, d = (int(x) for x in shape.split("x"))
-                warps = loop_warps(loop, warps_for(n_rep, d))
+                warps = loop_warps(loop, warps_for(n_rep, d), d)
                 ok, log, _ = nvrtc.compile(kernel_source("paged", True, True, loop, d, n_rep, 8, warps), options)
                 used = re.search(r"Used (\d+) registers", log)
                 regs = int(used.group(1)) if ok and used else 0

@@ -87,14 +87,17 @@ def splits_for(blocks: int, max_length: int) -> int:
     return splits
 
 
-# The mma loops hold a pass's K/V words in registers: 164 (mma) to 255 (mma_ahead) a lane at
-# head dim 128 on sm_90 (scripts/nvrtc_check.py), so a block of 16 warps cannot launch.
+# The mma loops hold a pass's K/V words in registers: at head dim 128 on sm_90, 182 (mma) and
+# 255 (mma_ahead) a lane, so a block of 16 warps cannot launch; mma at head dim 64 takes 90-96
+# (scripts/nvrtc_check.py --launches).
 MMA_MAX_WARPS = 8
 
 
-def loop_warps(loop: str, warps: int) -> int:
+def loop_warps(loop: str, warps: int, head_dim: int) -> int:
     """The warps a block of ``loop``'s kernel launches with, given ``launch_shape``'s."""
-    return min(warps, MMA_MAX_WARPS) if loop in MMA_LOOPS else warps
+    if loop not in MMA_LOOPS or (loop == "mma" and head_dim <= 64):
+        return warps
+    return min(warps, MMA_MAX_WARPS)
 
 
 def launch_shape(rows: int, n_kv: int, n_rep: int, head_dim: int, max_length: int) -> tuple[int, int]:
@@ -240,7 +243,7 @@ class PagedAttention:
         n_rep = n_q // n_kv
         splits, warps = launch or launch_shape(b, n_kv, n_rep, d, 0)
         loop = self.loop_for(queries.dtype, n_rep, d)
-        warps = loop_warps(loop, warps)
+        warps = loop_warps(loop, warps, d)
         blocks = b * n_kv
         appending = tail_shape is not None
         tails = [tail_shape, tail_shape] if tail_shape is not None else []
