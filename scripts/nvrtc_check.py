@@ -8,6 +8,8 @@ GPU window. NVRTC and the CUDA headers come from pip (no GPU or driver is needed
     # MLX's device headers: its source at the wheel's version, and the CUDA wheel's include dir
     python3 scripts/nvrtc_check.py --site /tmp/nvrtc/lib/python3.11/site-packages \
         --include /tmp/mlxdev --include /tmp/mlxcuda/mlx/include --include /tmp/mlxcuda/mlx/include/cccl
+    # or, with a stub for MLX's headers (what tests/test_paged_kernel_nvrtc.py builds):
+    python3 scripts/nvrtc_check.py --site /tmp/nvrtc/lib/python3.11/site-packages --stub
 
 The source wrapping repeats ``mlx/backend/cuda/custom_kernel.cpp`` (MLX 0.32): its default
 header, the ``mlx::core::cu`` namespace, one pointer per input and output, ``Shape`` parameters
@@ -39,17 +41,29 @@ _INT_INPUTS = {"table", "rows", "lengths", "tail_len"}
 SASS_KINDS = ("LDG", "LDS", "STS", "LDSM", "HMMA", "SHFL", "PRMT", "FFMA", "FMUL", "FADD", "MUFU", "F2F", "BRA")
 REGISTER_FILE = REGISTERS  # 32-bit registers a block may use; allocated 8 at a time a lane
 _DEFAULT_HEADER = '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
+# Without MLX's device headers (``--stub``, the CI test): the two things of theirs the kernels use.
+STUB_HEADER = """#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#define INFINITY __int_as_float(0x7f800000)
+namespace cooperative_groups {}  // the wrapper names it; the kernels use none of it
+namespace mlx::core::cu {
+struct Shape {
+    int data[8];
+    __device__ int operator[](int i) const { return data[i]; }
+};
+}
+"""
 
 
 def kernel_source(name: str, appending: bool, split: bool, loop: str, d: int, n_rep: int, n_kv: int,
-                  warps: int) -> str:
+                  warps: int, header: str = _DEFAULT_HEADER) -> str:
     """The full translation unit MLX's ``cuda_kernel`` makes of the decode kernel's source."""
     body = pk.body(appending, loop) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
     inputs = pk.APPEND_INPUTS if appending else pk.INPUTS
     outputs = (["part_acc", "part_m", "part_l"] if split else ["out"]) + (pk.APPEND_OUTPUTS if appending else [])
     params = []
     for arg in inputs:
-        kind = "int32_t" if arg in _INT_INPUTS else "float" if arg == "scale" else "__nv_bfloat16"
+        kind = "int" if arg in _INT_INPUTS else "float" if arg == "scale" else "__nv_bfloat16"
         params.append(f"    const {kind}* {arg}")
         if re.search(rf"\b{arg}_shape\b", body):
             params.append(f"    const __grid_constant__ Shape {arg}_shape")
@@ -57,7 +71,7 @@ def kernel_source(name: str, appending: bool, split: bool, loop: str, d: int, n_
     constants = (f"  using T = __nv_bfloat16;\n  constexpr int D = {d};\n  constexpr int NREP = {n_rep};\n"
                  f"  constexpr int HKV = {n_kv};\n  constexpr int NWARPS = {warps};\n  constexpr int UNROLL = 1;\n"
                  f"  constexpr int GL = {lanes_per_position(d)};\n")
-    return (_DEFAULT_HEADER + pk.HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    return (header + pk.HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             f"__global__ void {name}(\n" + ",\n".join(params) + ") {\n" + constants + "\n" + body
             + "\n}\n\n} // namespace mlx::core::cu\n")
 
@@ -89,6 +103,34 @@ class Nvrtc:
         return result == 0, log.value.decode(errors="replace"), cubin
 
 
+def cuda_folder(site: Path | None = None) -> Path | None:
+    """The pip-installed CUDA 13 folder (``nvidia/cu13``: NVRTC, the runtime's headers), or None."""
+    roots = [site] if site is not None else [Path(p) for p in sys.path if p]
+    for root in roots:
+        folder = root / "nvidia" / "cu13"
+        if any((folder / "lib").glob("libnvrtc.so.*")) and (folder / "include" / "cuda_bf16.h").exists():
+            return folder
+    return None
+
+
+def build_options(cuda: Path, includes: list[Path], arch: str = "sm_90a") -> list[str]:
+    """MLX's NVRTC options (``jit_module.cpp``), and ptxas's register report."""
+    paths = [f"--include-path={path}" for path in [*includes, cuda / "include"]]
+    return ["--device-as-default-execution-space", f"--gpu-architecture={arch}", "--ptxas-options=-v", *paths]
+
+
+def registers(log: str) -> tuple[int, int]:
+    """(registers a lane, spill store bytes) from ptxas's report in a build log (0, 0 if absent)."""
+    used = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    return (int(used.group(1)) if used else 0), (int(spills.group(1)) if spills else 0)
+
+
+def launches(regs: int, warps: int) -> bool:
+    """Whether a block of ``warps`` warps of ``regs`` registers a lane fits the register file."""
+    return 0 < regs and -(-regs // 8) * 8 * 32 * warps <= REGISTER_FILE
+
+
 def opcode_counts(nvdisasm: Path, cubin: bytes) -> dict[str, int]:
     """Static SASS instructions of a CUBIN by opcode (its first word, less modifiers)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -114,22 +156,24 @@ def main() -> int:
     p.add_argument("--sass", action="store_true", help="also count each build's SASS instructions by kind (nvdisasm)")
     p.add_argument("--launches", action="store_true",
                    help="per loop and shape, whether the most warps the launch shapes pick (few blocks) can launch")
+    p.add_argument("--stub", action="store_true", help="a stub for MLX's device headers (no --include needed)")
     args = p.parse_args()
-    cuda = args.site / "nvidia" / "cu13"
+    cuda = cuda_folder(args.site)
+    if cuda is None:
+        sys.exit(f"no nvidia/cu13 with NVRTC and cuda_bf16.h under {args.site}")
     nvrtc = Nvrtc(next((cuda / "lib").glob("libnvrtc.so.*")))
-    includes = [f"--include-path={path}" for path in [*args.include, cuda / "include"]]
-    options = ["--device-as-default-execution-space", f"--gpu-architecture={args.arch}", "--ptxas-options=-v",
-               *includes]
+    options = build_options(cuda, args.include, args.arch)
+    header = STUB_HEADER if args.stub else _DEFAULT_HEADER
     failures = 0
     if args.launches:
         for loop in args.loops.split(","):
             for shape in args.shapes.split(","):
                 n_rep, d = (int(x) for x in shape.split("x"))
                 warps = loop_warps(loop, warps_for(n_rep, d), d)
-                ok, log, _ = nvrtc.compile(kernel_source("paged", True, True, loop, d, n_rep, 8, warps), options)
-                used = re.search(r"Used (\d+) registers", log)
-                regs = int(used.group(1)) if ok and used else 0
-                fits = bool(regs) and -(-regs // 8) * 8 * 32 * warps <= REGISTER_FILE
+                ok, log, _ = nvrtc.compile(kernel_source("paged", True, True, loop, d, n_rep, 8, warps, header),
+                                           options)
+                regs = registers(log)[0] if ok else 0
+                fits = launches(regs, warps)
                 failures += not fits
                 print(f"{loop:10} nrep {n_rep} d {d:3}: picks {warps:2} warps, {regs or '?'} registers: "
                       f"{'launches' if fits else 'CANNOT LAUNCH'}")
@@ -142,7 +186,7 @@ def main() -> int:
                     for split in (False, True):
                         name = f"paged_{loop}_{'append' if appending else 'read'}_{'split' if split else 'single'}"
                         ok, log, cubin = nvrtc.compile(
-                            kernel_source(name, appending, split, loop, d, n_rep, 8, warps), options)
+                            kernel_source(name, appending, split, loop, d, n_rep, 8, warps, header), options)
                         used = re.search(r"Used (\d+) registers", log)
                         spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
                         label = f"{name:34} nrep {n_rep} d {d:3} warps {warps:2}"
@@ -151,8 +195,7 @@ def main() -> int:
                             print(f"{label}: FAILED\n{log[:3000]}")
                         else:
                             regs = int(used.group(1)) if used else 0
-                            fits = max((w for w in (1, 2, 4, 8, 16) if -(-regs // 8) * 8 * 32 * w <= REGISTER_FILE),
-                                       default=0) if regs else "?"
+                            fits = max((w for w in (1, 2, 4, 8, 16) if launches(regs, w)), default=0) if regs else "?"
                             print(f"{label}: {regs or '?'} registers (a block of at most {fits} warps launches), "
                                   f"spills {spills.group(1) + '/' + spills.group(2) if spills else '?'} bytes (st/ld)")
                             if args.sass:

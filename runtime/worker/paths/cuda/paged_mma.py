@@ -221,6 +221,7 @@ def mma_loop_source(appending: bool, loop: str = "mma") -> str:
                .replace("{V_ROW}", f"t < tend ? {row} : vpad".replace("{KV}", "values")))
     short = (_MMA_LOAD.replace("{K_ROW}", "keys + ((size_t)SK_[j] * HKV + h) * D")
              .replace("{V_ROW}", "values + ((size_t)SV_[p] * HKV + h) * D"))
+    short = "\n".join(line for line in short.split("\n") if "const int t = " not in line)  # rows by slot alone
 
     def loads(k: str, v: str, t0: str, aligned: str, slots: tuple[str, str]) -> str:
         both = f"        if (T0 + 16 <= pool_end) {{\n{short}        }} else {{\n{general}        }}\n"
