@@ -42,9 +42,10 @@ for item in "$@"; do
     kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
     long-prefill) run "$item" 300 python3 scripts/long_prefill_cost.py --shape llama-8b --context 32768 --chunk 2048 ;;
     pytest-kernel) run "$item" 300 python3 -m pytest -q tests/test_paged_kernel_cuda.py ;;
+    pytest-kernel-mma) run "$item" 200 python3 -m pytest -q tests/test_paged_kernel_cuda.py -k mma ;;
     use-best-loop)  # on this device copy only: the A/B's winner as LOOP (none if pytest-kernel failed)
       loop=$(python3 scripts/gpu/pick_loop.py "$OUT/kernel-ab.log" 2>>"$OUT/pick-loop.log")
-      if grep -q "failed" "$OUT/pytest-kernel.log" 2>/dev/null; then loop=; fi
+      if cat "$OUT"/pytest-kernel*.log 2>/dev/null | grep -q "failed"; then loop=; fi
       [ -n "$loop" ] && sed -i "s/^LOOP = \".*\"/LOOP = \"$loop\"/" runtime/worker/paths/paged_attention.py
       echo "== use-best-loop: $(cat "$OUT/pick-loop.log" 2>/dev/null); $(grep '^LOOP =' runtime/worker/paths/paged_attention.py)" ;;
     kernel-gpu) run "$item" 120 bash -c "python3 scripts/kernel_bench.py --rows 1,8,64 --context 32768 --calls 20 &&
@@ -73,7 +74,7 @@ for item in "$@"; do
     1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item$tag.json" ;;
     1b-first) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads first --pairs 3 --json "$OUT/$item$tag.json" ;;
     pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py ;;
-    *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel use-best-loop kernel-gpu kernel-gpu-mma kernel-ncu imports 1b-paired kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
+    *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop kernel-gpu kernel-gpu-mma kernel-ncu imports 1b-paired kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then
