@@ -45,7 +45,7 @@ for item in "$@"; do
     pytest-kernel-mma) run "$item" 200 python3 -m pytest -q tests/test_paged_kernel_cuda.py -k mma ;;
     use-best-loop)  # on this device copy only: the A/B's winner as LOOP (none if pytest-kernel failed)
       loop=$(python3 scripts/gpu/pick_loop.py "$OUT/kernel-ab.log" 2>>"$OUT/pick-loop.log")
-      if cat "$OUT"/pytest-kernel*.log 2>/dev/null | grep -q "failed"; then loop=; fi
+      if cat "$OUT"/pytest-kernel*.log 2>/dev/null | grep -qE "failed|error"; then loop=; fi
       [ -n "$loop" ] && sed -i "s/^LOOP = \".*\"/LOOP = \"$loop\"/" runtime/worker/paths/paged_attention.py
       echo "== use-best-loop: $(cat "$OUT/pick-loop.log" 2>/dev/null); $(grep '^LOOP =' runtime/worker/paths/paged_attention.py)" ;;
     kernel-gpu) run "$item" 120 bash -c "python3 scripts/kernel_bench.py --rows 1,8,64 --context 32768 --calls 20 &&
