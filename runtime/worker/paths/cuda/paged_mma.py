@@ -51,7 +51,8 @@ _MMA_PROLOGUE = """
 #pragma unroll
         for (int w = 0; w < KW; ++w) qa[w] = g < NREP ? raw2(qrow[KDIM(w)], qrow[KDIM(w) + 1]) : 0u;
     }
-    float om = -INFINITY;  // head g's running max and sum
+    const float sc2 = sc * 1.4426950408889634f;  // scores in log2 units: exp2f is the cheaper exponential
+    float om = -INFINITY;  // head g's running max (log2 units) and sum
     float ol = 0.f;
     float oacc[MT][4];  // O^T's C fragments: dims vdim(mt) ([0], [1]) and vdim(mt) + 1 ([2], [3]) of heads 2 q4 and 2 q4 + 1
 #pragma unroll
@@ -97,7 +98,7 @@ _MMA_COMPUTE = """
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int t = T0 + (e / 2) * 8 + 2 * q4 + (e % 2);
-            sv[e] = t < tend ? st[e / 2][e % 2] * sc : -INFINITY;
+            sv[e] = t < tend ? st[e / 2][e % 2] * sc2 : -INFINITY;
             mx = fmaxf(mx, sv[e]);
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
@@ -108,10 +109,10 @@ _MMA_COMPUTE = """
         float ps = 0.f;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            pv[e] = mn == -INFINITY ? 0.f : expf(sv[e] - mn);
+            pv[e] = mn == -INFINITY ? 0.f : exp2f(sv[e] - mn);
             ps += pv[e];
         }
-        if (mn != -INFINITY) corr = expf(om - mn);
+        if (mn != -INFINITY) corr = exp2f(om - mn);
         ps += __shfl_xor_sync(0xffffffff, ps, 1);
         ps += __shfl_xor_sync(0xffffffff, ps, 2);
         ol = ol * corr + ps;
@@ -184,7 +185,7 @@ MMA_WARP_OUT = """
     __shared__ float sm_l[NWARPS][NREP];
     __shared__ float sm_acc[NWARPS][NREP][D];
     if (q4 == 0 && g < NREP) {
-        sm_m[warp][g] = om;
+        sm_m[warp][g] = om * 0.6931471805599453f;  // natural units, as the block merge takes them
         sm_l[warp][g] = ol;
     }
 #pragma unroll
