@@ -39,3 +39,15 @@ def test_the_mma_loops_launch_at_most_their_warps():
     assert loop_warps("mma_ahead", 16, 128) == loop_warps("mma_ahead", 16, 64) == MMA_MAX_WARPS == 8
     assert loop_warps("mma", 16, 64) == 16  # about 96 registers at head dim 64
     assert loop_warps("pipelined", 16, 128) == 16
+
+
+def test_split_launches_take_their_own_loop(monkeypatch):
+    monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: True)
+    attention = PagedAttention(False, loop="pipelined", split_loop="mma")
+    assert attention.loop_for(mx.bfloat16, 4, 128, split=True) == "mma"
+    assert attention.loop_for(mx.bfloat16, 4, 128, split=False) == "pipelined"
+    assert attention.loop_for(mx.float32, 4, 128, split=True) == "pipelined"  # mma's own limits still hold
+    same = PagedAttention(False, loop="mma_ahead")  # one loop for both unless told
+    assert same.loop_for(mx.bfloat16, 4, 128, split=True) == same.loop_for(mx.bfloat16, 4, 128) == "mma_ahead"
+    with pytest.raises(ValueError):
+        PagedAttention(False, split_loop="ring9")

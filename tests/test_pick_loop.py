@@ -26,3 +26,11 @@ def test_the_fastest_loop_that_agrees_with_sdpa_wins() -> None:
 def test_the_base_stays_unless_another_is_faster_by_the_margin() -> None:
     assert pick_loop.pick(LOG, "pipelined", 0.5, 0.01)[0] == "pipelined"
     assert pick_loop.pick(LOG.replace("staged:1   120.0", "staged:1  FAILED"), "pipelined", 0.05, 0.01)[0] == "pipelined"
+
+
+def test_split_and_unsplit_launches_are_judged_apart() -> None:
+    slow_unsplit = LOG.replace("staged:1   120.0", "staged:1   140.0")  # slower than pipelined's 126.9 at 64 rows
+    assert pick_loop.pick(slow_unsplit, "pipelined", 0.05, 0.01, "split")[0] == "staged"  # 80 against 150.6 at 1 x 32k
+    winner, ratios = pick_loop.pick(slow_unsplit, "pipelined", 0.05, 0.01, "unsplit")
+    assert ratios["staged"] > 1 and winner == "fast"  # fast agrees with SDPA where it is judged now
+    assert pick_loop.pick(slow_unsplit, "pipelined", 0.05, 0.01)[0] == "staged"  # by the mean of both

@@ -43,11 +43,15 @@ for item in "$@"; do
     long-prefill) run "$item" 300 python3 scripts/long_prefill_cost.py --shape llama-8b --context 32768 --chunk 2048 ;;
     pytest-kernel) run "$item" 300 python3 -m pytest -q tests/test_paged_kernel_cuda.py ;;
     pytest-kernel-mma) run "$item" 200 python3 -m pytest -q tests/test_paged_kernel_cuda.py -k mma ;;
-    use-best-loop)  # on this device copy only: the A/B's winner as LOOP (none if pytest-kernel failed)
-      loop=$(python3 scripts/gpu/pick_loop.py "$OUT/kernel-ab.log" 2>>"$OUT/pick-loop.log")
-      if cat "$OUT"/pytest-kernel*.log 2>/dev/null | grep -qE "failed|error"; then loop=; fi
-      [ -n "$loop" ] && sed -i "s/^LOOP = \".*\"/LOOP = \"$loop\"/" runtime/worker/paths/paged_attention.py
-      echo "== use-best-loop: $(cat "$OUT/pick-loop.log" 2>/dev/null); $(grep '^LOOP =' runtime/worker/paths/paged_attention.py)" ;;
+    use-best-loop)  # on this device copy only: the A/B's winners as LOOP (unsplit launches) and
+                    # SPLIT_LOOP (split ones); neither if a pytest-kernel log failed
+      for pair in LOOP:unsplit SPLIT_LOOP:split; do
+        var=${pair%:*}
+        loop=$(python3 scripts/gpu/pick_loop.py "$OUT/kernel-ab.log" --launches "${pair#*:}" 2>>"$OUT/pick-loop.log")
+        if cat "$OUT"/pytest-kernel*.log 2>/dev/null | grep -qE "failed|error"; then loop=; fi
+        [ -n "$loop" ] && sed -i "s/^$var = \".*\"/$var = \"$loop\"/" runtime/worker/paths/paged_attention.py
+      done
+      echo "== use-best-loop: $(tr '\n' ';' < "$OUT/pick-loop.log" 2>/dev/null) $(grep -E '^(SPLIT_)?LOOP =' runtime/worker/paths/paged_attention.py | tr '\n' ' ')" ;;
     kernel-gpu) run "$item" 120 bash -c "python3 scripts/kernel_bench.py --rows 1,8,64 --context 32768 --calls 20 &&
                                           python3 scripts/kernel_bench.py --rows 1,8 --context 32768 --calls 20 --scatter &&
                                           python3 scripts/kernel_bench.py --rows 1,64 --context 2048 --calls 20 &&

@@ -33,6 +33,9 @@ UNROLL = 1  # positions per lane group and warp pass: more costs registers, henc
 # 1-256 rows, scripts/paged_kernel_ab.py), "mma" / "mma_ahead" (tensor cores; not measured
 # in their current form yet).
 LOOP = "pipelined"
+# The loop of split launches (few rows, long contexts: flash-decoding), chosen apart from the
+# unsplit launches' (many rows) since a loop can win at one and lose at the other.
+SPLIT_LOOP = "pipelined"
 MAX_WARPS = 16  # a block of few (row, KV head) pairs: its warps are the kernel's only parallelism
 SHARED_BYTES = 40 * 1024  # the per-warp partial results live in static shared memory (48 KiB max)
 REGISTERS = 65536  # 32-bit registers per SM (and per block) on every CUDA GPU MLX supports
@@ -121,8 +124,12 @@ class PagedAttention:
     so one compiled decode step serves every length.
     """
 
-    def __init__(self, use_kernel: bool, loop: str = LOOP, unroll: int = UNROLL) -> None:
-        body(False, loop)  # a ValueError for an unknown loop, now rather than at the first decode
+    def __init__(self, use_kernel: bool, loop: str = LOOP, unroll: int = UNROLL, split_loop: str | None = None
+                 ) -> None:
+        """``loop`` for unsplit launches, ``split_loop`` (default: ``loop``) for split ones."""
+        self.split_loop = split_loop or loop
+        for name in {loop, self.split_loop}:
+            body(False, name)  # a ValueError for an unknown loop, now rather than at the first decode
         self.use_kernel = use_kernel
         self.loop = loop
         self.unroll = unroll
@@ -206,13 +213,14 @@ class PagedAttention:
             scale_arr = self._scales[scale] = mx.array([scale], dtype=mx.float32)
         return scale_arr
 
-    def loop_for(self, dtype: mx.Dtype, n_rep: int, head_dim: int) -> str:
-        """The loop kernels of this shape use: the mma loops need tensor cores for their dtype
-        (2-byte K/V, sm_80 or later), head dims of 16s up to 128 (past it a lane's K/V words
-        spill, ``scripts/nvrtc_check.py``) and at most 8 query heads per KV head."""
-        if self.loop not in MMA_LOOPS or (dtype in (mx.bfloat16, mx.float16) and head_dim % 16 == 0
-                                          and head_dim <= 128 and n_rep <= 8 and _tensor_cores()):
-            return self.loop
+    def loop_for(self, dtype: mx.Dtype, n_rep: int, head_dim: int, split: bool = False) -> str:
+        """The loop kernels of this shape (and kind of launch) use: the mma loops need tensor
+        cores for their dtype (2-byte K/V, sm_80 or later), head dims of 16s up to 128 (past it
+        a lane's K/V words spill, ``scripts/nvrtc_check.py``) and at most 8 query heads per KV head."""
+        loop = self.split_loop if split else self.loop
+        if loop not in MMA_LOOPS or (dtype in (mx.bfloat16, mx.float16) and head_dim % 16 == 0
+                                     and head_dim <= 128 and n_rep <= 8 and _tensor_cores()):
+            return loop
         return "pipelined"
 
     def _kernel(self, kind: str, appending: bool, loop: str = ""):
@@ -242,7 +250,7 @@ class PagedAttention:
         b, n_q, _, d = queries.shape
         n_rep = n_q // n_kv
         splits, warps = launch or launch_shape(b, n_kv, n_rep, d, 0)
-        loop = self.loop_for(queries.dtype, n_rep, d)
+        loop = self.loop_for(queries.dtype, n_rep, d, split=splits > 1)
         warps = loop_warps(loop, warps, d)
         blocks = b * n_kv
         appending = tail_shape is not None
