@@ -17,7 +17,12 @@ import mlx.core as mx
 import numpy as np
 
 from runtime.worker.paths.cuda import paged_loops
-from runtime.worker.paths.paged_attention import LOOP, PagedAttention, launch_shape
+from runtime.worker.paths.paged_attention import (
+    LOOP,
+    SPLIT_LOOP,
+    PagedAttention,
+    launch_shape,
+)
 
 VARIANTS = {
     # the slot of position t is computed, not read from the table: no dependent load
@@ -58,7 +63,8 @@ def main() -> None:
     p.add_argument("--sweep", default="", help="splits x warps to try, e.g. 1,2,4,8x4,8 (appending kernel only)")
     p.add_argument("--variant", default="", choices=["", *VARIANTS])
     p.add_argument("--scatter", action="store_true", help="each row's slots at random places in the pool")
-    p.add_argument("--loop", default="", help="the kernel's loop (default: paged_attention.LOOP)")
+    p.add_argument("--loop", default="", help="the kernel's loop for every launch (default: the worker's, "
+                                              "paged_attention.LOOP and SPLIT_LOOP)")
     p.add_argument("--no-trace", action="store_true", help="no CUPTI (under ncu)")
     args = p.parse_args()
     if args.variant:
@@ -67,7 +73,9 @@ def main() -> None:
         paged_loops._CLASSIC_LOOP = paged_loops._CLASSIC_LOOP.replace(old, new)
     n_q, n_kv, d = (int(x) for x in args.heads.split(","))
     dtype = mx.bfloat16
-    attn = PagedAttention(True, loop="classic" if args.variant else args.loop or LOOP)
+    loop = "classic" if args.variant else args.loop
+    attn = PagedAttention(True, loop=loop, split_loop=loop) if loop else PagedAttention(True, loop=LOOP,
+                                                                                         split_loop=SPLIT_LOOP)
     for b in [int(r) for r in args.rows.split(",")]:
         n = args.context - args.tail - 1  # pool positions
         slots = max(args.slots, b * args.context + 8)
