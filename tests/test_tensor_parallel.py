@@ -216,7 +216,9 @@ async def test_killing_a_rank_restarts_every_rank(model_dir, tmp_path):
                     if waiting is None:  # running now; a second request queues behind max_running = 1
                         waiting = asyncio.create_task(
                             client.generate(token_ids=waiting_prompt, max_tokens=10, ignore_eos=True))
-                        while (await client.status()).waiting != 1:
+                        # A generous reply time: two ranks decoding flat out on a 2-CPU machine
+                        # once starved the scheduler past status()'s default 5 s (CI, session 20).
+                        while (await client.status(timeout=30)).waiting != 1:
                             await asyncio.sleep(0.02)
                         os.kill(before[1], signal.SIGKILL)
             queued = await asyncio.wait_for(waiting, 120)  # runs after the restart
