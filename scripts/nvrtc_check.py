@@ -39,7 +39,6 @@ from runtime.worker.paths.paged_attention import (  # noqa: E402
 
 _INT_INPUTS = {"table", "rows", "lengths", "tail_len"}
 SASS_KINDS = ("LDG", "LDS", "STS", "LDSM", "HMMA", "SHFL", "PRMT", "FFMA", "FMUL", "FADD", "MUFU", "F2F", "BRA")
-REGISTER_FILE = REGISTERS  # 32-bit registers a block may use; allocated 8 at a time a lane
 _DEFAULT_HEADER = '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
 # Without MLX's device headers (``--stub``, the CI test): the two things of theirs the kernels use.
 STUB_HEADER = """#include <cuda_bf16.h>
@@ -128,7 +127,7 @@ def registers(log: str) -> tuple[int, int]:
 
 def launches(regs: int, warps: int) -> bool:
     """Whether a block of ``warps`` warps of ``regs`` registers a lane fits the register file."""
-    return 0 < regs and -(-regs // 8) * 8 * 32 * warps <= REGISTER_FILE
+    return 0 < regs and -(-regs // 8) * 8 * 32 * warps <= REGISTERS  # allocated 8 at a time a lane
 
 
 def opcode_counts(nvdisasm: Path, cubin: bytes) -> dict[str, int]:
@@ -187,17 +186,15 @@ def main() -> int:
                         name = f"paged_{loop}_{'append' if appending else 'read'}_{'split' if split else 'single'}"
                         ok, log, cubin = nvrtc.compile(
                             kernel_source(name, appending, split, loop, d, n_rep, 8, warps, header), options)
-                        used = re.search(r"Used (\d+) registers", log)
-                        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
                         label = f"{name:34} nrep {n_rep} d {d:3} warps {warps:2}"
                         if not ok:
                             failures += 1
                             print(f"{label}: FAILED\n{log[:3000]}")
                         else:
-                            regs = int(used.group(1)) if used else 0
+                            regs, spilled = registers(log)
                             fits = max((w for w in (1, 2, 4, 8, 16) if launches(regs, w)), default=0) if regs else "?"
                             print(f"{label}: {regs or '?'} registers (a block of at most {fits} warps launches), "
-                                  f"spills {spills.group(1) + '/' + spills.group(2) if spills else '?'} bytes (st/ld)")
+                                  f"{spilled} bytes of spill stores")
                             if args.sass:
                                 counts = opcode_counts(cuda / "bin" / "nvdisasm", cubin)
                                 kinds = {k: sum(v for op, v in counts.items() if op.startswith(k)) for k in SASS_KINDS}
