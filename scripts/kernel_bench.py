@@ -17,12 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from runtime.worker.paths.cuda import paged_loops
-from runtime.worker.paths.paged_attention import (
-    LOOP,
-    SPLIT_LOOP,
-    PagedAttention,
-    launch_shape,
-)
+from runtime.worker.paths.paged_attention import PagedAttention, launch_shape
 
 VARIANTS = {
     # the slot of position t is computed, not read from the table: no dependent load
@@ -73,9 +68,7 @@ def main() -> None:
         paged_loops._CLASSIC_LOOP = paged_loops._CLASSIC_LOOP.replace(old, new)
     n_q, n_kv, d = (int(x) for x in args.heads.split(","))
     dtype = mx.bfloat16
-    loop = "classic" if args.variant else args.loop
-    attn = PagedAttention(True, loop=loop, split_loop=loop) if loop else PagedAttention(True, loop=LOOP,
-                                                                                         split_loop=SPLIT_LOOP)
+    attn = PagedAttention(True, loop="classic" if args.variant else args.loop or None)
     for b in [int(r) for r in args.rows.split(",")]:
         n = args.context - args.tail - 1  # pool positions
         slots = max(args.slots, b * args.context + 8)

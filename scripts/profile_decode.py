@@ -159,8 +159,6 @@ def check_kernel() -> None:
     """The paged decode kernel against the gather + masked SDPA fallback on random data."""
     from runtime.worker.model.discovery import AttentionShape
     from runtime.worker.paths.paged_attention import (
-        LOOP,
-        SPLIT_LOOP,
         PagedAttention,
         launch_shape,
         splits_for,
@@ -188,7 +186,7 @@ def check_kernel() -> None:
         valid = np.concatenate([np.arange(t)[None, :] < lengths[:, None], np.ones((b, tail), dtype=bool)], axis=1)
         ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d**-0.5, mask=mx.array(valid)[:, None, None, :])
         for max_length in (0, t + tail):
-            out = PagedAttention(True, loop=LOOP, split_loop=SPLIT_LOOP)._kernel_attend(
+            out = PagedAttention(True)._kernel_attend(
                 q, pool.keys[0], pool.values[0], mx.array(full), mx.array(order.astype(np.int32)),
                 mx.array((lengths + tail).astype(np.int32)), tail_k, tail_v, mx.array([tail], dtype=mx.int32), d**-0.5,
                 launch_shape(b, n_kv, n_q // n_kv, d, max_length))
@@ -204,8 +202,6 @@ def time_kernel(batches: list[int], context: int, calls: int = 64) -> None:
 
     from runtime.worker.model.discovery import AttentionShape
     from runtime.worker.paths.paged_attention import (
-        LOOP,
-        SPLIT_LOOP,
         PagedAttention,
         launch_shape,
         splits_for,
@@ -224,7 +220,7 @@ def time_kernel(batches: list[int], context: int, calls: int = 64) -> None:
         q = mx.random.normal((b, n_q, 1, d)).astype(mx.bfloat16)
         k = mx.random.normal((b, n_kv, context, d)).astype(mx.bfloat16)
         v = mx.random.normal((b, n_kv, context, d)).astype(mx.bfloat16)
-        attn = PagedAttention(True, loop=LOOP, split_loop=SPLIT_LOOP)  # as the worker's
+        attn = PagedAttention(True)  # the worker's loops
         tail_len = mx.array([tail_k.shape[2]], dtype=mx.int32)
         runs = {
             "kernel 1 split": lambda x: attn._kernel_attend(x, pool.keys[0], pool.values[0], table, rows, lengths,

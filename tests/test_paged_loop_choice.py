@@ -43,11 +43,12 @@ def test_the_mma_loops_launch_at_most_their_warps():
 
 def test_split_launches_take_their_own_loop(monkeypatch):
     monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: True)
-    attention = PagedAttention(False, loop="pipelined", split_loop="mma")
+    monkeypatch.setattr(paged_attention, "SPLIT_LOOP", "mma")  # as use-best-loop would set it
+    attention = PagedAttention(False)  # the worker's loops
     assert attention.loop_for(mx.bfloat16, 4, 128, split=True) == "mma"
     assert attention.loop_for(mx.bfloat16, 4, 128, split=False) == "pipelined"
     assert attention.loop_for(mx.float32, 4, 128, split=True) == "pipelined"  # mma's own limits still hold
-    same = PagedAttention(False, loop="mma_ahead")  # one loop for both unless told
+    same = PagedAttention(False, loop="mma_ahead")  # one loop for both when told one
     assert same.loop_for(mx.bfloat16, 4, 128, split=True) == same.loop_for(mx.bfloat16, 4, 128) == "mma_ahead"
     with pytest.raises(ValueError):
-        PagedAttention(False, split_loop="ring9")
+        PagedAttention(False, loop="ring9")

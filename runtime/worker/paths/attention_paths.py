@@ -24,12 +24,7 @@ from runtime.worker.paths.cuda.decode_tail import DecodeTail
 from runtime.worker.paths.cuda.kernel_check import check_paged_kernel
 from runtime.worker.paths.decode_plan import DecodePlan, row_bucket
 from runtime.worker.paths.deferred_steps import DeferredSteps
-from runtime.worker.paths.paged_attention import (
-    LOOP,
-    SPLIT_LOOP,
-    PagedAttention,
-    launch_shape,
-)
+from runtime.worker.paths.paged_attention import PagedAttention, launch_shape
 from runtime.worker.paths.pool_cache import ForwardBatch, decode_mask
 from runtime.worker.paths.prefill_shapes import front_padded_mask, key_length
 from runtime.worker.paths.rows.row_cache import MAX_BYTES, RowCache, RowSpan
@@ -69,8 +64,7 @@ class AttentionPaths:
         # every valid position (not a sliding window), with keys and values of one width
         # (latent attention takes the generic paths).
         paged = routed and layout.routed and not self.windowed and layout.kv_shape.same_widths
-        self.attention = (PagedAttention(PagedAttention.kernel_available(), loop=LOOP, split_loop=SPLIT_LOOP)
-                          if paged else None)
+        self.attention = PagedAttention(PagedAttention.kernel_available()) if paged else None
         kernel = self.attention is not None and self.attention.supports(pool.shape.head_dim)
         if kernel and (problem := self._check_kernel(length_bucket, tail=not hybrid)):
             print(f"runtime worker: the paged attention kernel failed its start-up check ({problem}); "

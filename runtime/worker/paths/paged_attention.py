@@ -124,14 +124,13 @@ class PagedAttention:
     so one compiled decode step serves every length.
     """
 
-    def __init__(self, use_kernel: bool, loop: str = LOOP, unroll: int = UNROLL, split_loop: str | None = None
-                 ) -> None:
-        """``loop`` for unsplit launches, ``split_loop`` (default: ``loop``) for split ones."""
-        self.split_loop = split_loop or loop
-        for name in {loop, self.split_loop}:
+    def __init__(self, use_kernel: bool, loop: str | None = None, unroll: int = UNROLL) -> None:
+        """``loop``: one loop for every launch; by default the worker's, ``LOOP`` for unsplit
+        launches and ``SPLIT_LOOP`` for split ones."""
+        self.loop, self.split_loop = (loop, loop) if loop else (LOOP, SPLIT_LOOP)
+        for name in {self.loop, self.split_loop}:
             body(False, name)  # a ValueError for an unknown loop, now rather than at the first decode
         self.use_kernel = use_kernel
-        self.loop = loop
         self.unroll = unroll
         self._kernels: dict[tuple[str, bool, str], object] = {}
         self._scales: dict[float, mx.array] = {}
