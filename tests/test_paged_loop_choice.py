@@ -43,7 +43,8 @@ def test_the_mma_loops_launch_at_most_their_warps():
 
 def test_split_launches_take_their_own_loop(monkeypatch):
     monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: True)
-    monkeypatch.setattr(paged_attention, "SPLIT_LOOP", "mma")  # as use-best-loop would set it
+    monkeypatch.setattr(paged_attention, "LOOP", "pipelined")
+    monkeypatch.setattr(paged_attention, "SPLIT_LOOP", "mma")  # as use-best-loop could set them
     attention = PagedAttention(False)  # the worker's loops
     assert attention.loop_for(mx.bfloat16, 4, 128, split=True) == "mma"
     assert attention.loop_for(mx.bfloat16, 4, 128, split=False) == "pipelined"

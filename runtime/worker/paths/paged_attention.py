@@ -29,13 +29,15 @@ from runtime.worker.pools.kv_pool import KVPool
 
 UNROLL = 1  # positions per lane group and warp pass: more costs registers, hence occupancy (1 measured best)
 # The kernel's loop (``paged_kernels.body``): "classic" (one warp pass of K/V in flight),
-# "pipelined" (the next pass's loads issued first: 10-15% faster than classic on an H200 at
-# 1-256 rows, scripts/paged_kernel_ab.py), "mma" / "mma_ahead" (tensor cores; not measured
-# in their current form yet).
-LOOP = "pipelined"
+# "pipelined" (the next pass's loads issued first), "mma" / "mma_ahead" (tensor cores, K/V by
+# 16-byte loads into registers; "mma_ahead" issues the next pass's loads first). On an H200
+# (session 21, scripts/paged_kernel_ab.py, head dims 64 and 128): mma 1.1-1.8x faster than
+# pipelined at 64-256 rows; mma_ahead 1.2-1.3x at 1-8 rows of 4k-32k. Where a model's shape
+# or dtype rules the mma loops out, ``loop_for`` falls back to "pipelined".
+LOOP = "mma"
 # The loop of split launches (few rows, long contexts: flash-decoding), chosen apart from the
 # unsplit launches' (many rows) since a loop can win at one and lose at the other.
-SPLIT_LOOP = "pipelined"
+SPLIT_LOOP = "mma_ahead"
 MAX_WARPS = 16  # a block of few (row, KV head) pairs: its warps are the kernel's only parallelism
 SHARED_BYTES = 40 * 1024  # the per-warp partial results live in static shared memory (48 KiB max)
 REGISTERS = 65536  # 32-bit registers per SM (and per block) on every CUDA GPU MLX supports
