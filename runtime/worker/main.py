@@ -61,7 +61,11 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         from runtime.worker.engine import Engine
         from runtime.worker.loader import buffer_cache_bytes, load
         from runtime.worker.model.fused_projections import stacked_line
-        from runtime.worker.paths.cuda.cuda_graphs import lift_graph_size_limit
+        from runtime.worker.paths.cuda.cuda_graphs import (
+            GRAPHS_VAR,
+            launch_directly,
+            lift_graph_size_limit,
+        )
         from runtime.worker.paths.cuda.kernel_cache import keep_kernel_cache
         from runtime.worker.paths.prefill_shapes import keep_attention_graphs
         from runtime.worker.paths.prefill_warmup import warm_prefill
@@ -70,6 +74,8 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         imported = time.perf_counter()
         cuda = mx.cuda.is_available()
         lift_graph_size_limit(os.environ, cuda)  # before the first device operation
+        if launch_directly(os.environ, cuda):
+            print(f"runtime worker: CUDA graphs off ({GRAPHS_VAR}=0: faster here; set it to 1 to use them)", flush=True)
         keep_attention_graphs(os.environ, cuda)
         device_name = str(mx.device_info().get("device_name", "")) if cuda else ""
         kernels = keep_kernel_cache(os.environ, cuda, mx.__version__, device_name)  # before the first kernel build
