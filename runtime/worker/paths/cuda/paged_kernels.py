@@ -148,10 +148,16 @@ _GROUP_MERGE = """
             m[r] = mn;
         }
     }
-    __shared__ float sm_m[NWARPS][NREP];
+"""
+
+# Each warp's running max, sum and accumulator per query head, for the block merge.
+WARP_SHARED = """    __shared__ float sm_m[NWARPS][NREP];
     __shared__ float sm_l[NWARPS][NREP];
     __shared__ float sm_acc[NWARPS][NREP][D];
-#pragma unroll
+"""
+
+# A CUDA-core loop's warp results (merged over its lane groups) into WARP_SHARED.
+_GROUP_OUT = """#pragma unroll
     for (int r = 0; r < NREP; ++r) {
         if (lane == 0) {
             sm_m[warp][r] = m[r];
@@ -276,7 +282,7 @@ def body(appending: bool, loop: str = "pipelined") -> str:
         parts = {"{TAIL_LENGTH}": _APPEND_LENGTH, "{TAIL_COPY}": _APPEND_COPY}
     else:
         parts = {"{TAIL_LENGTH}": _TAIL_LENGTH, "{TAIL_COPY}": ""}
-    warp_out = MMA_WARP_OUT if loop in MMA_LOOPS else _GROUP_MERGE
+    warp_out = "\n" + WARP_SHARED + MMA_WARP_OUT if loop in MMA_LOOPS else _GROUP_MERGE + WARP_SHARED + _GROUP_OUT
     source = _PROLOGUE + loop_source(loop, appending) + warp_out + _BLOCK_MERGE
     for marker, text in parts.items():
         source = source.replace(marker, text)

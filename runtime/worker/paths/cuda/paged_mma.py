@@ -63,19 +63,18 @@ _MMA_PROLOGUE = """
 """
 
 # One pass's loads: the K rows of positions T0 + g and T0 + 8 + g into KW_[2][KW], the V rows of
-# positions T0 + 2 q4, + 1, T0 + 8 + 2 q4, + 1 into VW_[4][MT].
+# positions T0 + 2 q4, + 1, T0 + 8 + 2 q4, + 1 into VW_[4][MT]. {K_T} / {V_T}: the row's
+# position t, where its address needs it (not on the short path: a row by its slot alone).
 _MMA_LOAD = """
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-            const int t = T0 + j * 8 + g;
-            const T* krow = {K_ROW};
+{K_T}            const T* krow = {K_ROW};
 #pragma unroll
             for (int i = 0; i < KW / CK; ++i) load_chunk<CK>(krow + KDIM(i * CK), &KW_[j][i * CK], ALIGNED);
         }
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
-            const int t = T0 + (p / 2) * 8 + 2 * q4 + p % 2;
-            const T* vrow = {V_ROW};
+{V_T}            const T* vrow = {V_ROW};
 #pragma unroll
             for (int i = 0; i < MT / CV; ++i) load_chunk<CV>(vrow + VDIM(i * CV), &VW_[p][i * CV], ALIGNED);
         }
@@ -179,12 +178,8 @@ _MMA_AHEAD_LOOP = """
     }
 """
 
-# The mma loop's results into the block merge's shared memory.
-MMA_WARP_OUT = """
-    __shared__ float sm_m[NWARPS][NREP];
-    __shared__ float sm_l[NWARPS][NREP];
-    __shared__ float sm_acc[NWARPS][NREP][D];
-    if (q4 == 0 && g < NREP) {
+# The mma loop's results into the block merge's shared memory (``paged_kernels.WARP_SHARED``).
+MMA_WARP_OUT = """    if (q4 == 0 && g < NREP) {
         sm_m[warp][g] = om * 0.6931471805599453f;  // natural units, as the block merge takes them
         sm_l[warp][g] = ol;
     }
@@ -218,11 +213,13 @@ def mma_loop_source(appending: bool, loop: str = "mma") -> str:
     """
     row = _MMA_ROW[appending]
     new = " | reinterpret_cast<size_t>(new_keys) | reinterpret_cast<size_t>(new_values)" if appending else ""
-    general = (_MMA_LOAD.replace("{K_ROW}", f"t < tend ? {row} : kpad".replace("{KV}", "keys"))
+    general = (_MMA_LOAD.replace("{K_T}", "            const int t = T0 + j * 8 + g;\n")
+               .replace("{V_T}", "            const int t = T0 + (p / 2) * 8 + 2 * q4 + p % 2;\n")
+               .replace("{K_ROW}", f"t < tend ? {row} : kpad".replace("{KV}", "keys"))
                .replace("{V_ROW}", f"t < tend ? {row} : vpad".replace("{KV}", "values")))
-    short = (_MMA_LOAD.replace("{K_ROW}", "keys + ((size_t)SK_[j] * HKV + h) * D")
+    short = (_MMA_LOAD.replace("{K_T}", "").replace("{V_T}", "")
+             .replace("{K_ROW}", "keys + ((size_t)SK_[j] * HKV + h) * D")
              .replace("{V_ROW}", "values + ((size_t)SV_[p] * HKV + h) * D"))
-    short = "\n".join(line for line in short.split("\n") if "const int t = " not in line)  # rows by slot alone
 
     def loads(k: str, v: str, t0: str, aligned: str, slots: tuple[str, str]) -> str:
         both = f"        if (T0 + 16 <= pool_end) {{\n{short}        }} else {{\n{general}        }}\n"
