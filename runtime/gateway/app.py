@@ -44,6 +44,7 @@ from runtime.gateway.streaming import (
 from runtime.gateway.tokens import TokenText
 from runtime.gateway.tool_calls import Markup, load_markup
 from runtime.gateway.tool_choice import plan_tools
+from runtime.protocol.client import StatusReply
 
 STATUS_TIMEOUT_S = 3.0
 STARTUP_POLL_S = 0.5  # how long each start-up status query waits for the scheduler's first answer
@@ -82,23 +83,37 @@ class Gateway:
             raise ApiError(503, STARTING, code="starting")
         return self.limits
 
-    async def poll_scheduler(self) -> bool:
+    async def poll_scheduler(self) -> StatusReply | None:
         """One status query: take the model's limits if the scheduler is past its start-up
-        (it answers "starting" until then); whether it is."""
+        (it answers "starting" until then); its status if it is, else None."""
         assert self.client is not None
         try:
             status = await self.client.status(timeout=STARTUP_POLL_S)
         except ServiceUnavailable:
-            return False  # not listening yet
+            return None  # not listening yet
         if status.worker_state == "starting":
-            return False
+            return None
         if self.limits is None:
             self.limits, self.created = convert.Limits(status.max_context), int(time.time())
-        return True
+        return status
+
+    async def health(self, status_or_none: Callable) -> tuple[int, dict]:
+        """``/health``'s status code and body, from one status query: 503 ``starting`` while
+        the worker loads the model, 503 ``unavailable`` when the scheduler does not answer or
+        its worker is not up, else 200."""
+        if self.limits is None:  # the start-up poll's query also says whether the worker is up
+            status = await self.poll_scheduler()
+            if status is None:
+                return 503, {"status": "starting", "scheduler": "starting"}
+        else:
+            status = await status_or_none()
+        if status is None or status.worker_state != "up":
+            return 503, {"status": "unavailable", "scheduler": "no answer" if status is None else status.worker_state}
+        return 200, {"status": "ok"}
 
     async def wait_for_scheduler(self) -> None:
         """Ask for the scheduler's status until its worker is past its start-up."""
-        while not await self.poll_scheduler():
+        while await self.poll_scheduler() is None:
             await asyncio.sleep(STARTUP_POLL_S)
 
     def check(self, model: str | None) -> None:
@@ -165,13 +180,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if gw.limits is None and not await gw.poll_scheduler():  # the worker is still loading the model
-            return JSONResponse({"status": "starting", "scheduler": "starting"}, status_code=503)
-        status = await status_or_none()
-        if status is None or status.worker_state != "up":
-            state = "no answer" if status is None else status.worker_state
-            return JSONResponse({"status": "unavailable", "scheduler": state}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        code, body = await gw.health(status_or_none)
+        return JSONResponse(body, status_code=code)
 
     @app.get("/metrics")
     async def metrics() -> Response:
