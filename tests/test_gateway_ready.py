@@ -1,4 +1,4 @@
-"""A gateway process asks the scheduler itself before answering ``starting``.
+"""A gateway process asks the scheduler itself before answering ``starting`` (and is stopped once).
 
 With several gateway processes on one port, ``/health`` may answer 200 from one while another
 has not yet polled the scheduler past its start-up; a request landing there must be served,
@@ -7,6 +7,8 @@ not refused (the early-gateway race the two-process test once hit).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -14,6 +16,7 @@ import pytest
 from runtime.client import ServiceUnavailable
 from runtime.gateway.app import Gateway
 from runtime.gateway.errors import ApiError
+from runtime.gateway.process import GatewayProcess
 
 
 @dataclass
@@ -77,3 +80,15 @@ async def test_health_asks_the_scheduler_once_per_call():
     assert gw.limits is not None
     assert await gw.health(later_status) == (503, {"status": "unavailable", "scheduler": "restarting"})
     assert scheduler.asked == 3
+
+
+async def test_the_gateway_processes_are_stopped_once(tmp_path):
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    gateway = GatewayProcess([proc], "http://127.0.0.1:1", str(metrics))
+    await gateway.stop()
+    assert proc.returncode is not None and not metrics.exists()
+    metrics.mkdir()  # a second stop (runtime up's way out after the serving loop's) touches nothing
+    await gateway.stop()
+    assert metrics.exists()

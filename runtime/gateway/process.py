@@ -59,6 +59,7 @@ class GatewayProcess:
         self.procs = procs
         self.url = url
         self.metrics_dir = metrics_dir
+        self.stopped = False
 
     @classmethod
     def spawn(cls, http: HttpConfig, sock: socket.socket, settings: GatewaySettings) -> GatewayProcess:
@@ -101,7 +102,11 @@ class GatewayProcess:
         raise GatewayError(f"the HTTP gateway did not become healthy within {timeout_s:.0f} s ({last})")
 
     async def stop(self) -> None:
-        """SIGTERM, then SIGKILL after STOP_TIMEOUT_S; closing stdin also tells them to exit."""
+        """SIGTERM, then SIGKILL after STOP_TIMEOUT_S; closing stdin also tells them to exit.
+        Once: ``runtime up`` stops the gateway before the scheduler, and again on every way out."""
+        if self.stopped:
+            return
+        self.stopped = True
         await asyncio.gather(*(_stop(proc) for proc in self.procs))
         if self.metrics_dir is not None:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
