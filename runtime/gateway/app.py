@@ -97,7 +97,15 @@ class Gateway:
             self.limits, self.created = convert.Limits(status.max_context), int(time.time())
         return status
 
-    async def health(self, status_or_none: Callable) -> tuple[int, dict]:
+    async def status_or_none(self) -> StatusReply | None:
+        """The scheduler's status, or None when it does not answer."""
+        assert self.client is not None
+        try:
+            return await self.client.status(timeout=STATUS_TIMEOUT_S)
+        except ServiceUnavailable:
+            return None
+
+    async def health(self) -> tuple[int, dict]:
         """``/health``'s status code and body, from one status query: 503 ``starting`` while
         the worker loads the model, 503 ``unavailable`` when the scheduler does not answer or
         its worker is not up, else 200."""
@@ -106,7 +114,7 @@ class Gateway:
             if status is None:
                 return 503, {"status": "starting", "scheduler": "starting"}
         else:
-            status = await status_or_none()
+            status = await self.status_or_none()
         if status is None or status.worker_state != "up":
             return 503, {"status": "unavailable", "scheduler": "no answer" if status is None else status.worker_state}
         return 200, {"status": "ok"}
@@ -171,21 +179,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.strip(), k) for k in settings.api_keys):
             raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key")
 
-    async def status_or_none():
-        assert gw.client is not None
-        try:
-            return await gw.client.status(timeout=STATUS_TIMEOUT_S)
-        except ServiceUnavailable:
-            return None
-
     @app.get("/health")
     async def health() -> Response:
-        code, body = await gw.health(status_or_none)
+        code, body = await gw.health()
         return JSONResponse(body, status_code=code)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        status = await status_or_none() if gw.limits is not None else None
+        status = await gw.status_or_none() if gw.limits is not None else None
         return Response(gw.metrics.render(status), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
