@@ -51,5 +51,16 @@ def test_split_launches_take_their_own_loop(monkeypatch):
     assert attention.loop_for(mx.float32, 4, 128, split=True) == "pipelined"  # mma's own limits still hold
     same = PagedAttention(False, loop="mma_ahead")  # one loop for both when told one
     assert same.loop_for(mx.bfloat16, 4, 128, split=True) == same.loop_for(mx.bfloat16, 4, 128) == "mma_ahead"
+    assert same.loop_for(mx.bfloat16, 4, 64, split=True) == "mma_ahead"  # at every head dim
     with pytest.raises(ValueError):
         PagedAttention(False, loop="ring9")
+
+
+def test_split_launches_of_small_head_dims_take_their_own_loop(monkeypatch):
+    monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: True)
+    monkeypatch.setattr(paged_attention, "SPLIT_LOOP", "mma_ahead")
+    monkeypatch.setattr(paged_attention, "SPLIT_LOOP_SMALL_DIMS", "mma")
+    attention = PagedAttention(False)
+    assert attention.loop_for(mx.bfloat16, 4, 64, split=True) == "mma"  # the 1B's heads
+    assert attention.loop_for(mx.bfloat16, 4, 128, split=True) == "mma_ahead"
+    assert attention.loop_for(mx.bfloat16, 4, 64, split=False) == paged_attention.LOOP

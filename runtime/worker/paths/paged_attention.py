@@ -38,6 +38,11 @@ LOOP = "mma"
 # The loop of split launches (few rows, long contexts: flash-decoding), chosen apart from the
 # unsplit launches' (many rows) since a loop can win at one and lose at the other.
 SPLIT_LOOP = "mma_ahead"
+# ... except at head dims up to 64, where mma_ahead's second register buffer costs it the
+# 16 warps mma keeps: mma was faster at every split launch of 1 x 2,048 positions tried on an
+# H200 (65.2 against 77.8 us by default, 9 of 9 launch shapes; session 21, dim-64 A/B).
+SPLIT_LOOP_SMALL_DIMS = "mma"
+SMALL_DIMS = 64
 MAX_WARPS = 16  # a block of few (row, KV head) pairs: its warps are the kernel's only parallelism
 SHARED_BYTES = 40 * 1024  # the per-warp partial results live in static shared memory (48 KiB max)
 REGISTERS = 65536  # 32-bit registers per SM (and per block) on every CUDA GPU MLX supports
@@ -128,9 +133,11 @@ class PagedAttention:
 
     def __init__(self, use_kernel: bool, loop: str | None = None, unroll: int = UNROLL) -> None:
         """``loop``: one loop for every launch; by default the worker's, ``LOOP`` for unsplit
-        launches and ``SPLIT_LOOP`` for split ones."""
+        launches and ``SPLIT_LOOP`` (``SPLIT_LOOP_SMALL_DIMS`` up to head dim ``SMALL_DIMS``)
+        for split ones."""
         self.loop, self.split_loop = (loop, loop) if loop else (LOOP, SPLIT_LOOP)
-        for name in {self.loop, self.split_loop}:
+        self.small_split_loop = loop or SPLIT_LOOP_SMALL_DIMS
+        for name in {self.loop, self.split_loop, self.small_split_loop}:
             body(False, name)  # a ValueError for an unknown loop, now rather than at the first decode
         self.use_kernel = use_kernel
         self.unroll = unroll
@@ -218,7 +225,7 @@ class PagedAttention:
         """The loop kernels of this shape (and kind of launch) use: the mma loops need tensor
         cores for their dtype (2-byte K/V, sm_80 or later), head dims of 16s up to 128 (past it
         a lane's K/V words spill, ``scripts/nvrtc_check.py``) and at most 8 query heads per KV head."""
-        loop = self.split_loop if split else self.loop
+        loop = self.loop if not split else self.small_split_loop if head_dim <= SMALL_DIMS else self.split_loop
         if loop not in MMA_LOOPS or (dtype in (mx.bfloat16, mx.float16) and head_dim % 16 == 0
                                      and head_dim <= 128 and n_rep <= 8 and _tensor_cores()):
             return loop
