@@ -38,6 +38,7 @@ CASES = [
     ("mma_ahead", False, 1, "bf16", 1, 128, 4, 4),
     ("mma_ahead", True, 3, "bf16", 1, 96, 2, 2),
     ("mma_ahead", True, 1, "bf16", 1, 64, 8, 2),
+    ("mma_ahead", True, 3, "bf16", 1, 128, 4, 4),  # the 8B's long rows: split blocks of 4 warps (loop_warps)
 ]
 
 

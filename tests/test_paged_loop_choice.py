@@ -39,6 +39,10 @@ def test_the_mma_loops_launch_at_most_their_warps():
     assert loop_warps("mma_ahead", 16, 128) == loop_warps("mma_ahead", 16, 64) == MMA_MAX_WARPS == 8
     assert loop_warps("mma", 16, 64) == 16  # about 96 registers at head dim 64
     assert loop_warps("pipelined", 16, 128) == 16
+    # split blocks of the mma loops past head dim 64: half the launch shape's warps
+    assert [loop_warps("mma_ahead", w, 128, split=True) for w in (2, 4, 8, 16)] == [2, 4, 4, 8]
+    assert loop_warps("mma", 8, 128, split=True) == 4 and loop_warps("mma", 16, 64, split=True) == 16
+    assert loop_warps("pipelined", 8, 128, split=True) == 8
 
 
 def test_split_launches_take_their_own_loop(monkeypatch):

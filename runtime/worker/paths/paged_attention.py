@@ -103,9 +103,19 @@ def splits_for(blocks: int, max_length: int) -> int:
 MMA_MAX_WARPS = 8
 
 
-def loop_warps(loop: str, warps: int, head_dim: int) -> int:
-    """The warps a block of ``loop``'s kernel launches with, given ``launch_shape``'s."""
-    if loop not in MMA_LOOPS or (loop == "mma" and head_dim <= 64):
+def loop_warps(loop: str, warps: int, head_dim: int, split: bool = False) -> int:
+    """The warps a block of ``loop``'s kernel launches with, given ``launch_shape``'s (a
+    function of the launch shape alone, so the warm-up builds the kernels the steps use).
+
+    A split block of the mma loops past head dim 64 takes half the warps (4 of 8, 8 of 16):
+    on an H200 (session 21, kernel A/B at head dim 128) 1 x 32k ran 103 against 111 us
+    (mma_ahead) and 110 against 123 (mma), 8 x 4,096 97 against 114 and 107 against 133,
+    1 x 8,192 level; a warp's many 16-position passes keep its loads in flight."""
+    if loop not in MMA_LOOPS:
+        return warps
+    if split and head_dim > 64 and warps > 4:
+        warps //= 2
+    if loop == "mma" and head_dim <= 64:
         return warps
     return min(warps, MMA_MAX_WARPS)
 
@@ -259,7 +269,7 @@ class PagedAttention:
         n_rep = n_q // n_kv
         splits, warps = launch or launch_shape(b, n_kv, n_rep, d, 0)
         loop = self.loop_for(queries.dtype, n_rep, d, split=splits > 1)
-        warps = loop_warps(loop, warps, d)
+        warps = loop_warps(loop, warps, d, split=splits > 1)
         blocks = b * n_kv
         appending = tail_shape is not None
         tails = [tail_shape, tail_shape] if tail_shape is not None else []
