@@ -17,7 +17,8 @@ import mlx.core as mx
 import numpy as np
 
 from runtime.worker.paths.cuda import paged_loops
-from runtime.worker.paths.paged_attention import PagedAttention, launch_shape
+from runtime.worker.paths.cuda.kernel_launch import launch_shape
+from runtime.worker.paths.paged_attention import PagedAttention
 
 VARIANTS = {
     # the slot of position t is computed, not read from the table: no dependent load

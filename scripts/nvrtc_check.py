@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.worker.paths.cuda import paged_kernels as pk  # noqa: E402
-from runtime.worker.paths.paged_attention import (  # noqa: E402
+from runtime.worker.paths.cuda.kernel_launch import (  # noqa: E402
     REGISTERS,
     lanes_per_position,
     loop_warps,

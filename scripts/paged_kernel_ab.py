@@ -19,7 +19,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from runtime.worker.paths.paged_attention import PagedAttention, launch_shape
+from runtime.worker.paths.cuda.kernel_launch import launch_shape
+from runtime.worker.paths.paged_attention import PagedAttention
 
 
 def case_arrays(rows: int, context: int, n_q: int, n_kv: int, d: int) -> dict:

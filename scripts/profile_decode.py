@@ -158,11 +158,8 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
 def check_kernel() -> None:
     """The paged decode kernel against the gather + masked SDPA fallback on random data."""
     from runtime.worker.model.discovery import AttentionShape
-    from runtime.worker.paths.paged_attention import (
-        PagedAttention,
-        launch_shape,
-        splits_for,
-    )
+    from runtime.worker.paths.cuda.kernel_launch import launch_shape, splits_for
+    from runtime.worker.paths.paged_attention import PagedAttention
     from runtime.worker.pools.kv_pool import KVPool
 
     rng = np.random.default_rng(0)
@@ -201,11 +198,8 @@ def time_kernel(batches: list[int], context: int, calls: int = 64) -> None:
     from paged_kernel_ab import chained_us
 
     from runtime.worker.model.discovery import AttentionShape
-    from runtime.worker.paths.paged_attention import (
-        PagedAttention,
-        launch_shape,
-        splits_for,
-    )
+    from runtime.worker.paths.cuda.kernel_launch import launch_shape, splits_for
+    from runtime.worker.paths.paged_attention import PagedAttention
     from runtime.worker.pools.kv_pool import KVPool
 
     n_q, n_kv, d = 32, 8, 128
@@ -237,14 +231,14 @@ def time_kernel(batches: list[int], context: int, calls: int = 64) -> None:
 
 def no_split(fn):
     """Run ``fn`` with the paged kernel's position splitting turned off."""
-    from runtime.worker.paths import paged_attention
+    from runtime.worker.paths.cuda import kernel_launch
 
-    saved = paged_attention.MAX_SPLITS
-    paged_attention.MAX_SPLITS = 1
+    saved = kernel_launch.MAX_SPLITS
+    kernel_launch.MAX_SPLITS = 1
     try:
         return fn()
     finally:
-        paged_attention.MAX_SPLITS = saved
+        kernel_launch.MAX_SPLITS = saved
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.worker.paths.cuda import paged_kernels as pk
-from runtime.worker.paths.paged_attention import lanes_per_position
+from runtime.worker.paths.cuda.kernel_launch import lanes_per_position
 
 CXX = ["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-pthread"]
 

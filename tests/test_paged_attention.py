@@ -119,11 +119,8 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
     from runtime.worker.paths import attention_paths
     from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
     from runtime.worker.paths.cuda.decode_tail import DecodeTail
-    from runtime.worker.paths.paged_attention import (
-        PagedAttention,
-        splits_for,
-        warps_for,
-    )
+    from runtime.worker.paths.cuda.kernel_launch import splits_for, warps_for
+    from runtime.worker.paths.paged_attention import PagedAttention
 
     _reference_kernels(monkeypatch)
     monkeypatch.setattr(attention_paths, "TAIL_STEPS", tail_steps)
@@ -180,7 +177,7 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
 
 
 def test_kernel_warps_fit_shared_memory_and_registers():
-    from runtime.worker.paths.paged_attention import (
+    from runtime.worker.paths.cuda.kernel_launch import (
         MAX_WARPS,
         REGISTERS,
         SHARED_BYTES,
@@ -200,7 +197,7 @@ def test_kernel_warps_fit_shared_memory_and_registers():
 
 
 def test_small_batches_split_their_positions_over_blocks():
-    from runtime.worker.paths.paged_attention import (
+    from runtime.worker.paths.cuda.kernel_launch import (
         MANY_BLOCKS,
         MAX_WARPS,
         MIN_SPLIT,
@@ -222,7 +219,7 @@ def test_small_batches_split_their_positions_over_blocks():
 
 
 def test_kernel_lanes_per_position_keep_16_bytes_per_lane():
-    from runtime.worker.paths.paged_attention import lanes_per_position
+    from runtime.worker.paths.cuda.kernel_launch import lanes_per_position
 
     assert [lanes_per_position(d) for d in (32, 64, 96, 128, 160, 256)] == [4, 8, 8, 16, 16, 32]
     for d in range(32, 257, 32):

@@ -12,7 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runtime.worker.paths.paged_attention import PagedAttention, launch_shape
+from runtime.worker.paths.cuda.kernel_launch import launch_shape
+from runtime.worker.paths.paged_attention import PagedAttention
 
 pytestmark = pytest.mark.skipif(not PagedAttention.kernel_available(), reason="needs MLX on a CUDA GPU")
 

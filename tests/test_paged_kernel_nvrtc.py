@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.worker.paths.paged_attention import PagedAttention, loop_warps, warps_for
+from runtime.worker.paths.cuda.kernel_launch import loop_warps, warps_for
+from runtime.worker.paths.paged_attention import PagedAttention
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("nvrtc_check", ROOT / "scripts" / "nvrtc_check.py")

@@ -7,11 +7,8 @@ import mlx.core as mx
 import pytest
 
 from runtime.worker.paths import paged_attention
-from runtime.worker.paths.paged_attention import (
-    MMA_MAX_WARPS,
-    PagedAttention,
-    loop_warps,
-)
+from runtime.worker.paths.cuda.kernel_launch import MMA_MAX_WARPS, loop_warps
+from runtime.worker.paths.paged_attention import PagedAttention
 
 
 @pytest.mark.parametrize(("loop", "dtype", "n_rep", "head_dim", "tensor_cores", "expected"), [

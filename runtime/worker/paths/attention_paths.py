@@ -22,9 +22,10 @@ from runtime.worker.model import attention_patch
 from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.paths.cuda.decode_tail import DecodeTail
 from runtime.worker.paths.cuda.kernel_check import check_paged_kernel
+from runtime.worker.paths.cuda.kernel_launch import launch_shape
 from runtime.worker.paths.decode_plan import DecodePlan, row_bucket
 from runtime.worker.paths.deferred_steps import DeferredSteps
-from runtime.worker.paths.paged_attention import PagedAttention, launch_shape
+from runtime.worker.paths.paged_attention import PagedAttention
 from runtime.worker.paths.pool_cache import ForwardBatch, decode_mask
 from runtime.worker.paths.prefill_shapes import front_padded_mask, key_length
 from runtime.worker.paths.rows.row_cache import MAX_BYTES, RowCache, RowSpan

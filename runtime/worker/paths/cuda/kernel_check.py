@@ -13,7 +13,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from runtime.worker.paths.paged_attention import PagedAttention, launch_shape
+from runtime.worker.paths.cuda.kernel_launch import launch_shape
+from runtime.worker.paths.paged_attention import PagedAttention
 
 TOLERANCE = 5e-2  # bf16 inputs, float32 accumulation in both: the outputs agree far closer than this
 ROWS, CONTEXT, TAIL, CAPACITY = 3, 40, 2, 4
