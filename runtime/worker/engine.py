@@ -19,6 +19,7 @@ from runtime.protocol.worker import (
 from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.paths.attention_paths import AttentionPaths
 from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
+from runtime.worker.paths.cuda.fused_step import fused_logits
 from runtime.worker.paths.decode_plan import plan_decode
 from runtime.worker.paths.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.paths.prefill_groups import prefill_groups
@@ -31,6 +32,10 @@ from runtime.worker.paths.rows.compiled_decode import CompiledDecode
 from runtime.worker.pools.aux_pool import AuxPool
 from runtime.worker.pools.kv_pool import KVPool
 from runtime.worker.sampler import RowSampler, StepDraws
+
+# A step with prefill chunks and decode rows as one forward on the kernel path (``fused_step``):
+# off until measured on a GPU (docs/BENCHMARKS.md, "Left for the next GPU session").
+FUSE_PREFILL = False
 
 
 @dataclass
@@ -94,6 +99,8 @@ class Engine:
             self.compiled_paged = CompiledPagedDecode(model, layout, pool, self.paths.attention, self.paths.tail)
         self._prev_tokens: mx.array | None = None
         self._prev_rows: list[int] = []
+        # Fusing needs the paged kernel's tail (every layer attention, no window) and plain 4-D queries.
+        self.fuse_prefill = FUSE_PREFILL and self.compiled_paged is not None and layout.mask_rank == 4
         self.sampler = RowSampler(max_rows)
         # Share of padding a batched prefill may carry: on a GPU, where a step costs its launch
         # overhead more than its arithmetic, batching pays for some; on the CPU it does not.
@@ -205,6 +212,10 @@ class Engine:
         self.paths.flush()
         groups = prefill_groups(launched.step.prefills, batchable=True, max_padding=self.max_padding,
                                 recurrent=self.aux_pool is not None)
+        decode = launched.step.decode
+        if self.fuse_prefill and decode is not None and decode.rows:
+            self._build_decode(launched, self._fused_logits(groups, decode))
+            return
         appends_only = self.paths.tail is not None
         for i, group in enumerate(groups):
             if group[0].token_ids:
@@ -215,8 +226,9 @@ class Engine:
                 mx.eval(self._written())
         self._build_decode(launched)
 
-    def _prefill_batch(self, group: list[PrefillChunk]) -> None:
-        """Run chunks of one start as one forward (shorter ones padded at the end)."""
+    def _prefill_inputs(self, group: list[PrefillChunk]) -> tuple[ForwardBatch, list[list[int]]]:
+        """Admit chunks of one start and address them as one padded batch: the batch, and its
+        (rows, length) tokens (shorter chunks padded at the end, padding rows after them)."""
         start = group[0].start
         n = max(len(c.token_ids) for c in group)
         rows = len(group)
@@ -231,6 +243,28 @@ class Engine:
         keys = batch.gather_index.shape[1] if batch.gather_index is not None else n
         self.prefill_shapes.add((rows, n, keys))
         tokens = [c.token_ids + [0] * (n - len(c.token_ids)) for c in group] + [[0] * n] * (rows - len(group))
+        return batch, tokens
+
+    def _fused_logits(self, groups: list[list[PrefillChunk]], decode: DecodeBatch) -> tuple[mx.array, bool]:
+        """The decode rows' logits from one forward that also runs every prefill group
+        (``fused_step``); lazy, and whether it updated pools in place (it does)."""
+        plan = plan_decode(decode, dense=False, length_bucket=self.LENGTH_BUCKET, max_context=self.max_context,
+                           padding_row=len(self.paths.slot_table))
+        inputs = self._decode_inputs(decode)
+        batch, _ = self.paths.decode_batch(decode, plan)
+        if plan.pad:
+            inputs = mx.concatenate([inputs, mx.zeros((plan.pad,), dtype=inputs.dtype)])
+        prefills = []
+        for group in groups:
+            if group[0].token_ids:
+                prefills.append((*self._prefill_inputs(group), group[0].start))
+            else:
+                self._prefill(group[0])
+        return fused_logits(self.model, self.layout, self.pool, batch, inputs, prefills), True
+
+    def _prefill_batch(self, group: list[PrefillChunk]) -> None:
+        """Run chunks of one start as one forward (shorter ones padded at the end)."""
+        batch, tokens = self._prefill_inputs(group)
         aux = None
         if self.aux_pool is not None:
             # Every row starts from an empty state, or every row from a saved slot (see prefill_groups).
@@ -248,12 +282,14 @@ class Engine:
                 for k, cache in enumerate(aux):
                     self.aux_pool.write(k, slots, [state[index] for state in cache.cache])
 
-    def _build_decode(self, launched: LaunchedStep) -> None:
+    def _build_decode(self, launched: LaunchedStep, computed: tuple[mx.array, bool] | None = None) -> None:
+        """The step's sampling from its decode logits (``computed``: already built, with
+        whether that updated pools in place), and the marker of its pool writes."""
         step = launched.step
         assert step is not None
         launched.tokens, in_place = None, True
         if step.decode is not None and step.decode.rows:
-            logits, in_place = self._decode_logits(step.decode)
+            logits, in_place = computed if computed is not None else self._decode_logits(step.decode)
             if step.decode.deferred_rows:  # sampled by ``apply_masks`` once their masks come
                 launched.awaiting, launched.logits = step.decode, logits
             else:

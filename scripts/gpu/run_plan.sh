@@ -52,6 +52,9 @@ for item in "$@"; do
         [ -n "$loop" ] && sed -i "s/^$var = \".*\"/$var = \"$loop\"/" runtime/worker/paths/paged_attention.py
       done
       echo "== use-best-loop: $(tr '\n' ';' < "$OUT/pick-loop.log" 2>/dev/null) $(grep -E '^(SPLIT_)?LOOP =' runtime/worker/paths/paged_attention.py | tr '\n' ' ')" ;;
+    fuse-prefill)  # on this device copy only: the items after it run prefill and decode as one forward
+      sed -i 's/^FUSE_PREFILL = False/FUSE_PREFILL = True/' runtime/worker/engine.py
+      echo "== fuse-prefill: $(grep -E '^FUSE_PREFILL =' runtime/worker/engine.py)" ;;
     kernel-gpu) run "$item" 120 bash -c "python3 scripts/kernel_bench.py --rows 1,8,64 --context 32768 --calls 20 &&
                                           python3 scripts/kernel_bench.py --rows 1,8 --context 32768 --calls 20 --scatter &&
                                           python3 scripts/kernel_bench.py --rows 1,64 --context 2048 --calls 20 &&
@@ -79,7 +82,7 @@ for item in "$@"; do
     1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item$tag.json" ;;
     1b-first) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads first --pairs 3 --json "$OUT/$item$tag.json" ;;
     pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py ;;
-    *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop kernel-gpu kernel-gpu-mma kernel-ncu imports 1b-paired profile-8b-64 kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
+    *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill kernel-gpu kernel-gpu-mma kernel-ncu imports 1b-paired profile-8b-64 kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then

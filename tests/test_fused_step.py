@@ -1,0 +1,45 @@
+"""A step's prefill chunks and decode rows as one forward (``fused_step``, the CUDA kernel path),
+run on the CPU with the kernels replaced by their reference computations: token-exact."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from harness import InProcessService
+from near_tie import assert_greedy_like_mlx
+from test_paged_attention import _reference_kernels
+
+from runtime.worker.engine import Engine
+
+
+@pytest.mark.parametrize(("arch", "prefill_chunk"), [("llama", 16), ("qwen3", 256)])
+def test_fused_steps_decode_as_mlx_lm(arch, prefill_chunk, model_dir, monkeypatch):
+    _reference_kernels(monkeypatch)
+    fused: list[tuple[int, int]] = []  # (prefill groups, decode rows) of every fused step
+    run_fused = Engine._fused_logits
+    monkeypatch.setattr(Engine, "_fused_logits",
+                        lambda self, groups, decode: fused.append((len(groups), len(decode.rows)))
+                        or run_fused(self, groups, decode))
+    folder = model_dir(arch)
+    svc = InProcessService(folder, max_running=8, row_cache=False, prefill_chunk=prefill_chunk, max_step_tokens=96)
+    assert svc.engine.compiled_paged is not None
+    svc.engine.fuse_prefill = True
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 250) for _ in range(40)]
+    reqs = [svc.request(f"r{i}", shared[: 10 + 6 * i] + [rng.randrange(3, 250) for _ in range(3 + 5 * i)], 6 + 3 * (i % 3))
+            for i in range(7)]
+    svc.run({0: reqs[:2], 2: reqs[2:4], 4: reqs[4:]})  # later ones arrive while earlier ones decode
+    follow = svc.request("follow", reqs[1].prompt_ids + reqs[1].output_ids[:-1] + [7, 8, 9], 5)
+    busy = svc.request("busy", [rng.randrange(3, 250) for _ in range(30)], 12)
+    svc.run({0: [busy], 1: [follow]})  # a prefix hit past a finished request's decode, fused beside busy's decode
+    assert fused and any(rows >= 2 for _, rows in fused)
+    assert prefill_chunk > 16 or any(groups >= 2 for groups, _ in fused)  # chunks of several starts in one forward
+    assert follow.prefix_len > len(reqs[1].prompt_ids) and sum(r.prefix_len > 0 for r in reqs) >= 2
+    for r in reqs + [follow, busy]:
+        assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)
+
+
+def test_fusing_is_off_by_default_and_only_on_the_kernel_path(model_dir):
+    svc = InProcessService(model_dir("llama"), row_cache=True)
+    assert svc.engine.compiled_paged is None and not svc.engine.fuse_prefill
