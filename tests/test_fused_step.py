@@ -13,8 +13,11 @@ from test_paged_attention import _reference_kernels
 from runtime.worker.engine import Engine
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["exact-shapes", "gpu-padding"])
 @pytest.mark.parametrize(("arch", "prefill_chunk"), [("llama", 16), ("qwen3", 256)])
-def test_fused_steps_decode_as_mlx_lm(arch, prefill_chunk, model_dir, monkeypatch):
+def test_fused_steps_decode_as_mlx_lm(arch, prefill_chunk, padded, model_dir, monkeypatch):
+    """``padded``: prefill batches padded as on a GPU (lengths and row counts rounded up, keys
+    past position 0 padded at the front and masked), which the CPU does not do by itself."""
     _reference_kernels(monkeypatch)
     fused: list[tuple[int, int]] = []  # (prefill groups, decode rows) of every fused step
     run_fused = Engine._fused_logits
@@ -25,6 +28,8 @@ def test_fused_steps_decode_as_mlx_lm(arch, prefill_chunk, model_dir, monkeypatc
     svc = InProcessService(folder, max_running=8, row_cache=False, prefill_chunk=prefill_chunk, max_step_tokens=96)
     assert svc.engine.compiled_paged is not None
     svc.engine.fuse_prefill = True
+    if padded:
+        svc.engine.max_padding = 0.25  # the GPU's share
     rng = random.Random(11)
     shared = [rng.randrange(3, 250) for _ in range(40)]
     reqs = [svc.request(f"r{i}", shared[: 10 + 6 * i] + [rng.randrange(3, 250) for _ in range(3 + 5 * i)], 6 + 3 * (i % 3))
@@ -32,11 +37,14 @@ def test_fused_steps_decode_as_mlx_lm(arch, prefill_chunk, model_dir, monkeypatc
     svc.run({0: reqs[:2], 2: reqs[2:4], 4: reqs[4:]})  # later ones arrive while earlier ones decode
     follow = svc.request("follow", reqs[1].prompt_ids + reqs[1].output_ids[:-1] + [7, 8, 9], 5)
     busy = svc.request("busy", [rng.randrange(3, 250) for _ in range(30)], 12)
-    svc.run({0: [busy], 1: [follow]})  # a prefix hit past a finished request's decode, fused beside busy's decode
+    fresh = [svc.request(f"fresh{i}", [rng.randrange(3, 250) for _ in range(9 + 4 * i)], 4) for i in range(3)]
+    # A prefix hit past a finished request's decode, and three new prompts batched as one
+    # group of rows, fused beside busy's decode.
+    svc.run({0: [busy], 1: [follow] + fresh})
     assert fused and any(rows >= 2 for _, rows in fused)
     assert prefill_chunk > 16 or any(groups >= 2 for groups, _ in fused)  # chunks of several starts in one forward
     assert follow.prefix_len > len(reqs[1].prompt_ids) and sum(r.prefix_len > 0 for r in reqs) >= 2
-    for r in reqs + [follow, busy]:
+    for r in reqs + [follow, busy] + fresh:
         assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)
 
 
