@@ -10,14 +10,20 @@ from runtime.worker.step_trace import StepTrace
 
 
 class FakeEngine:
-    def __init__(self) -> None:
+    def __init__(self, kernel_dir=None) -> None:
         self.shapes_built = (0, 0)
+        self.kernel_dir = kernel_dir
 
     def build(self, step):
         return SimpleNamespace(step_id=step.step_id, step=step)
 
     def submit(self, built) -> None:
+        self.prepare(built)
         self.shapes_built = (self.shapes_built[0] + len(built.step.prefills), self.shapes_built[1] + 1)
+
+    def prepare(self, built) -> None:
+        if built.step.prefills and self.kernel_dir is not None:  # as MLX writes a kernel it built
+            (self.kernel_dir / f"kernel{built.step_id}.ptx").write_text("")
 
     def finalize(self, built):
         return []
@@ -25,8 +31,12 @@ class FakeEngine:
 
 def test_slow_submits_are_described(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(step_trace, "SLOW_S", 0.0)
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    (kernels / "old.ptx").write_text("")
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(kernels))
     trace = StepTrace(str(tmp_path / "trace"))
-    engine = FakeEngine()
+    engine = FakeEngine(kernels)
     trace.wrap_engine(engine)
     decode = DecodeBatch(rows=[0, 1], token_ids=[-1, -1], positions=[5, 7], slot_ids=[9, 10], temperatures=[0.0, 0.7])
     prefill = PrefillChunk(row=2, start=0, token_ids=[1, 2, 3], slot_ids=[11, 12, 13])
@@ -36,7 +46,8 @@ def test_slow_submits_are_described(tmp_path, monkeypatch) -> None:
     text = (tmp_path / "trace").read_text()
     assert "submit" in text and "finalize" in text and "build" in text
     assert ("step 4: 1 prefill chunks (3 tokens), 2 decode rows (sampled or masked); new prefill shapes 1, "
-            "new decode traces 1") in text
+            "new decode traces 1; prepare ") in text
+    assert "kernel cache files +1 since the last slow submit" in text  # the one the step's prepare wrote
 
 
 def test_step_times_are_tabled_by_what_the_steps_held(tmp_path) -> None:
