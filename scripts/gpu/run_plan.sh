@@ -38,6 +38,7 @@ for item in "$@"; do
     *@nographs) item=${item%@*}; tag=-nographs; export MLX_USE_CUDA_GRAPHS=0 ;;
     *@graphs) item=${item%@*}; tag=-graphs; export MLX_USE_CUDA_GRAPHS=1 ;;
   esac
+  tag=$tag${fuse_tag:-}  # after fuse-prefill: the items' logs are named -fused
   case $item in
     kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
     long-prefill) run "$item" 300 python3 scripts/long_prefill_cost.py --shape llama-8b --context 32768 --chunk 2048 ;;
@@ -53,8 +54,11 @@ for item in "$@"; do
       done
       echo "== use-best-loop: $(tr '\n' ';' < "$OUT/pick-loop.log" 2>/dev/null) $(grep -E '^(SPLIT_)?LOOP =' runtime/worker/paths/paged_attention.py | tr '\n' ' ')" ;;
     fuse-prefill)  # on this device copy only: the items after it run prefill and decode as one forward
-      sed -i 's/^FUSE_PREFILL = False/FUSE_PREFILL = True/' runtime/worker/engine.py
+      sed -i 's/^FUSE_PREFILL = False/FUSE_PREFILL = True/' runtime/worker/engine.py; fuse_tag=-fused
       echo "== fuse-prefill: $(grep -E '^FUSE_PREFILL =' runtime/worker/engine.py)" ;;
+    no-fuse-prefill)  # and back
+      sed -i 's/^FUSE_PREFILL = True/FUSE_PREFILL = False/' runtime/worker/engine.py; fuse_tag=
+      echo "== no-fuse-prefill: $(grep -E '^FUSE_PREFILL =' runtime/worker/engine.py)" ;;
     kernel-gpu) run "$item" 120 bash -c "python3 scripts/kernel_bench.py --rows 1,8,64 --context 32768 --calls 20 &&
                                           python3 scripts/kernel_bench.py --rows 1,8 --context 32768 --calls 20 --scatter &&
                                           python3 scripts/kernel_bench.py --rows 1,64 --context 2048 --calls 20 &&
@@ -82,7 +86,7 @@ for item in "$@"; do
     1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item$tag.json" ;;
     1b-first) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads first --pairs 3 --json "$OUT/$item$tag.json" ;;
     pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py ;;
-    *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill kernel-gpu kernel-gpu-mma kernel-ncu imports 1b-paired profile-8b-64 kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
+    *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-gpu-mma kernel-ncu imports 1b-paired profile-8b-64 kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then
