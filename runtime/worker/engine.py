@@ -248,18 +248,18 @@ class Engine:
     def _fused_logits(self, groups: list[list[PrefillChunk]], decode: DecodeBatch) -> tuple[mx.array, bool]:
         """The decode rows' logits from one forward that also runs every prefill group
         (``fused_step``); lazy, and whether it updated pools in place (it does)."""
+        prefills = []  # admitted first, as the separate forwards are: the decode reads their table rows
+        for group in groups:
+            if group[0].token_ids:
+                prefills.append((*self._prefill_inputs(group), group[0].start))
+            else:
+                self._prefill(group[0])
         plan = plan_decode(decode, dense=False, length_bucket=self.LENGTH_BUCKET, max_context=self.max_context,
                            padding_row=len(self.paths.slot_table))
         inputs = self._decode_inputs(decode)
         batch, _ = self.paths.decode_batch(decode, plan)
         if plan.pad:
             inputs = mx.concatenate([inputs, mx.zeros((plan.pad,), dtype=inputs.dtype)])
-        prefills = []
-        for group in groups:
-            if group[0].token_ids:
-                prefills.append((*self._prefill_inputs(group), group[0].start))
-            else:
-                self._prefill(group[0])
         return fused_logits(self.model, self.layout, self.pool, batch, inputs, prefills), True
 
     def _prefill_batch(self, group: list[PrefillChunk]) -> None:
