@@ -51,3 +51,23 @@ def test_fused_steps_decode_as_mlx_lm(arch, prefill_chunk, padded, model_dir, mo
 def test_fusing_is_off_by_default_and_only_on_the_kernel_path(model_dir):
     svc = InProcessService(model_dir("llama"), row_cache=True)
     assert svc.engine.compiled_paged is None and not svc.engine.fuse_prefill
+
+
+def test_a_step_of_many_prefill_tokens_runs_its_forwards_apart(model_dir, monkeypatch):
+    from runtime.worker import engine as engine_mod
+
+    _reference_kernels(monkeypatch)
+    monkeypatch.setattr(engine_mod, "FUSE_MAX_TOKENS", 8)
+    fused = []
+    run_fused = Engine._fused_logits
+    monkeypatch.setattr(Engine, "_fused_logits", lambda self, *a: fused.append(1) or run_fused(self, *a))
+    folder = model_dir("llama")
+    svc = InProcessService(folder, max_running=8, row_cache=False)
+    svc.engine.fuse_prefill = True
+    busy = svc.request("busy", list(range(3, 23)), 10)
+    small = svc.request("small", list(range(40, 46)), 4)  # 5 tokens before the last: fused
+    large = svc.request("large", list(range(60, 90)), 4)  # 29: apart
+    svc.run({0: [busy], 1: [small], 5: [large]})
+    assert len(fused) == 1
+    for r in (busy, small, large):
+        assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)

@@ -36,6 +36,11 @@ from runtime.worker.sampler import RowSampler, StepDraws
 # A step with prefill chunks and decode rows as one forward on the kernel path (``fused_step``):
 # off until measured on a GPU (docs/BENCHMARKS.md, "Left for the next GPU session").
 FUSE_PREFILL = False
+# ... for steps of at most this many prefill tokens: a fused forward also runs the last layer's
+# attention and MLP and the LM head over the prefill rows (about a tenth more prefill work on an
+# 8B), which pays where a step's fixed host cost dominates: 38-47 ms for 1-512 prefill tokens
+# against 13 ms for the decode alone (session 21's trace).
+FUSE_MAX_TOKENS = 512
 
 
 @dataclass
@@ -213,7 +218,8 @@ class Engine:
         groups = prefill_groups(launched.step.prefills, batchable=True, max_padding=self.max_padding,
                                 recurrent=self.aux_pool is not None)
         decode = launched.step.decode
-        if self.fuse_prefill and decode is not None and decode.rows:
+        if (self.fuse_prefill and decode is not None and decode.rows
+                and sum(len(c.token_ids) for c in launched.step.prefills) <= FUSE_MAX_TOKENS):
             self._build_decode(launched, self._fused_logits(groups, decode))
             return
         appends_only = self.paths.tail is not None
