@@ -65,3 +65,27 @@ def test_split_launches_of_small_head_dims_take_their_own_loop(monkeypatch):
     assert attention.loop_for(mx.bfloat16, 4, 64, split=True) == "mma"  # the 1B's heads
     assert attention.loop_for(mx.bfloat16, 4, 128, split=True) == "mma_ahead"
     assert attention.loop_for(mx.bfloat16, 4, 64, split=False) == paged_attention.LOOP
+
+
+@pytest.mark.parametrize(("launch", "head_dim", "kind", "warps"), [
+    ((32, 8), 128, "split", 4),  # the 8B's long row: mma_ahead at half the warps
+    ((1, 4), 128, "single", 4),
+    ((4, 16), 64, "split", 16),  # the 1B's: mma keeps its 16
+])
+def test_a_launch_builds_the_loop_and_warps_it_names(monkeypatch, launch, head_dim, kind, warps):
+    """What ``_launch`` asks to build and launch (the kernels themselves are CUDA only)."""
+    monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: True)
+    asked = []
+
+    def kernel(self, which, appending, loop=""):
+        def launched(**kwargs):
+            asked.append((which, loop, kwargs["threadgroup"][0] // 32))
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(kwargs["output_shapes"], kwargs["output_dtypes"])]
+        return launched
+
+    monkeypatch.setattr(PagedAttention, "_kernel", kernel)
+    attention = PagedAttention(False)
+    queries = mx.zeros((1, 32, 1, head_dim), dtype=mx.bfloat16)
+    attention._launch([queries], 8, launch)
+    expected_loop = attention.loop_for(mx.bfloat16, 4, head_dim, split=kind == "split")
+    assert asked[0] == (kind, expected_loop, warps)
