@@ -20,7 +20,7 @@ from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.paths.attention_paths import AttentionPaths
 from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
 from runtime.worker.paths.cuda.fused_step import fused_logits
-from runtime.worker.paths.decode_plan import plan_decode
+from runtime.worker.paths.decode_plan import DecodePlan, plan_decode
 from runtime.worker.paths.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.paths.prefill_groups import prefill_groups
 from runtime.worker.paths.prefill_shapes import (
@@ -155,12 +155,11 @@ class Engine:
 
     def _decode_logits(self, decode: DecodeBatch) -> tuple[mx.array, bool]:
         """A decode batch's logits (rows padded to the batch's bucket may follow), lazy."""
-        plan = plan_decode(decode, dense=self.paths.dense, length_bucket=self.LENGTH_BUCKET,
-                           max_context=self.max_context, padding_row=len(self.paths.slot_table))
-        inputs = self._decode_inputs(decode)
+        plan = self._plan(decode)
         aux_slots = mx.array(plan.aux_slots, dtype=mx.int32) if self.aux_pool is not None else None
         if self.compiled is not None:
             self.paths.defer_dense(decode, plan)
+            inputs = self._decode_inputs(decode)
             padded = 0 if plan.compact else self.compiled.padded_rows(list(decode.rows))
             if padded:
                 return self.compiled.forward_padded(inputs, list(decode.rows), list(decode.positions), plan.length,
@@ -169,9 +168,7 @@ class Engine:
                                            mx.array(plan.positions.astype(np.int32)), plan.compact, plan.length,
                                            aux_slots)
             return logits, True
-        batch, in_place = self.paths.decode_batch(decode, plan)
-        if plan.pad:
-            inputs = mx.concatenate([inputs, mx.zeros((plan.pad,), dtype=inputs.dtype)])
+        inputs, batch, in_place = self._pool_decode(decode, plan)
         # Every row count decodes compiled: a new trace costs about 35 ms once its kernels exist
         # (scripts/decode_trace_cost.py), while eager batches of many rows ran a quarter slower.
         if self.compiled_paged is not None:
@@ -183,6 +180,19 @@ class Engine:
                 self.aux_pool.store(aux, aux_slots)
         # Padding rows stay: the sampler drops them, after drawing at the bucket's shape.
         return logits, in_place
+
+    def _plan(self, decode: DecodeBatch) -> DecodePlan:
+        return plan_decode(decode, dense=self.paths.dense, length_bucket=self.LENGTH_BUCKET,
+                           max_context=self.max_context, padding_row=len(self.paths.slot_table))
+
+    def _pool_decode(self, decode: DecodeBatch, plan: DecodePlan) -> tuple[mx.array, ForwardBatch, bool]:
+        """A pool-path decode's input tokens (padding rows included), its forward batch, and
+        whether building that updated pools in place."""
+        inputs = self._decode_inputs(decode)
+        batch, in_place = self.paths.decode_batch(decode, plan)
+        if plan.pad:
+            inputs = mx.concatenate([inputs, mx.zeros((plan.pad,), dtype=inputs.dtype)])
+        return inputs, batch, in_place
 
     def _sampled(self, decode: DecodeBatch, draws: StepDraws) -> StepDraws:
         """Keep a decode batch's sampled tokens: the next chained batch takes them as input."""
@@ -260,12 +270,7 @@ class Engine:
                 prefills.append((*self._prefill_inputs(group), group[0].start))
             else:
                 self._prefill(group[0])
-        plan = plan_decode(decode, dense=False, length_bucket=self.LENGTH_BUCKET, max_context=self.max_context,
-                           padding_row=len(self.paths.slot_table))
-        inputs = self._decode_inputs(decode)
-        batch, _ = self.paths.decode_batch(decode, plan)
-        if plan.pad:
-            inputs = mx.concatenate([inputs, mx.zeros((plan.pad,), dtype=inputs.dtype)])
+        inputs, batch, _ = self._pool_decode(decode, self._plan(decode))
         return fused_logits(self.model, self.layout, self.pool, batch, inputs, prefills), True
 
     def _prefill_batch(self, group: list[PrefillChunk]) -> None:

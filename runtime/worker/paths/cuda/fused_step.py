@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from runtime.worker.model.discovery import CacheLayout
-from runtime.worker.paths.pool_cache import CacheStandIn, ForwardBatch
+from runtime.worker.paths.pool_cache import CacheStandIn, ForwardBatch, PoolLayerCache
 from runtime.worker.pools.kv_pool import KVPool
 
 
@@ -59,6 +59,7 @@ class FusedLayerCache(CacheStandIn):
     def __init__(self, pool: KVPool, kv_layer: int, step: FusedBatch) -> None:
         self.pool, self.kv_layer, self.step = pool, kv_layer, step
         self.new: tuple[mx.array, mx.array] | None = None  # this step's K/V, every row
+        self.decode = PoolLayerCache(pool, kv_layer, step.decode)  # the decode rows' attention, as unfused
 
     @property
     def offset(self) -> mx.array:
@@ -76,22 +77,11 @@ class FusedLayerCache(CacheStandIn):
         assert self.new is not None
         keys, values = self.new
         r = self.step.decode_rows
-        outs = [self._decode(queries[:r], keys[:r], values[:r], scale)]
+        self.decode.new = (keys[:r], values[:r])
+        outs = [self.decode.paged_attend(queries[:r], scale)]
         outs += [self._prefill(part, queries[part.lo:part.hi], keys[part.lo:part.hi], values[part.lo:part.hi], scale)
                  for part in self.step.prefills]
         return mx.concatenate(outs, axis=0)
-
-    def _decode(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
-        b, layer = self.step.decode, self.kv_layer
-        assert b.attention is not None and b.table is not None and b.table_rows is not None
-        assert b.lengths is not None and b.tail is not None
-        rows, n_kv, _, head_dim = keys.shape
-        old_k, old_v = b.tail.old(rows, n_kv, head_dim, keys.dtype)
-        out, new_k, new_v = b.attention.attend_appending(
-            queries, self.pool.keys[layer], self.pool.values[layer], b.table, b.table_rows, b.lengths, old_k[layer],
-            old_v[layer], b.tail_len, keys, values, scale, b.launch)
-        b.tail.set(layer, new_k, new_v)
-        return out
 
     def _prefill(self, part: PrefillPart, queries: mx.array, keys: mx.array, values: mx.array,
                  scale: float) -> mx.array:
