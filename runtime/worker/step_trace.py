@@ -27,7 +27,6 @@ class StepTrace:
         self.times: dict[str, list[float]] = defaultdict(list)
         self._gc_since = 0.0
         self._threads = _thread_cpu()
-        self._prepare_s = 0.0  # the current submit's time in the engine's prepare
         self.slow: list[tuple[float, float, str]] = []  # (seconds, at, what) of the slowest submits
         # Step wall time by what the step held: from its submit (or the last step's finalize,
         # if later: steps overlap when chained) to its own finalize.
@@ -88,7 +87,7 @@ class StepTrace:
             if len(submitted) > 64:
                 submitted.clear()  # steps whose finalize never came (a failed step)
             submitted[built.step_id] = (t0, kind)
-            self._prepare_s = 0.0
+            prepares = len(self.times["prepare"])
             try:
                 return submit(built)
             finally:
@@ -98,26 +97,17 @@ class StepTrace:
                     after = engine.shapes_built
                     self.slow.append((took, time.perf_counter() - self.started,
                                       f"step {built.step_id}: {what}; new prefill shapes {after[0] - before[0]}, "
-                                      f"new decode traces {after[1] - before[1]}{self._slow_detail()}"))
+                                      f"new decode traces {after[1] - before[1]}{self._slow_detail(prepares)}"))
                     self.slow.sort(key=lambda s: -s[0])
                     del self.slow[SLOW_KEPT:]
 
         engine.build, engine.submit, engine.finalize = traced_build, timed_submit, timed_finalize
-        prepare = getattr(engine, "prepare", None)
-        if prepare is not None:  # inside submit: a step's prefill forwards and the waits between them
+        if hasattr(engine, "prepare"):  # inside submit: a step's prefill forwards and the waits between them
+            engine.prepare = self.timed("prepare", engine.prepare)
 
-            def timed_prepare(launched) -> None:
-                t0 = time.perf_counter()
-                try:
-                    prepare(launched)
-                finally:
-                    self._prepare_s += time.perf_counter() - t0
-
-            engine.prepare = timed_prepare
-
-    def _slow_detail(self) -> str:
+    def _slow_detail(self, prepares_before: int) -> str:
         """What a slow submit spent in ``prepare``, and the kernel files MLX wrote meanwhile."""
-        detail = f"; prepare {self._prepare_s * 1e3:.1f} ms"
+        detail = f"; prepare {sum(self.times['prepare'][prepares_before:]) * 1e3:.1f} ms"
         if self.kernel_dir:
             count = _file_count(self.kernel_dir)
             detail += f"; kernel cache files +{count - self._kernel_files} since the last slow submit"
