@@ -14,6 +14,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from runtime.worker.paths.cuda.kernel_launch import (
+    MMA_SMALL_DIMS,
     UNROLL,
     lanes_per_position,
     launch_shape,
@@ -47,7 +48,6 @@ SPLIT_LOOP = "mma_ahead"
 # 16 warps mma keeps: mma was faster at every split launch of 1 x 2,048 positions tried on an
 # H200 (65.2 against 77.8 us by default, 9 of 9 launch shapes; session 21, dim-64 A/B).
 SPLIT_LOOP_SMALL_DIMS = "mma"
-SMALL_DIMS = 64
 
 
 class PagedAttention:
@@ -64,7 +64,7 @@ class PagedAttention:
 
     def __init__(self, use_kernel: bool, loop: str | None = None, unroll: int = UNROLL) -> None:
         """``loop``: one loop for every launch; by default the worker's, ``LOOP`` for unsplit
-        launches and ``SPLIT_LOOP`` (``SPLIT_LOOP_SMALL_DIMS`` up to head dim ``SMALL_DIMS``)
+        launches and ``SPLIT_LOOP`` (``SPLIT_LOOP_SMALL_DIMS`` up to head dim ``MMA_SMALL_DIMS``)
         for split ones."""
         self.loop, self.split_loop = (loop, loop) if loop else (LOOP, SPLIT_LOOP)
         self.small_split_loop = loop or SPLIT_LOOP_SMALL_DIMS
@@ -156,7 +156,7 @@ class PagedAttention:
         """The loop kernels of this shape (and kind of launch) use: the mma loops need tensor
         cores for their dtype (2-byte K/V, sm_80 or later), head dims of 16s up to 128 (past it
         a lane's K/V words spill, ``scripts/nvrtc_check.py``) and at most 8 query heads per KV head."""
-        loop = self.loop if not split else self.small_split_loop if head_dim <= SMALL_DIMS else self.split_loop
+        loop = self.loop if not split else self.small_split_loop if head_dim <= MMA_SMALL_DIMS else self.split_loop
         if loop not in MMA_LOOPS or (dtype in (mx.bfloat16, mx.float16) and head_dim % 16 == 0
                                      and head_dim <= 128 and n_rep <= 8 and _tensor_cores()):
             return loop

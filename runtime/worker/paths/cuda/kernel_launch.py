@@ -68,6 +68,7 @@ def splits_for(blocks: int, max_length: int) -> int:
 # 255 (mma_ahead) a lane, so a block of 16 warps cannot launch; mma at head dim 64 takes 90-96
 # (scripts/nvrtc_check.py --launches).
 MMA_MAX_WARPS = 8
+MMA_SMALL_DIMS = 64  # head dims up to which mma keeps 16 warps (and split blocks keep theirs)
 
 
 def loop_warps(loop: str, warps: int, head_dim: int, split: bool = False) -> int:
@@ -80,9 +81,9 @@ def loop_warps(loop: str, warps: int, head_dim: int, split: bool = False) -> int
     1 x 8,192 level; a warp's many 16-position passes keep its loads in flight."""
     if loop not in MMA_LOOPS:
         return warps
-    if split and head_dim > 64 and warps > 4:
+    if split and head_dim > MMA_SMALL_DIMS and warps > 4:
         warps //= 2
-    if loop == "mma" and head_dim <= 64:
+    if loop == "mma" and head_dim <= MMA_SMALL_DIMS:
         return warps
     return min(warps, MMA_MAX_WARPS)
 
