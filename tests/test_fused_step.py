@@ -48,9 +48,12 @@ def test_fused_steps_decode_as_mlx_lm(arch, prefill_chunk, padded, model_dir, mo
         assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)
 
 
-def test_fusing_is_off_by_default_and_only_on_the_kernel_path(model_dir):
+def test_fusing_is_on_by_default_and_only_on_the_kernel_path(model_dir, monkeypatch):
     svc = InProcessService(model_dir("llama"), row_cache=True)
     assert svc.engine.compiled_paged is None and not svc.engine.fuse_prefill
+    _reference_kernels(monkeypatch)
+    svc = InProcessService(model_dir("llama"), row_cache=False)
+    assert svc.engine.compiled_paged is not None and svc.engine.fuse_prefill
 
 
 def test_a_step_of_many_prefill_tokens_runs_its_forwards_apart(model_dir, monkeypatch):

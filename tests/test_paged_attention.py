@@ -116,6 +116,7 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
     """The kernel path's bookkeeping (device table, padding rows, lengths, the decode tail and
     its flushes) with the kernel replaced by a reference computation, so it runs on the CPU;
     the decode step compiled (``CompiledPagedDecode``) or built layer by layer."""
+    from runtime.worker import decode_warmup
     from runtime.worker.paths import attention_paths
     from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
     from runtime.worker.paths.cuda.decode_tail import DecodeTail
@@ -124,6 +125,9 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
 
     _reference_kernels(monkeypatch)
     monkeypatch.setattr(attention_paths, "TAIL_STEPS", tail_steps)
+    # Every row class is warmed whatever the machine's speed (on the GPU the 20 s budget ran
+    # out after a few traces while each built its kernels): the count below is exact.
+    monkeypatch.setattr(decode_warmup, "ROW_WARM_S", 1e6)
     flushed = []
     flush = DecodeTail.flush
     monkeypatch.setattr(DecodeTail, "flush", lambda self, *a: flushed.append(len(self.steps)) or flush(self, *a))

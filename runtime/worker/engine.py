@@ -34,8 +34,9 @@ from runtime.worker.pools.kv_pool import KVPool
 from runtime.worker.sampler import RowSampler, StepDraws
 
 # A step with prefill chunks and decode rows as one forward on the kernel path (``fused_step``):
-# off until measured on a GPU (docs/BENCHMARKS.md, "Left for the next GPU session").
-FUSE_PREFILL = False
+# on since session 22's A/B on an H200 (both run orders, 8B mixed at 10 requests/s: TPOT p50
+# 15.5 / 11.5 ms fused against 15.7 / 15.7 apart; docs/BENCHMARKS.md).
+FUSE_PREFILL = True
 # ... for steps of at most this many prefill tokens: a fused forward also runs the last layer's
 # attention and MLP and the LM head over the prefill rows (about a tenth more prefill work on an
 # 8B), which pays where a step's fixed host cost dominates: 38-47 ms for 1-512 prefill tokens

@@ -38,7 +38,7 @@ for item in "$@"; do
     *@nographs) item=${item%@*}; tag=-nographs; export MLX_USE_CUDA_GRAPHS=0 ;;
     *@graphs) item=${item%@*}; tag=-graphs; export MLX_USE_CUDA_GRAPHS=1 ;;
   esac
-  tag=$tag${fuse_tag:-}  # after fuse-prefill: the items' logs are named -fused
+  tag=$tag${fuse_tag:-}  # after fuse-prefill / no-fuse-prefill: the logs are named -fused / -apart
   case $item in
     kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
     long-prefill) run "$item" 300 python3 scripts/long_prefill_cost.py --shape llama-8b --context 32768 --chunk 2048 ;;
@@ -57,7 +57,7 @@ for item in "$@"; do
       sed -i 's/^FUSE_PREFILL = False/FUSE_PREFILL = True/' runtime/worker/engine.py; fuse_tag=-fused
       echo "== fuse-prefill: $(grep -E '^FUSE_PREFILL =' runtime/worker/engine.py)" ;;
     no-fuse-prefill)  # and back
-      sed -i 's/^FUSE_PREFILL = True/FUSE_PREFILL = False/' runtime/worker/engine.py; fuse_tag=
+      sed -i 's/^FUSE_PREFILL = True/FUSE_PREFILL = False/' runtime/worker/engine.py; fuse_tag=-apart
       echo "== no-fuse-prefill: $(grep -E '^FUSE_PREFILL =' runtime/worker/engine.py)" ;;
     kernel-gpu) run "$item" 120 bash -c "python3 scripts/kernel_bench.py --rows 1,8,64 --context 32768 --calls 20 &&
                                           python3 scripts/kernel_bench.py --rows 1,8 --context 32768 --calls 20 --scatter &&
