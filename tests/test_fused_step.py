@@ -11,6 +11,7 @@ from near_tie import assert_greedy_like_mlx
 from test_paged_attention import _reference_kernels
 
 from runtime.worker.engine import Engine
+from runtime.worker.model.output_head import OutputHead
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["exact-shapes", "gpu-padding"])
@@ -24,6 +25,9 @@ def test_fused_steps_decode_as_mlx_lm(arch, prefill_chunk, padded, model_dir, mo
     monkeypatch.setattr(Engine, "_fused_logits",
                         lambda self, groups, decode: fused.append((len(groups), len(decode.rows)))
                         or run_fused(self, groups, decode))
+    heads: list[int] = []  # the rows the output head computed in each fused forward
+    first_rows = OutputHead.first_rows
+    monkeypatch.setattr(OutputHead, "first_rows", lambda self, rows: heads.append(rows) or first_rows(self, rows))
     folder = model_dir(arch)
     svc = InProcessService(folder, max_running=8, row_cache=False, prefill_chunk=prefill_chunk, max_step_tokens=96)
     assert svc.engine.compiled_paged is not None
@@ -42,6 +46,8 @@ def test_fused_steps_decode_as_mlx_lm(arch, prefill_chunk, padded, model_dir, mo
     # group of rows, fused beside busy's decode.
     svc.run({0: [busy], 1: [follow] + fresh})
     assert fused and any(rows >= 2 for _, rows in fused)
+    assert svc.engine.output_head.found and len(heads) == len(fused)
+    assert all(decode_rows <= rows < decode_rows + 8 for (_, decode_rows), rows in zip(fused, heads))  # padding rows only
     assert prefill_chunk > 16 or any(groups >= 2 for groups, _ in fused)  # chunks of several starts in one forward
     assert follow.prefix_len > len(reqs[1].prompt_ids) and sum(r.prefix_len > 0 for r in reqs) >= 2
     for r in reqs + [follow, busy] + fresh:

@@ -17,6 +17,7 @@ from runtime.protocol.worker import (
     Step,
 )
 from runtime.worker.model.discovery import CacheLayout
+from runtime.worker.model.output_head import OutputHead
 from runtime.worker.paths.attention_paths import AttentionPaths
 from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
 from runtime.worker.paths.cuda.fused_step import fused_logits
@@ -38,9 +39,9 @@ from runtime.worker.sampler import RowSampler, StepDraws
 # 15.5 / 11.5 ms fused against 15.7 / 15.7 apart; docs/BENCHMARKS.md).
 FUSE_PREFILL = True
 # ... for steps of at most this many prefill tokens: a fused forward also runs the last layer's
-# attention and MLP and the LM head over the prefill rows (about a tenth more prefill work on an
-# 8B), which pays where a step's fixed host cost dominates: 38-47 ms for 1-512 prefill tokens
-# against 13 ms for the decode alone (session 21's trace).
+# attention and MLP over the prefill rows (a layer's worth more prefill work; the LM head takes
+# the decode rows only, ``OutputHead``), which pays where a step's fixed host cost dominates:
+# 38-47 ms for 1-512 prefill tokens against 13 ms for the decode alone (session 21's trace).
 FUSE_MAX_TOKENS = 512
 
 
@@ -107,6 +108,7 @@ class Engine:
         self._prev_rows: list[int] = []
         # Fusing needs the paged kernel's tail (every layer attention, no window) and plain 4-D queries.
         self.fuse_prefill = FUSE_PREFILL and self.compiled_paged is not None and layout.mask_rank == 4
+        self.output_head = OutputHead(model)
         self.sampler = RowSampler(max_rows)
         # Share of padding a batched prefill may carry: on a GPU, where a step costs its launch
         # overhead more than its arithmetic, batching pays for some; on the CPU it does not.
@@ -272,7 +274,7 @@ class Engine:
             else:
                 self._prefill(group[0])
         inputs, batch, _ = self._pool_decode(decode, self._plan(decode))
-        return fused_logits(self.model, self.layout, self.pool, batch, inputs, prefills), True
+        return fused_logits(self.model, self.output_head, self.layout, self.pool, batch, inputs, prefills), True
 
     def _prefill_batch(self, group: list[PrefillChunk]) -> None:
         """Run chunks of one start as one forward (shorter ones padded at the end)."""

@@ -21,6 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from runtime.worker.model.discovery import CacheLayout
+from runtime.worker.model.output_head import OutputHead
 from runtime.worker.paths.pool_cache import CacheStandIn, ForwardBatch, PoolLayerCache
 from runtime.worker.pools.kv_pool import KVPool
 
@@ -104,11 +105,12 @@ class FusedLayerCache(CacheStandIn):
         return None  # rows of one token: the kernel takes each decode row's length, the parts their own masks
 
 
-def fused_logits(model: nn.Module, layout: CacheLayout, pool: KVPool, decode: ForwardBatch, decode_inputs: mx.array,
-                 prefills: list[tuple[ForwardBatch, list[list[int]], int]]) -> mx.array:
+def fused_logits(model: nn.Module, head: OutputHead, layout: CacheLayout, pool: KVPool, decode: ForwardBatch,
+                 decode_inputs: mx.array, prefills: list[tuple[ForwardBatch, list[list[int]], int]]) -> mx.array:
     """The logits of the decode rows (``decode_inputs``, padding rows included, addressed by
     ``decode``) from one forward that also runs every prefill batch ``(batch, tokens, start)``
-    (its (rows, length) tokens from position ``start``); lazy."""
+    (its (rows, length) tokens from position ``start``); lazy. ``head``: the model's, which
+    computes the decode rows only (the prefill rows' logits are never read)."""
     rows = decode_inputs.shape[0]
     offset = decode.offset
     positions = [offset if isinstance(offset, mx.array) else mx.full((rows,), offset, mx.int32)]
@@ -121,4 +123,6 @@ def fused_logits(model: nn.Module, layout: CacheLayout, pool: KVPool, decode: Fo
         positions.append(mx.array(np.tile(np.arange(start, start + part.length, dtype=np.int32), part.rows)))
     step = FusedBatch(decode, rows, parts, mx.concatenate(positions))
     caches = layout.nest([FusedLayerCache(pool, kv_i, step) for kv_i in layout.kv_index])
-    return model(mx.concatenate(tokens)[:, None], cache=caches)[:rows, -1, :]
+    with head.first_rows(rows):
+        logits = model(mx.concatenate(tokens)[:, None], cache=caches)
+    return logits[:rows, -1, :]
