@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 import mlx.nn as nn
 import msgspec
@@ -16,6 +14,7 @@ from runtime.protocol.worker import (
     PrefillChunk,
     Step,
 )
+from runtime.worker.launched_step import LaunchedStep
 from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.model.output_head import OutputHead
 from runtime.worker.paths.attention_paths import AttentionPaths
@@ -33,6 +32,7 @@ from runtime.worker.paths.rows.compiled_decode import CompiledDecode
 from runtime.worker.pools.aux_pool import AuxPool
 from runtime.worker.pools.kv_pool import KVPool
 from runtime.worker.sampler import RowSampler, StepDraws
+from runtime.worker.token_chain import TokenChain
 
 # A step with prefill chunks and decode rows as one forward on the kernel path (``fused_step``):
 # on since session 22's A/B on an H200 (both run orders, 8B mixed at 10 requests/s: TPOT p50
@@ -45,30 +45,15 @@ FUSE_PREFILL = True
 FUSE_MAX_TOKENS = 512
 
 
-@dataclass
-class LaunchedStep:
-    """A step whose work is queued on the device but not read back yet."""
-
-    step_id: int
-    tokens: mx.array | None = None
-    draws: StepDraws | None = None
-    logprobs: tuple[list, list, list] | None = None  # read back with the tokens, when a row asked
-    written: mx.array | None = None
-    step: Step | None = None
-    in_place: bool = True  # updates the pools in place: submit only after the previous read-back
-    first_tokens: bool = False  # has prefill chunks: some request's first token comes from it
-    awaiting: DecodeBatch | None = None  # a decode whose deferred rows' masks have not come yet
-    logits: mx.array | None = None  # that decode's logits, sampled by ``apply_masks``
-
-
 class Engine:
     """Owns the model, the KV and aux-state pools, and the attention paths (``AttentionPaths``).
 
     ``LENGTH_BUCKET``: on the pool paths decode attends to a multiple of this many positions
     and batch rows are padded to bucket sizes (see ``plan_decode``).
 
-    Chaining: a decode row whose input token is -1 takes the token this engine sampled
-    for that row in the previous decode batch, as a lazy array (never read back first).
+    Chaining (``TokenChain``): a decode row whose input token is -1 takes the token this
+    engine sampled for that row in the previous decode batch, as a lazy array (never read
+    back first).
     """
 
     LENGTH_BUCKET = 128
@@ -104,8 +89,7 @@ class Engine:
         if compile_decode and self.paths.tail is not None and aux_pool is None and CompiledDecode.supports(layout):
             assert self.paths.attention is not None
             self.compiled_paged = CompiledPagedDecode(model, layout, pool, self.paths.attention, self.paths.tail)
-        self._prev_tokens: mx.array | None = None
-        self._prev_rows: list[int] = []
+        self.chain = TokenChain()  # chained decode: the previous batch's lazy tokens
         # Fusing needs the paged kernel's tail (every layer attention, no window) and plain 4-D queries.
         self.fuse_prefill = FUSE_PREFILL and self.compiled_paged is not None and layout.mask_rank == 4
         self.output_head = OutputHead(model)
@@ -133,19 +117,6 @@ class Engine:
         elif self.aux_pool is not None and chunk.aux_source == AUX_FRESH:
             self.aux_pool.zero(chunk.aux_slot)
 
-    def _decode_inputs(self, decode: DecodeBatch) -> mx.array:
-        rows, token_ids = decode.rows, decode.token_ids
-        if self._prev_tokens is not None and rows == self._prev_rows and max(token_ids) < 0:
-            return self._prev_tokens  # the common case: the same rows, every one chained
-        explicit = mx.array([max(t, 0) for t in token_ids], dtype=mx.int32)
-        chained = [t < 0 for t in token_ids]
-        if not any(chained):
-            return explicit
-        assert self._prev_tokens is not None, "chained decode without a previous decode step"
-        prev_index = {r: i for i, r in enumerate(self._prev_rows)}
-        prev_idx = mx.array([prev_index[r] if t < 0 else 0 for r, t in zip(rows, token_ids)], dtype=mx.int32)
-        return mx.where(mx.array(chained), self._prev_tokens[prev_idx], explicit)
-
     def apply_masks(self, launched: LaunchedStep, masks: list[bytes]) -> None:
         """Sample a decode whose deferred rows' masks just came (``Masks``), and queue it."""
         decode, logits = launched.awaiting, launched.logits
@@ -162,7 +133,7 @@ class Engine:
         aux_slots = mx.array(plan.aux_slots, dtype=mx.int32) if self.aux_pool is not None else None
         if self.compiled is not None:
             self.paths.defer_dense(decode, plan)
-            inputs = self._decode_inputs(decode)
+            inputs = self.chain.inputs(decode)
             padded = 0 if plan.compact else self.compiled.padded_rows(list(decode.rows))
             if padded:
                 return self.compiled.forward_padded(inputs, list(decode.rows), list(decode.positions), plan.length,
@@ -191,16 +162,14 @@ class Engine:
     def _pool_decode(self, decode: DecodeBatch, plan: DecodePlan) -> tuple[mx.array, ForwardBatch, bool]:
         """A pool-path decode's input tokens (padding rows included), its forward batch, and
         whether building that updated pools in place."""
-        inputs = self._decode_inputs(decode)
+        inputs = self.chain.inputs(decode)
         batch, in_place = self.paths.decode_batch(decode, plan)
         if plan.pad:
             inputs = mx.concatenate([inputs, mx.zeros((plan.pad,), dtype=inputs.dtype)])
         return inputs, batch, in_place
 
     def _sampled(self, decode: DecodeBatch, draws: StepDraws) -> StepDraws:
-        """Keep a decode batch's sampled tokens: the next chained batch takes them as input."""
-        self._prev_tokens = draws.tokens
-        self._prev_rows = decode.rows
+        self.chain.keep(decode.rows, draws.tokens)
         return draws
 
     def build(self, step: Step) -> LaunchedStep:
@@ -389,6 +358,5 @@ class Engine:
         return len(self.prefill_shapes), traces
 
     def reset_chain(self) -> None:
-        self._prev_tokens = None
-        self._prev_rows = []
+        self.chain.reset()
         self.paths.reset()
