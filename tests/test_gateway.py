@@ -135,6 +135,49 @@ def test_completion_of_several_prompts_gives_one_choice_each(gateway):
     assert [len(c.text) > 0 for c in lists.choices] == [True, True] and lists.usage.prompt_tokens == 5
 
 
+def test_echo_puts_the_prompt_before_each_completion(gateway):
+    client = gateway.openai()
+    name = gateway.folder.name
+    plain = client.completions.create(model=name, prompt=["hello world", "the cat"], max_tokens=5, n=2, **GREEDY)
+    echoed = client.completions.create(model=name, prompt=["hello world", "the cat"], max_tokens=5, n=2, echo=True,
+                                       **GREEDY)
+    assert [c.text for c in echoed.choices] == [p + c.text for p, c in
+                                                zip(["hello world"] * 2 + ["the cat"] * 2, plain.choices)]
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens == 20
+    ids = [5, 17, 42, 9]
+    by_ids = client.completions.create(model=name, prompt=ids, max_tokens=4, echo=True, **GREEDY)
+    assert by_ids.choices[0].text == _decode(gateway.folder, ids) + _decode(gateway.folder, reference_greedy(
+        gateway.folder, ids, 4))
+    streamed = list(client.completions.create(model=name, prompt="hello", max_tokens=6, echo=True, stream=True,
+                                              **GREEDY))
+    whole = client.completions.create(model=name, prompt="hello", max_tokens=6, echo=True, **GREEDY)
+    assert streamed[0].choices[0].text.startswith("hello")
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        client.completions.create(model=name, prompt="hello", max_tokens=2, echo=True, logprobs=1, **GREEDY)
+
+
+def test_best_of_returns_the_candidate_of_highest_logprob_per_token(gateway):
+    client = gateway.openai()
+    name = gateway.folder.name
+    sampled = {"temperature": 1.0, "seed": 11, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
+    # best_of=4 runs the candidates n=4 gives (seeded: seed + i each), and ranks them.
+    candidates = client.completions.create(model=name, prompt="hello world", n=4, logprobs=0, **sampled).choices
+    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in candidates]
+    assert len({c.text for c in candidates}) > 1
+    best = client.completions.create(model=name, prompt="hello world", n=2, best_of=4, **sampled)
+    ranked = sorted(range(4), key=lambda i: means[i], reverse=True)[:2]
+    assert [c.text for c in best.choices] == [candidates[i].text for i in ranked]
+    assert [c.index for c in best.choices] == [0, 1] and all(c.logprobs is None for c in best.choices)
+    assert best.usage.completion_tokens == 4 * 6  # every candidate's tokens
+    with_lp = client.completions.create(model=name, prompt="hello world", best_of=4, logprobs=0, **sampled)
+    assert with_lp.choices[0].logprobs.token_logprobs == candidates[ranked[0]].logprobs.token_logprobs
+    for extra, needle in (({"best_of": 1, "n": 2}, "at least n"), ({"best_of": 3, "stream": True}, "stream"),
+                          ({"suffix": "end"}, "suffix")):
+        with pytest.raises(openai.BadRequestError, match=needle):
+            client.completions.create(model=name, prompt="hello", max_tokens=2, **extra)
+
+
 def test_chat_greedy_and_streaming_equal_non_streaming(gateway):
     client = gateway.openai()
     messages = [{"role": "user", "content": "hello there"}]

@@ -206,16 +206,27 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         def logprobs(entries, offset: int = 0):
             return convert.completion_logprobs(entries, gw.tokens, offset)
 
+        # echo: a choice's text starts with its prompt's (streamed: in its first chunk)
+        echoes = [t for t in convert.echo_texts(body, gw.tokens) for _ in range(body.n)] if body.echo else []
+        echoed: set[int] = set()
+
         def choice(index: int, text: str, lp: dict | None, finish: str | None) -> dict:
+            if echoes and index not in echoed:
+                echoed.add(index)
+                text = echoes[index] + text
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
         def choices(index: int, text: str, lp: dict | None, finish: str | None) -> list[dict]:
             return [choice(index, text, lp, finish)]
 
+        per_prompt = convert.best_of(body)
+
         def whole(results: list[GenerationResult]) -> dict:
+            picked = results if per_prompt == body.n else convert.pick_best(results, per_prompt, body.n,
+                                                                            body.logprobs is not None)
             return envelope | {
-                "choices": [choice(i, r.text, logprobs(r.logprobs), convert.finish_reason(r)) for i, r in enumerate(results)],
-                "usage": convert.usage(results, body.n),
+                "choices": [choice(i, r.text, logprobs(r.logprobs), convert.finish_reason(r)) for i, r in enumerate(picked)],
+                "usage": convert.usage(results, per_prompt),  # every candidate's tokens count, as OpenAI bills them
             }
 
         return await _respond(gw, body.stream, body.include_usage, requests, body.n, envelope, choices, logprobs,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from runtime.client import GenerationResult, TokenLogprob
@@ -84,8 +85,9 @@ def _fan_out(base: dict, n: int) -> list[dict]:
 
 def completion_requests(req: CompletionRequest, limits: Limits) -> list[dict]:
     """One ``Client.stream`` call per choice: prompt-major, ``n`` per prompt."""
-    if req.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
+    if req.echo and req.logprobs is not None:
+        raise ApiError(400, "echo with logprobs needs the prompt tokens' logprobs, which this server does not "
+                       "compute; send echo or logprobs, not both", param="echo")
     prompt = req.prompt
     if isinstance(prompt, str):
         prompts: list[dict] = [{"prompt": prompt}]
@@ -98,12 +100,46 @@ def completion_requests(req: CompletionRequest, limits: Limits) -> list[dict]:
     else:
         raise ApiError(400, "prompt must be a string, a list of strings, token ids or lists of token ids",
                        param="prompt")
-    if len(prompts) * req.n > MAX_N:
-        raise ApiError(400, f"at most {MAX_N} choices per request (prompts times n)", param="n")
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    per_prompt = best_of(req)
+    if len(prompts) * per_prompt > MAX_N:
+        raise ApiError(400, f"at most {MAX_N} choices per request (prompts times n, or best_of)", param="n")
     base = _sampling(req, req.max_tokens, limits)
-    if req.logprobs is not None:
-        base.update(logprobs=True, top_logprobs=req.logprobs)
-    return [kw | p for p in prompts for kw in _fan_out(base, req.n)]
+    if req.logprobs is not None or per_prompt > req.n:  # best_of ranks the candidates by their logprobs
+        base.update(logprobs=True, top_logprobs=req.logprobs or 0)
+    return [kw | p for p in prompts for kw in _fan_out(base, per_prompt)]
+
+
+def best_of(req: CompletionRequest) -> int:
+    """Candidates generated per prompt: ``best_of`` (at least ``n``; not with streaming), else ``n``."""
+    if req.best_of is None or req.best_of == req.n:
+        return req.n
+    if req.best_of < req.n:
+        raise ApiError(400, f"best_of ({req.best_of}) must be at least n ({req.n})", param="best_of")
+    if req.stream:
+        raise ApiError(400, "best_of cannot be used with stream", param="best_of")
+    return req.best_of
+
+
+def pick_best(results: list[GenerationResult], per_prompt: int, n: int, keep_logprobs: bool) -> list[GenerationResult]:
+    """Each prompt's ``n`` candidates of the highest log-probability per token (OpenAI's
+    ``best_of``), best first; ``keep_logprobs`` false drops the logprobs only ranking needed."""
+    def score(r: GenerationResult) -> float:
+        lps = [e.logprob for e in r.logprobs or []]
+        return sum(lps) / len(lps) if lps else float("-inf")
+
+    out = []
+    for at in range(0, len(results), per_prompt):
+        ranked = sorted(results[at:at + per_prompt], key=score, reverse=True)[:n]
+        out += ranked if keep_logprobs else [dataclasses.replace(r, logprobs=None) for r in ranked]
+    return out
+
+
+def echo_texts(req: CompletionRequest, text: TokenText) -> list[str]:
+    """``echo``: each prompt's text, put before its choices' completions (token-id prompts decoded)."""
+    prompts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
+    return [p if isinstance(p, str) else text.tokenizer.decode(p) for p in prompts]
 
 
 def chat_requests(req: ChatCompletionRequest, limits: Limits, tools: ToolPlan) -> list[dict]:

@@ -60,6 +60,8 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    suffix: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
