@@ -80,6 +80,7 @@ class InProcessService:
             temperature=params.get("temperature", 0.0),
             ignore_eos=params.get("ignore_eos", True),
             stop_token_ids=frozenset(params.get("stop_token_ids", ())),
+            prompt_logprobs=params.get("prompt_logprobs", -1),
         )
         return Request(rid=rid, prompt_ids=list(prompt_ids), params=sp, max_new=max_new)
 
@@ -104,14 +105,18 @@ class InProcessService:
                 planned = sent.popleft()
                 built = self.engine.build(planned.step)  # chained on the submitted step
                 if submitted is not None:
-                    self.sched.on_step_done(submitted[0], self.engine.finalize(submitted[1]))
+                    self._done(*submitted)
                 self.engine.submit(built)
                 submitted = (planned.step.step_id, built)
                 self.steps_run += 1
             elif submitted is not None:
-                self.sched.on_step_done(submitted[0], self.engine.finalize(submitted[1]))
+                self._done(*submitted)
                 submitted = None
             elif event >= last_event:
                 break
             event += 1
         self.sched.check_invariants()
+
+    def _done(self, step_id: int, built) -> None:
+        tokens = self.engine.finalize(built)
+        self.sched.on_step_done(step_id, tokens, None, built.prompt_logprobs)

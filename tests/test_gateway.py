@@ -153,8 +153,32 @@ def test_echo_puts_the_prompt_before_each_completion(gateway):
     whole = client.completions.create(model=name, prompt="hello", max_tokens=6, echo=True, **GREEDY)
     assert streamed[0].choices[0].text.startswith("hello")
     assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        client.completions.create(model=name, prompt="hello", max_tokens=2, echo=True, logprobs=1, **GREEDY)
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs cannot be streamed"):
+        client.completions.create(model=name, prompt="hello", max_tokens=2, echo=True, logprobs=1, stream=True,
+                                  **GREEDY)
+
+
+def test_echo_with_logprobs_scores_the_prompt_tokens(gateway):
+    """As evaluation harnesses ask (lm-eval's loglikelihood): echo, logprobs and one new token."""
+    from test_prompt_logprobs import _expected
+
+    client = gateway.openai()
+    name = gateway.folder.name
+    ids = _ids(gateway.folder, "hello world, the cat sat")
+    reply = client.completions.create(model=name, prompt=ids, max_tokens=2, echo=True, logprobs=2, **GREEDY)
+    lp = reply.choices[0].logprobs
+    plain = client.completions.create(model=name, prompt=ids, max_tokens=2, logprobs=2, **GREEDY).choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 2 and lp.tokens[len(ids):] == plain.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = _expected(gateway.folder, ids)
+    for i in range(1, len(ids)):
+        assert abs(lp.token_logprobs[i] - want[i - 1, ids[i]]) < 2e-3
+        # {text: logprob}: two tokens of one text (partial UTF-8) share a key
+        assert 1 <= len(lp.top_logprobs[i]) <= 2 and abs(max(lp.top_logprobs[i].values()) - want[i - 1].max()) < 2e-3
+    # the plain request may hit the prefix cache (the echoed one never does): float rounding only
+    assert lp.token_logprobs[len(ids):] == pytest.approx(plain.token_logprobs, abs=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert reply.choices[0].text.startswith(_decode(gateway.folder, ids))
 
 
 def test_best_of_returns_the_candidate_of_highest_logprob_per_token(gateway):

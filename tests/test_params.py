@@ -220,3 +220,12 @@ def test_request_rejected_is_a_value_error():
 
 def test_a_temperature_below_the_minimum_is_greedy():
     assert check(temperature=1e-6).temperature == 0.0
+
+
+def test_prompt_logprobs_is_off_or_a_top_count():
+    from runtime.scheduler.params import check_prompt_logprobs
+
+    assert check_prompt_logprobs(None) == -1 and check_prompt_logprobs(0) == 0 and check_prompt_logprobs(20) == 20
+    for bad in (-1, 21, True, 1.5, "3"):
+        with pytest.raises(RequestRejected, match="prompt_logprobs"):
+            check_prompt_logprobs(bad)

@@ -29,7 +29,7 @@ class RequestFailed(RuntimeError):
 SAMPLING_KEYWORDS = frozenset(
     {
         "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-        "logit_bias", "seed", "min_tokens", "stop", "logprobs", "top_logprobs",
+        "logit_bias", "seed", "min_tokens", "stop", "logprobs", "top_logprobs", "prompt_logprobs",
         "json_schema", "regex", "grammar", "json_object",
     }
 )
@@ -70,6 +70,8 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None
     queue_s: float | None = None
+    prompt_token_ids: list[int] | None = None  # with ``prompt_logprobs``: the prompt as run ...
+    prompt_logprobs: list[TokenLogprob] | None = None  # ... and each token's after the first
 
 
 def _logprobs(entries: list[cp.TokenLogprob] | None) -> list[TokenLogprob] | None:
@@ -90,6 +92,8 @@ def _result(done: cp.Done) -> GenerationResult:
         logprobs=_logprobs(done.logprobs),
         stop_reason=done.stop_reason,
         queue_s=done.queue_s,
+        prompt_token_ids=list(done.prompt_ids) if done.prompt_ids is not None else None,
+        prompt_logprobs=_logprobs(done.prompt_logprobs),
     )
 
 

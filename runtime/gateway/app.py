@@ -221,11 +221,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
         per_prompt = convert.best_of(body)
 
+        def whole_logprobs(r: GenerationResult) -> dict | None:
+            return convert.echo_logprobs(r, gw.tokens) if body.echo else logprobs(r.logprobs)
+
         def whole(results: list[GenerationResult]) -> dict:
             picked = results if per_prompt == body.n else convert.pick_best(results, per_prompt, body.n,
                                                                             body.logprobs is not None)
             return envelope | {
-                "choices": [choice(i, r.text, logprobs(r.logprobs), convert.finish_reason(r)) for i, r in enumerate(picked)],
+                "choices": [choice(i, r.text, whole_logprobs(r), convert.finish_reason(r)) for i, r in enumerate(picked)],
                 "usage": convert.usage(results, per_prompt),  # every candidate's tokens count, as OpenAI bills them
             }
 

@@ -85,9 +85,9 @@ def _fan_out(base: dict, n: int) -> list[dict]:
 
 def completion_requests(req: CompletionRequest, limits: Limits) -> list[dict]:
     """One ``Client.stream`` call per choice: prompt-major, ``n`` per prompt."""
-    if req.echo and req.logprobs is not None:
-        raise ApiError(400, "echo with logprobs needs the prompt tokens' logprobs, which this server does not "
-                       "compute; send echo or logprobs, not both", param="echo")
+    if req.echo and req.logprobs is not None and req.stream:
+        raise ApiError(400, "echo with logprobs cannot be streamed (the prompt's logprobs come at the end)",
+                       param="echo")
     prompt = req.prompt
     if isinstance(prompt, str):
         prompts: list[dict] = [{"prompt": prompt}]
@@ -108,6 +108,8 @@ def completion_requests(req: CompletionRequest, limits: Limits) -> list[dict]:
     base = _sampling(req, req.max_tokens, limits)
     if req.logprobs is not None or per_prompt > req.n:  # best_of ranks the candidates by their logprobs
         base.update(logprobs=True, top_logprobs=req.logprobs or 0)
+    if req.echo and req.logprobs is not None:
+        base["prompt_logprobs"] = req.logprobs
     return [kw | p for p in prompts for kw in _fan_out(base, per_prompt)]
 
 
@@ -190,6 +192,19 @@ def chat_logprobs(entries: list[TokenLogprob] | None, text: TokenText) -> dict |
                         for e in entries]}
 
 
+def echo_logprobs(result: GenerationResult, text: TokenText) -> dict | None:
+    """``echo`` with ``logprobs``: the prompt's tokens first (the first one has no logprob, as
+    in OpenAI's replies), then the completion's."""
+    if result.prompt_token_ids is None or result.prompt_logprobs is None or result.logprobs is None:
+        return None
+    first = TokenLogprob(result.prompt_token_ids[0], 0.0) if result.prompt_token_ids else None
+    out = completion_logprobs(([first] if first else []) + result.prompt_logprobs + result.logprobs, text)
+    assert out is not None
+    if first is not None:
+        out["token_logprobs"][0] = out["top_logprobs"][0] = None
+    return out
+
+
 def completion_logprobs(entries: list[TokenLogprob] | None, text: TokenText, offset: int = 0) -> dict | None:
     """The legacy completions shape: parallel lists, ``top_logprobs`` as {token: logprob}."""
     if entries is None:
@@ -202,6 +217,14 @@ def completion_logprobs(entries: list[TokenLogprob] | None, text: TokenText, off
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{text.of(t): lp for t, lp in e.top} for e in entries],
+        "top_logprobs": [_by_text(e.top, text) for e in entries],
         "text_offset": offsets,
     }
+
+
+def _by_text(top: list[tuple[int, float]], text: TokenText) -> dict[str, float]:
+    """{token text: logprob}, best first; tokens of one text (partial UTF-8) keep the best one's."""
+    out: dict[str, float] = {}
+    for token_id, logprob in top:
+        out.setdefault(text.of(token_id), logprob)
+    return out

@@ -22,6 +22,8 @@ class Generate(msgspec.Struct, tag="generate", omit_defaults=True, forbid_unknow
     Sampling parameters follow OpenAI's and vLLM's names; the scheduler checks their ranges.
     At most one of ``json_schema``, ``regex``, ``grammar`` (Lark or GBNF text) and
     ``json_object`` constrains the output (``runtime/scheduler/grammar.py``).
+    ``prompt_logprobs`` (the number of top logprobs, 0 or more): the result also carries each
+    prompt token's logprob given the tokens before it; such a prompt runs whole (no prefix-cache hit).
     """
 
     rid: Rid
@@ -44,6 +46,7 @@ class Generate(msgspec.Struct, tag="generate", omit_defaults=True, forbid_unknow
     stop: list[str] | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
     stream: bool = False
@@ -99,7 +102,8 @@ class Done(msgspec.Struct, tag="done", omit_defaults=True):
 
     ``stop_reason``: the stop string or stop token id that ended it (None for EOS or length).
     ``queue_s``: seconds from its arrival to its admission (the step of its first prefill);
-    None when it was never admitted.
+    None when it was never admitted. With ``prompt_logprobs`` asked: ``prompt_ids`` (the prompt as
+    run) and ``prompt_logprobs``, one entry for each prompt token after the first.
     """
 
     rid: str
@@ -112,6 +116,8 @@ class Done(msgspec.Struct, tag="done", omit_defaults=True):
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None
     queue_s: float | None = None
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class StatusReply(msgspec.Struct, tag="status_reply"):

@@ -21,6 +21,9 @@ class PrefillChunk(msgspec.Struct, array_like=True):
     ``aux_source`` says where the state comes from before this chunk (AUX_FRESH: empty,
     AUX_CONTINUE: the live slot, a slot id: restore that snapshot); ``aux_snapshot``,
     when set, receives a copy of the state after this chunk.
+
+    ``logprob_targets`` (a prompt-logprobs request): the token after each of ``token_ids``;
+    the worker reports each one's log-probability and the ``top_logprobs`` best there.
     """
 
     row: int
@@ -31,6 +34,19 @@ class PrefillChunk(msgspec.Struct, array_like=True):
     aux_slot: int = -1
     aux_source: int = AUX_CONTINUE
     aux_snapshot: int = -1
+    logprob_targets: list[int] = []
+    top_logprobs: int = 0
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """A prefill chunk's prompt logprobs: ``logprobs[i]`` is the log-probability of the chunk's
+    ``logprob_targets[i]`` after its token i; ``top_ids``/``top_logprobs`` the best there."""
+
+    row: int
+    start: int
+    logprobs: list[float]
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
 
 
 class RowSampling(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -147,6 +163,7 @@ class StepDone(msgspec.Struct, tag="step_done"):
     ``uptime_s``: time since the worker became ready (so idle share = idle_s / uptime_s).
     ``prefill_shapes``/``decode_traces``: distinct prefill forward shapes run and compiled
     decode traces made so far (warm-up included): what costs kernel builds on a GPU.
+    ``prompt_logprobs``: those of the step's prefill chunks that asked.
     """
 
     step_id: int
@@ -158,6 +175,7 @@ class StepDone(msgspec.Struct, tag="step_done"):
     top_logprobs: list[list[float]] = []
     prefill_shapes: int = 0
     decode_traces: int = 0
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class StepFailed(msgspec.Struct, tag="step_failed"):

@@ -11,8 +11,15 @@ then is it reported complete (``pop_completed``).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
-from runtime.protocol.worker import AUX_CONTINUE, Masks, PrefillChunk, Step
+from runtime.protocol.worker import (
+    AUX_CONTINUE,
+    Masks,
+    PrefillChunk,
+    PromptLogprobs,
+    Step,
+)
 from runtime.scheduler.admission import Limits, validate_request
 from runtime.scheduler.aux_state import AuxTracker
 from runtime.scheduler.decode_batch import build_decode, deferred_masks
@@ -22,7 +29,12 @@ from runtime.scheduler.radix import InsertResult, RadixCache
 from runtime.scheduler.request import Request, row_sampling
 from runtime.scheduler.rows import RowAllocator
 from runtime.scheduler.slots import SlotAllocator
-from runtime.scheduler.step_results import PlannedStep, StepOutput, take_token
+from runtime.scheduler.step_results import (
+    PlannedStep,
+    StepOutput,
+    take_prompt_logprobs,
+    take_token,
+)
 from runtime.scheduler.waiting import WaitingQueue
 
 
@@ -76,7 +88,8 @@ class Scheduler:
             return False
         match = None
         prefix_slots: list[int] = []
-        if self.tree is not None and req.prefill_target > 0:
+        # A prompt-logprobs request runs its whole prompt: a cached prefix has no logits.
+        if self.tree is not None and req.prefill_target > 0 and req.params.prompt_logprobs < 0:
             match = self.tree.match_prefix(req.prompt_ids[: req.prefill_target])
             usable = len(match.slots) if self.aux is None else AuxTracker.usable_prefix(match)
             prefix_slots = match.slots[:usable]
@@ -95,6 +108,7 @@ class Scheduler:
             req.admitted_at = time.monotonic()
         req.slots = list(prefix_slots)
         req.prefix_len = req.prefilled = req.cached_len = len(prefix_slots)
+        req.prompt_logprobs = []
         req.tree_node = match.node if match is not None else None
         req.reserved = need
         self.reserved += need
@@ -162,10 +176,12 @@ class Scheduler:
                     aux_slot, aux_source, aux_snapshot = (
                         self.aux.chunk_fields(req, start + n) if self.aux is not None else (-1, AUX_CONTINUE, -1)
                     )
+                    top_n = req.params.prompt_logprobs
                     prefills.append(
                         PrefillChunk(
                             req.row, start, req.prompt_ids[start : start + n], slot_ids, prefix,
                             aux_slot, aux_source, aux_snapshot,
+                            req.prompt_ids[start + 1 : start + n + 1] if top_n >= 0 else [], max(top_n, 0),
                         )
                     )
                     prefill_reqs.append(req)
@@ -245,14 +261,18 @@ class Scheduler:
 
     # ---- results ---------------------------------------------------------------------
     def on_step_done(
-        self, step_id: int, tokens: list[int], logprobs: tuple[list, list, list] | None = None
+        self, step_id: int, tokens: list[int], logprobs: tuple[list, list, list] | None = None,
+        prompt_logprobs: Sequence[PromptLogprobs] = (),
     ) -> list[StepOutput]:
-        """Take a step's tokens (and, when a row asked, logprobs, top ids, top logprobs)."""
+        """Take a step's tokens (and, when a row asked, logprobs, top ids, top logprobs; and the
+        prompt logprobs of its chunks that asked)."""
         planned = self.inflight.pop(step_id)
         assert len(tokens) == len(planned.decode_reqs), "worker returned a wrong number of tokens"
         outputs = []
         for req in planned.requests():
             req.inflight_steps -= 1
+        if prompt_logprobs:
+            take_prompt_logprobs({req.row: req for req in planned.prefill_reqs}, prompt_logprobs)
         lps, top_ids, top_lps = logprobs if logprobs is not None and logprobs[0] else (None, None, None)
         eos_ids = self.eos_ids
         for i, (req, token) in enumerate(zip(planned.decode_reqs, tokens)):

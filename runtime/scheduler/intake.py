@@ -12,7 +12,7 @@ import msgspec
 from runtime.protocol import client as cp
 from runtime.scheduler.admission import RequestRejected
 from runtime.scheduler.chat import chat_prompt_ids
-from runtime.scheduler.params import check_sampling
+from runtime.scheduler.params import check_prompt_logprobs, check_sampling
 from runtime.scheduler.request import SamplingParams
 from runtime.scheduler.tokenizer import Tokenizer
 
@@ -119,4 +119,5 @@ def sampling_params(msg: cp.Generate, vocab_size: int) -> SamplingParams:
         max_tokens=msg.max_tokens,
         ignore_eos=msg.ignore_eos,
         stop_token_ids=frozenset(msg.stop_token_ids),
+        prompt_logprobs=check_prompt_logprobs(msg.prompt_logprobs),
     )

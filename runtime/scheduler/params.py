@@ -106,6 +106,16 @@ def check_sampling(
     )
 
 
+def check_prompt_logprobs(value: Any) -> int:
+    """``prompt_logprobs``: None (off, -1) or the number of top logprobs per prompt token."""
+    if value is None:
+        return -1
+    top_n = _int("prompt_logprobs", value)
+    if not 0 <= top_n <= MAX_TOP_LOGPROBS:
+        raise RequestRejected(f"prompt_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {top_n}")
+    return top_n
+
+
 def _real(name: str, value: Any) -> float:
     """A finite int or float (not a bool) as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -50,6 +50,8 @@ def done_message(req: Request, rid: str, tokenizer: Tokenizer) -> cp.Done:
         logprobs=wire_logprobs(req.logprobs) if req.params.logprobs else None,
         stop_reason=req.stop_reason,
         queue_s=req.admitted_at - req.arrived_at if req.admitted_at else None,
+        prompt_ids=req.prompt_ids if req.params.prompt_logprobs >= 0 else None,
+        prompt_logprobs=wire_logprobs(req.prompt_logprobs) if req.params.prompt_logprobs >= 0 else None,
     )
 
 

@@ -17,6 +17,7 @@ class SamplingParams(SamplingChoice):
     max_tokens: int = 256
     ignore_eos: bool = False
     stop_token_ids: frozenset[int] = frozenset()
+    prompt_logprobs: int = -1  # top logprobs per prompt token (0 or more), -1: none asked
 
 
 @dataclass(eq=False)
@@ -55,6 +56,7 @@ class Request:
     stop_reason: str | int | None = None
     ended_by_token: bool = False  # the last output token is EOS or a stop token: not text
     logprobs: list[Any] = field(default_factory=list)  # (token id, logprob, top) per output token
+    prompt_logprobs: list[Any] = field(default_factory=list)  # the same for prompt tokens 1.., when asked
     arrived_at: float = 0.0
     admitted_at: float = 0.0  # when it first got a row: its wait in the queue ends (0: not yet)
     constraint: Any = None  # grammar.Constraint of a structured-output request

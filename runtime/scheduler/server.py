@@ -334,7 +334,7 @@ class Server:
                 self.last_step = reply
                 self.steps_done += 1
                 logprobs = (reply.logprobs, reply.top_ids, reply.top_logprobs) if reply.logprobs else None
-                outputs = s.on_step_done(reply.step_id, reply.tokens, logprobs)
+                outputs = s.on_step_done(reply.step_id, reply.tokens, logprobs, reply.prompt_logprobs)
                 self._send_masks(s)  # first: the worker may be waiting for them to sample its next step
                 for out in outputs:
                     self.out.emit(out, s)

@@ -1,11 +1,13 @@
 """A step's records on the scheduler: what was planned, what each request got back, and one
-finalized token taken into its request (appended, its logprobs kept, why it ends the request)."""
+finalized token taken into its request (appended, its logprobs kept, why it ends the request);
+prefill chunks' prompt logprobs taken into theirs."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from runtime.protocol.worker import Step
+from runtime.protocol.worker import PromptLogprobs, Step
 from runtime.scheduler.request import Request
 
 
@@ -54,3 +56,15 @@ def take_token(req: Request, token: int, eos_ids: frozenset[int], logprob: tuple
     if len(req.output_ids) >= req.max_new:
         return "length"
     return None
+
+
+def take_prompt_logprobs(by_row: dict[int, Request], chunks: Sequence[PromptLogprobs]) -> None:
+    """Append each chunk's prompt logprobs to its request, as (token, logprob, top) entries of
+    the prompt tokens after the chunk's (the chunks of a request come in order)."""
+    for chunk in chunks:
+        req = by_row.get(chunk.row)
+        if req is None or req.finished:
+            continue
+        for i, lp in enumerate(chunk.logprobs):
+            top = tuple(zip(chunk.top_ids[i], chunk.top_logprobs[i])) if chunk.top_ids else ()
+            req.prompt_logprobs.append((req.prompt_ids[chunk.start + 1 + i], lp, top))

@@ -31,6 +31,7 @@ from runtime.worker.paths.prefill_shapes import (
 from runtime.worker.paths.rows.compiled_decode import CompiledDecode
 from runtime.worker.pools.aux_pool import AuxPool
 from runtime.worker.pools.kv_pool import KVPool
+from runtime.worker.prompt_logprobs import prompt_logprobs, read_prompt_logprobs
 from runtime.worker.sampler import RowSampler, StepDraws
 from runtime.worker.token_chain import TokenChain
 
@@ -201,13 +202,14 @@ class Engine:
                                 recurrent=self.aux_pool is not None)
         decode = launched.step.decode
         if (self.fuse_prefill and decode is not None and decode.rows
-                and sum(len(c.token_ids) for c in launched.step.prefills) <= FUSE_MAX_TOKENS):
+                and sum(len(c.token_ids) for c in launched.step.prefills) <= FUSE_MAX_TOKENS
+                and not any(c.logprob_targets for c in launched.step.prefills)):  # fused: no prefill logits
             self._build_decode(launched, self._fused_logits(groups, decode))
             return
         appends_only = self.paths.tail is not None
         for i, group in enumerate(groups):
             if group[0].token_ids:
-                self._prefill_batch(group)
+                launched.prompt_arrays += self._prefill_batch(group) or []
             else:
                 self._prefill(group[0])
             if i + 1 < len(groups) or not appends_only:
@@ -245,8 +247,9 @@ class Engine:
         inputs, batch, _ = self._pool_decode(decode, self._plan(decode))
         return fused_logits(self.model, self.output_head, self.layout, self.pool, batch, inputs, prefills), True
 
-    def _prefill_batch(self, group: list[PrefillChunk]) -> None:
-        """Run chunks of one start as one forward (shorter ones padded at the end)."""
+    def _prefill_batch(self, group: list[PrefillChunk]) -> list[tuple]:
+        """Run chunks of one start as one forward (shorter ones padded at the end); the prompt
+        logprobs of the chunks that asked, lazy (``prompt_logprobs``)."""
         batch, tokens = self._prefill_inputs(group)
         aux = None
         if self.aux_pool is not None:
@@ -255,7 +258,9 @@ class Engine:
             if group[0].aux_source != AUX_FRESH:
                 sources = [c.aux_slot if c.aux_source == AUX_CONTINUE else c.aux_source for c in group]
             aux = self.aux_pool.caches(None if sources is None else mx.array(sources, dtype=mx.int32))
-        self.model(mx.array(tokens, dtype=mx.int32), cache=self._caches(batch, aux))
+        logits = self.model(mx.array(tokens, dtype=mx.int32), cache=self._caches(batch, aux))
+        asked = [(c, *prompt_logprobs(logits[i, : len(c.token_ids)], c.logprob_targets, c.top_logprobs))
+                 for i, c in enumerate(group) if c.logprob_targets]
         if aux is not None:
             self.aux_pool.store(aux, mx.array([c.aux_slot for c in group], dtype=mx.int32))
             snaps = [(i, c.aux_snapshot) for i, c in enumerate(group) if c.aux_snapshot >= 0]
@@ -264,6 +269,7 @@ class Engine:
                 slots = mx.array([s for _, s in snaps], dtype=mx.int32)
                 for k, cache in enumerate(aux):
                     self.aux_pool.write(k, slots, [state[index] for state in cache.cache])
+        return asked
 
     def _build_decode(self, launched: LaunchedStep, computed: tuple[mx.array, bool] | None = None) -> None:
         """The step's sampling from its decode logits (``computed``: already built, with
@@ -301,6 +307,7 @@ class Engine:
         targets = [t for t in (built.written, built.tokens, built.logits) if t is not None]
         if built.draws is not None:
             targets += built.draws.arrays()[1:]
+        targets += [a for entry in built.prompt_arrays for a in entry[1:]]
         mx.async_eval(*targets)
 
     def launch(self, step: Step) -> LaunchedStep:
@@ -310,7 +317,10 @@ class Engine:
         return built
 
     def finalize(self, launched: LaunchedStep) -> list[int]:
-        """Read a launched step's sampled tokens back as plain ints."""
+        """Read a launched step's sampled tokens back as plain ints (and its prompt logprobs)."""
+        if launched.prompt_arrays:
+            launched.prompt_logprobs = read_prompt_logprobs(launched.prompt_arrays)
+            launched.prompt_arrays = []
         if launched.tokens is None:
             mx.eval(launched.written)
             return []

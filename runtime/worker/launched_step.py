@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from runtime.protocol.worker import DecodeBatch, Step
+from runtime.protocol.worker import DecodeBatch, PromptLogprobs, Step
 from runtime.worker.sampler import StepDraws
 
 
@@ -24,3 +24,6 @@ class LaunchedStep:
     first_tokens: bool = False  # has prefill chunks: some request's first token comes from it
     awaiting: DecodeBatch | None = None  # a decode whose deferred rows' masks have not come yet
     logits: mx.array | None = None  # that decode's logits, sampled by ``apply_masks``
+    # prefill chunks that asked for prompt logprobs: (chunk, chosen, top ids, top values), lazy ...
+    prompt_arrays: list[tuple] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # ... and read back

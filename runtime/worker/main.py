@@ -308,6 +308,7 @@ def _read_back(engine, launched, clock: IdleClock) -> StepDone | StepFailed:
     done.prefill_shapes, done.decode_traces = engine.shapes_built
     if launched.logprobs is not None:
         done.logprobs, done.top_ids, done.top_logprobs = launched.logprobs
+    done.prompt_logprobs = launched.prompt_logprobs
     return done
 
 
