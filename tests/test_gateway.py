@@ -179,6 +179,13 @@ def test_echo_with_logprobs_scores_the_prompt_tokens(gateway):
     assert lp.token_logprobs[len(ids):] == pytest.approx(plain.token_logprobs, abs=1e-4)
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     assert reply.choices[0].text.startswith(_decode(gateway.folder, ids))
+    # max_tokens 0 (older harnesses): the prompt scored, nothing generated
+    scored = client.completions.create(model=name, prompt=ids, max_tokens=0, echo=True, logprobs=2, **GREEDY)
+    only = scored.choices[0].logprobs
+    assert only.tokens == lp.tokens[: len(ids)] and only.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:len(ids)])
+    assert scored.choices[0].text == _decode(gateway.folder, ids) and scored.usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0 needs echo"):
+        client.completions.create(model=name, prompt=ids, max_tokens=0, **GREEDY)
 
 
 def test_best_of_returns_the_candidate_of_highest_logprob_per_token(gateway):

@@ -225,6 +225,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return convert.echo_logprobs(r, gw.tokens) if body.echo else logprobs(r.logprobs)
 
         def whole(results: list[GenerationResult]) -> dict:
+            if body.max_tokens == 0:
+                results = [convert.prompt_only(r) for r in results]
             picked = results if per_prompt == body.n else convert.pick_best(results, per_prompt, body.n,
                                                                             body.logprobs is not None)
             return envelope | {

@@ -88,6 +88,9 @@ def completion_requests(req: CompletionRequest, limits: Limits) -> list[dict]:
     if req.echo and req.logprobs is not None and req.stream:
         raise ApiError(400, "echo with logprobs cannot be streamed (the prompt's logprobs come at the end)",
                        param="echo")
+    if req.max_tokens == 0 and not (req.echo and not req.stream):
+        raise ApiError(400, "max_tokens 0 needs echo, without streaming (it scores the prompt only)",
+                       param="max_tokens")
     prompt = req.prompt
     if isinstance(prompt, str):
         prompts: list[dict] = [{"prompt": prompt}]
@@ -105,7 +108,7 @@ def completion_requests(req: CompletionRequest, limits: Limits) -> list[dict]:
     per_prompt = best_of(req)
     if len(prompts) * per_prompt > MAX_N:
         raise ApiError(400, f"at most {MAX_N} choices per request (prompts times n, or best_of)", param="n")
-    base = _sampling(req, req.max_tokens, limits)
+    base = _sampling(req, 1 if req.max_tokens == 0 else req.max_tokens, limits)  # 0: one token, dropped
     if req.logprobs is not None or per_prompt > req.n:  # best_of ranks the candidates by their logprobs
         base.update(logprobs=True, top_logprobs=req.logprobs or 0)
     if req.echo and req.logprobs is not None:
@@ -136,6 +139,12 @@ def pick_best(results: list[GenerationResult], per_prompt: int, n: int, keep_log
         ranked = sorted(results[at:at + per_prompt], key=score, reverse=True)[:n]
         out += ranked if keep_logprobs else [dataclasses.replace(r, logprobs=None) for r in ranked]
     return out
+
+
+def prompt_only(result: GenerationResult) -> GenerationResult:
+    """``max_tokens`` 0 with ``echo``: the result without the one token run to score the prompt."""
+    return dataclasses.replace(result, token_ids=[], text="", finish_reason="length", stop_reason=None,
+                               logprobs=[] if result.logprobs is not None else None)
 
 
 def echo_texts(req: CompletionRequest, text: TokenText) -> list[str]:
