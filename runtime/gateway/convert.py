@@ -204,13 +204,12 @@ def chat_logprobs(entries: list[TokenLogprob] | None, text: TokenText) -> dict |
 def echo_logprobs(result: GenerationResult, text: TokenText) -> dict | None:
     """``echo`` with ``logprobs``: the prompt's tokens first (the first one has no logprob, as
     in OpenAI's replies), then the completion's."""
-    if result.prompt_token_ids is None or result.prompt_logprobs is None or result.logprobs is None:
+    if not result.prompt_token_ids or result.prompt_logprobs is None or result.logprobs is None:
         return None
-    first = TokenLogprob(result.prompt_token_ids[0], 0.0) if result.prompt_token_ids else None
-    out = completion_logprobs(([first] if first else []) + result.prompt_logprobs + result.logprobs, text)
+    first = TokenLogprob(result.prompt_token_ids[0], 0.0)  # a placeholder: no logprob before the first token
+    out = completion_logprobs([first] + result.prompt_logprobs + result.logprobs, text)
     assert out is not None
-    if first is not None:
-        out["token_logprobs"][0] = out["top_logprobs"][0] = None
+    out["token_logprobs"][0] = out["top_logprobs"][0] = None
     return out
 
 

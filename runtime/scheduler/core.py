@@ -13,18 +13,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from runtime.protocol.worker import (
-    AUX_CONTINUE,
-    Masks,
-    PrefillChunk,
-    PromptLogprobs,
-    Step,
-)
+from runtime.protocol.worker import Masks, PrefillChunk, PromptLogprobs, Step
 from runtime.scheduler.admission import Limits, validate_request
 from runtime.scheduler.aux_state import AuxTracker
 from runtime.scheduler.decode_batch import build_decode, deferred_masks
 from runtime.scheduler.grammar import MaskClock
 from runtime.scheduler.invariants import check_scheduler
+from runtime.scheduler.prefill_chunks import prompt_chunk, table_chunk
 from runtime.scheduler.radix import InsertResult, RadixCache
 from runtime.scheduler.request import Request, row_sampling
 from runtime.scheduler.rows import RowAllocator
@@ -171,19 +166,7 @@ class Scheduler:
                     n = min(whole, budget)
                     if self.aux is not None:
                         n = self.aux.clip_chunk(req, start, n)
-                    slot_ids = self._alloc(req, n)
-                    prefix = req.slots[:start] if start == req.prefix_len and start > 0 else []
-                    aux_slot, aux_source, aux_snapshot = (
-                        self.aux.chunk_fields(req, start + n) if self.aux is not None else (-1, AUX_CONTINUE, -1)
-                    )
-                    top_n = req.params.prompt_logprobs
-                    prefills.append(
-                        PrefillChunk(
-                            req.row, start, req.prompt_ids[start : start + n], slot_ids, prefix,
-                            aux_slot, aux_source, aux_snapshot,
-                            req.prompt_ids[start + 1 : start + n + 1] if top_n >= 0 else [], max(top_n, 0),
-                        )
-                    )
+                    prefills.append(prompt_chunk(req, start, n, self._alloc(req, n), self.aux))
                     prefill_reqs.append(req)
                     req.prefilled += n
                     budget -= n
@@ -191,17 +174,9 @@ class Scheduler:
             candidates = []
             while self.waiting and budget > 0 and self._try_admit(self.waiting.peek()):
                 req = self.waiting.popleft()
-                if req.prefill_done:
-                    # One-token prompt or full-prefix hit: straight to decode; the worker
-                    # still needs the cached prefix's slots in the request's table row.
-                    if self.aux is not None:
-                        # Restore the prefix's saved state (or clear the live slot).
-                        aux_slot, aux_source, _ = self.aux.chunk_fields(req, req.prefix_len)
-                        prefills.append(
-                            PrefillChunk(req.row, req.prefix_len, [], [], list(req.slots), aux_slot, aux_source)
-                        )
-                    elif req.prefix_len:
-                        prefills.append(PrefillChunk(req.row, req.prefix_len, [], [], list(req.slots)))
+                if req.prefill_done:  # one-token prompt or full-prefix hit: straight to decode
+                    if (chunk_only := table_chunk(req, self.aux)) is not None:
+                        prefills.append(chunk_only)
                     continue
                 candidates.append(req)
                 break  # prefill it first, so the next admission can match what it inserts

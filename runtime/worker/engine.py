@@ -209,7 +209,7 @@ class Engine:
         appends_only = self.paths.tail is not None
         for i, group in enumerate(groups):
             if group[0].token_ids:
-                launched.prompt_arrays += self._prefill_batch(group) or []
+                launched.prompt_arrays += self._prefill_batch(group)
             else:
                 self._prefill(group[0])
             if i + 1 < len(groups) or not appends_only:

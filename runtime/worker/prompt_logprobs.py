@@ -16,17 +16,14 @@ from runtime.worker.sampling_ops import chosen_and_top
 BLOCK_ROWS = 256  # positions per log-softmax: a block's float32 logits are BLOCK_ROWS x vocabulary
 
 
-def prompt_logprobs(logits: mx.array, targets: list[int], top_n: int) -> tuple[mx.array, mx.array, mx.array]:
+def prompt_logprobs(logits: mx.array, targets: list[int], top_n: int) -> tuple[mx.array, ...]:
     """(chosen logprobs, top ids, top logprobs) of ``logits`` (positions x vocabulary) for the
-    ``targets`` that follow each position; lazy. Without ``top_n`` the top arrays are empty."""
+    ``targets`` that follow each position; lazy. Without ``top_n``, only the first is meant
+    (``chosen_and_top`` repeats it)."""
     target_ids = mx.array(targets, dtype=mx.int32)
     parts = [chosen_and_top(top_n, logits[at:at + BLOCK_ROWS], target_ids[at:at + BLOCK_ROWS])
              for at in range(0, len(targets), BLOCK_ROWS)]
-    chosen = mx.concatenate([p[0] for p in parts])
-    if not top_n:
-        empty = mx.zeros((len(targets), 0), dtype=mx.float32)
-        return chosen, empty.astype(mx.int32), empty
-    return chosen, mx.concatenate([p[1] for p in parts]), mx.concatenate([p[2] for p in parts])
+    return parts[0] if len(parts) == 1 else tuple(mx.concatenate(list(outputs)) for outputs in zip(*parts))
 
 
 def read_prompt_logprobs(arrays: list[tuple[PrefillChunk, mx.array, mx.array, mx.array]]) -> list[PromptLogprobs]:
