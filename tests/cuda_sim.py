@@ -266,12 +266,13 @@ def _from_bf16(bits: np.ndarray) -> np.ndarray:
 def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "float", head_dim: int = 128,
                      n_rep: int = 2, n_kv: int = 2, warps: int = 4, unroll: int = 1, rows: int = 2,
                      context: int = 70, tail: int = 3, capacity: int = 6, seed: int = 0,
-                     edit: Callable[[str], str] | None = None) -> tuple[float, bool]:
+                     edit: Callable[[str], str] | None = None, full: bool = False) -> tuple[float, bool]:
     """One simulated decode step of ``rows`` rows, each with up to ``context`` pool positions
     (``tail`` more in a tail of ``capacity``; appending: ``tail - 1`` old ones and the new
     K/V): the largest absolute difference from the reference, and whether the appended tail
     (``keys_out``/``values_out[:, :, :tail]``) is exactly old tail + new row (True when not
-    appending). ``dtype`` is the K/V and query type, ``"float"`` or ``"bf16"``."""
+    appending). ``dtype`` is the K/V and query type, ``"float"`` or ``"bf16"``; ``full``: every
+    row has all ``context`` pool positions (no row shorter, so every split holds some)."""
     assert dtype in ("float", "bf16") and 1 <= tail <= capacity
     rng = np.random.default_rng(seed)
     cast = (lambda x: _from_bf16(_bf16(x))) if dtype == "bf16" else (lambda x: x.astype(np.float32))
@@ -284,7 +285,7 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
     keys, values = normal(slots, n_kv, head_dim), normal(slots, n_kv, head_dim)
     table = np.zeros((rows + 1, context + 4), np.int32)  # a spare table row, and spare columns
     order = rng.permutation(rows + 1)[:rows].astype(np.int32)
-    n_pool = rng.integers(0, context + 1, rows)
+    n_pool = np.full(rows, context) if full else rng.integers(0, context + 1, rows)
     for b in range(rows):
         table[order[b], : n_pool[b]] = rng.choice(np.arange(1, slots), n_pool[b], replace=False)
     tail_k, tail_v = normal(rows, n_kv, capacity, head_dim), normal(rows, n_kv, capacity, head_dim)

@@ -53,6 +53,14 @@ def test_the_kernel_matches_the_reference(loop: str, appending: bool, splits: in
         assert tail_exact, f"context {context}, tail {tail}: the appended tail differs"
 
 
+def test_more_splits_than_a_combine_block_has_threads() -> None:
+    # The combine block has one thread per head dim (64): splits 64-71 are read by a second pass.
+    # 717 pool positions and 3 in the tail: 72 splits of 10 positions, none empty.
+    err, _ = run_paged_kernel("mma", False, 72, dtype="bf16", head_dim=64, n_rep=2, warps=2, context=717, tail=3,
+                              full=True)
+    assert err < TOLERANCE["bf16"], f"error {err:.3g}"
+
+
 def test_a_wrong_softmax_is_caught() -> None:
     def unshifted(source: str) -> str:
         assert "expf(s[u] - mn)" in source

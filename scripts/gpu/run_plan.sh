@@ -71,8 +71,10 @@ for item in "$@"; do
                   python3 scripts/kernel_bench.py --rows 1 --context 32768 --no-trace --calls 2 ;;
     imports) run "$item" 60 bash -c "python3 -X importtime -c 'import mlx.core, runtime.worker.loader, runtime.worker.engine' 2>&1 | sort -t'|' -k2 -n | tail -30; python3 -c 'import sys, time; t = time.perf_counter(); import mlx.core; a = time.perf_counter(); import runtime.worker.loader; print(\"mlx.core %.2f s, loader %.2f s, torch imported: %s\" % (a - t, time.perf_counter() - a, \"torch\" in sys.modules))'" ;;
     1b-paired) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads paired --pairs 5 --json "$OUT/$item$tag.json" ;;
+    1b-paired-trace) RUNTIME_WORKER_TRACE="$OUT/1b-paired-worker-trace$tag" run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads paired --pairs 3 --json "$OUT/$item$tag.json" ;;
     profile-8b-64) run "$item" 200 python3 scripts/profile_decode.py --shape llama-8b --batch 32,64 --context 1024 --steps 64 --modes mlx,engine,engine-overlap ;;
-    profile-1b-1) run "$item" 150 python3 scripts/profile_decode.py --shape llama-1b --batch 1 --context 256 --steps 128 --modes mlx,engine,engine-overlap ;;
+    profile-1b-1) run "$item" 150 python3 scripts/profile_decode.py --shape llama-1b --batch 1 --context 256 --steps 128 --modes mlx,engine,engine-overlap --kernels ;;
+    profile-8b-32k) run "$item" 240 python3 scripts/profile_decode.py --shape llama-8b --batch 1 --context 32768 --steps 32 --modes mlx,engine-overlap --kernels ;;
     kernel-32k) run "$item" 120 python3 scripts/profile_decode.py --shape llama-8b --kernel 1,8 --context 32768 --modes "" ;;
     8b-first) run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads first --pairs 1 --json "$OUT/$item$tag.json" ;;
     8b-long) run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads long --long-lens 32768 --json "$OUT/$item$tag.json" ;;
@@ -87,12 +89,12 @@ for item in "$@"; do
     1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item$tag.json" ;;
     1b-first) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads first --pairs 3 --json "$OUT/$item$tag.json" ;;
     pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py ;;
-    *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-gpu-mma kernel-ncu imports 1b-paired profile-8b-64 profile-1b-1 kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
+    *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then
   tar czf "$OUT/kernels.tgz" -C ~/.cache/runtime mlx-kernels && echo "kernel cache: $(du -h "$OUT/kernels.tgz" | cut -f1)"
 fi
-for trace in "$OUT"/8b-*-worker-trace*; do
+for trace in "$OUT"/*-worker-trace*; do
   [ -f "$trace" ] && { echo "== $trace"; head -32 "$trace"; }
 done

@@ -24,6 +24,7 @@ from runtime.worker.paths.cuda.paged_kernels import (
     APPEND_INPUTS,
     APPEND_OUTPUTS,
     COMBINE,
+    COMBINE_MAX_SPLITS,
     HEADER,
     INPUTS,
     WRITE_OUT,
@@ -201,6 +202,7 @@ class PagedAttention:
             return self._kernel("single", appending, loop)(
                 inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
                 output_shapes=[queries.shape] + tails, output_dtypes=[queries.dtype] * (1 + len(tails)))
+        assert splits <= COMBINE_MAX_SPLITS, f"{splits} splits: the combine kernel merges {COMBINE_MAX_SPLITS} at most"
         parts = blocks * splits * n_rep
         part_acc, part_m, part_l, *tail = self._kernel("split", appending, loop)(
             inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
