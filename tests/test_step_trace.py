@@ -15,7 +15,7 @@ class FakeEngine:
         self.kernel_dir = kernel_dir
 
     def build(self, step):
-        return SimpleNamespace(step_id=step.step_id, step=step)
+        return SimpleNamespace(step_id=step.step_id, step=step, in_place=step.step_id == 2)  # step 2: a tail flush
 
     def submit(self, built) -> None:
         self.prepare(built)
@@ -62,5 +62,7 @@ def test_step_times_are_tabled_by_what_the_steps_held(tmp_path) -> None:
         engine.finalize(built)
     trace.write()
     lines = (tmp_path / "trace").read_text().splitlines()
-    table = {" ".join(line.split()[:4]): int(line.split()[4]) for line in lines if line.startswith("  prefill")}
-    assert table == {"prefill 257-512, decode 2-8": 1, "prefill 0, decode 2-8": 2}
+    table = {" ".join(line.rsplit(None, 4)[0].split()): int(line.rsplit(None, 4)[1]) for line in lines
+             if line.startswith("  prefill")}
+    assert table == {"prefill 257-512, decode 2-8": 1, "prefill 0, decode 2-8": 1,
+                     "prefill 0, decode 2-8, in place": 1}

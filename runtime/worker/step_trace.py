@@ -78,7 +78,9 @@ class StepTrace:
             built = build(step)
             if len(built_at) > 64:
                 built_at.clear()  # steps whose submit never came (a failed build)
-            built_at[built.step_id] = (_describe(step), _step_class(step), before)
+            # decode steps that write the pools in place (a tail flush) wait for the step before them
+            kind = _step_class(step) + (", in place" if not step.prefills and getattr(built, "in_place", False) else "")
+            built_at[built.step_id] = (_describe(step), kind, before)
             return built
 
         def timed_submit(built) -> None:
@@ -128,7 +130,7 @@ class StepTrace:
         lines.append("steps by what they held (prefill tokens, decode rows): count, mean / p50 / p95 ms")
         for kind, values in sorted(self.steps.items()):
             v = np.array(values) * 1e3
-            lines.append(f"  {kind:34s} {len(v):7d}  {v.mean():7.2f} {np.percentile(v, 50):7.2f} {np.percentile(v, 95):7.2f}")
+            lines.append(f"  {kind:44s} {len(v):7d}  {v.mean():7.2f} {np.percentile(v, 50):7.2f} {np.percentile(v, 95):7.2f}")
         before, now = self._threads, _thread_cpu()
         used = sorted(((now[t] - before.get(t, 0.0), t) for t in now), reverse=True)
         for took, at, what in self.slow:
