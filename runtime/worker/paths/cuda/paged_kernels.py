@@ -210,14 +210,18 @@ WRITE_PARTIAL = """
 
 # Splits a combine block can merge (``PagedAttention`` checks a launch against it).
 COMBINE_MAX_SPLITS = 256
+# Up to this many splits each combine thread reads the maxima and sums itself: on an H200 the
+# shared-memory rounds cost more than they save there (4 splits: 3.2-3.9 against 2.4-2.7 us a
+# call; 32 splits: 4.8-5.1 against 7.0-7.3 us).
+FEW_SPLITS = 8
 
-# One block per (row, KV head, query head of the group), one thread per head dim. The splits'
-# maxima and sums are read by the block's threads side by side into shared memory, and each
-# thread's loads of its dim over the splits are independent of one another: one thread
-# reading every split's max, then every sum and value in turn waited for each load (7 us a
-# call at 32 splits on an H200, for 128 KiB of partial results). The sums run in split order,
-# as before.
+# One block per (row, KV head, query head of the group), one thread per head dim. Beyond a few
+# splits, their maxima and sums are read by the block's threads side by side into shared
+# memory, and each thread's loads of its dim over the splits are independent of one another:
+# one thread reading every split's max, then every sum and value in turn waits for each load.
+# Either way the sums run in split order, with the same factors (the same bits).
 COMBINE = f"""
+    constexpr int FEW_SPLITS = {FEW_SPLITS};
     constexpr int MAX_SPLITS = {COMBINE_MAX_SPLITS};
     __shared__ float weight[MAX_SPLITS];  // each split's max, then its factor exp(max - top)
     __shared__ float scaled[MAX_SPLITS];  // each split's sum times its factor
@@ -227,26 +231,38 @@ COMBINE = f"""
     const int bh = bhr / NREP;
     const int r = bhr % NREP;
     const size_t first = (size_t)bh * SPLITS * NREP + r;  // split s's partial result: first + s * NREP
-    for (int s = d; s < SPLITS; s += D) weight[s] = part_m[first + (size_t)s * NREP];
-    __syncthreads();
-    float top = -INFINITY;
-    for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, weight[s]);
-    __syncthreads();  // every thread has its max before the maxima become factors
-    for (int s = d; s < SPLITS; s += D) {{
-        const float pm = weight[s];
-        const float f = pm == -INFINITY ? 0.f : expf(pm - top);
-        weight[s] = f;
-        scaled[s] = f == 0.f ? 0.f : part_l[first + (size_t)s * NREP] * f;
-    }}
-    __syncthreads();
     float sum = 0.f;
     float value = 0.f;
+    if (SPLITS <= FEW_SPLITS) {{  // each thread reads the few maxima and sums itself
+        float top = -INFINITY;
+        for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, part_m[first + (size_t)s * NREP]);
+        for (int s = 0; s < SPLITS; ++s) {{
+            const float pm = part_m[first + (size_t)s * NREP];
+            if (pm == -INFINITY) continue;  // an empty split: nothing to add
+            const float f = expf(pm - top);
+            sum += part_l[first + (size_t)s * NREP] * f;
+            value += part_acc[(first + (size_t)s * NREP) * D + d] * f;
+        }}
+    }} else {{
+        for (int s = d; s < SPLITS; s += D) weight[s] = part_m[first + (size_t)s * NREP];
+        __syncthreads();
+        float top = -INFINITY;
+        for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, weight[s]);
+        __syncthreads();  // every thread has its max before the maxima become factors
+        for (int s = d; s < SPLITS; s += D) {{
+            const float pm = weight[s];
+            const float f = pm == -INFINITY ? 0.f : expf(pm - top);
+            weight[s] = f;
+            scaled[s] = f == 0.f ? 0.f : part_l[first + (size_t)s * NREP] * f;
+        }}
+        __syncthreads();
 #pragma unroll 8
-    for (int s = 0; s < SPLITS; ++s) {{
-        const float f = weight[s];
-        if (f == 0.f) continue;  // an empty split (its max -inf): nothing to add
-        sum += scaled[s];
-        value += part_acc[(first + (size_t)s * NREP) * D + d] * f;
+        for (int s = 0; s < SPLITS; ++s) {{
+            const float f = weight[s];
+            if (f == 0.f) continue;  // an empty split (its max -inf): nothing to add
+            sum += scaled[s];
+            value += part_acc[(first + (size_t)s * NREP) * D + d] * f;
+        }}
     }}
     out[(size_t)bhr * D + d] = static_cast<T>(value / sum);
 """
