@@ -27,7 +27,7 @@ run() {  # name, seconds at most, command... (the item's @tag, if any, names its
   local started=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "   rc $?, $(( SECONDS - started )) s"
-  grep -E "^\| |^rows |^ +start |^ *[0-9]+ \||^total|stacked products|warmed up in|pools and attention|loaded the model|WARNING|passed|failed" \
+  grep -E "^\| |^8b |^1b |^summed|^rows |^ +start |^ *[0-9]+ \||^total|stacked products|warmed up in|pools and attention|loaded the model|WARNING|passed|failed" \
     "$OUT/$name.log" | grep -v "^| *-" | head -40
 }
 
@@ -41,6 +41,7 @@ for item in "$@"; do
   tag=$tag${fuse_tag:-}  # after fuse-prefill / no-fuse-prefill: the logs are named -fused / -apart
   case $item in
     kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
+    gemv-ab) run "$item" 150 python3 scripts/gemv_ab.py ;;
     long-prefill) run "$item" 300 python3 scripts/long_prefill_cost.py --shape llama-8b --context 32768 --chunk 2048 ;;
     pytest-kernel) run "$item" 300 python3 -m pytest -q tests/test_paged_kernel_cuda.py ;;
     pytest-kernel-mma) run "$item" 200 python3 -m pytest -q tests/test_paged_kernel_cuda.py -k mma ;;
@@ -89,7 +90,7 @@ for item in "$@"; do
     1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item$tag.json" ;;
     1b-first) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads first --pairs 3 --json "$OUT/$item$tag.json" ;;
     pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py ;;
-    *) echo "== $item: unknown (kernel-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
+    *) echo "== $item: unknown (kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then
