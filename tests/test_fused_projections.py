@@ -14,6 +14,7 @@ from mlx_lm.utils import load_model
 from model_factory import reference_greedy
 
 from runtime.config import ConfigError, parse_config
+from runtime.worker.cpu_blas import reference_blas
 from runtime.worker.model import fused_projections
 from runtime.worker.model.discovery import model_layers
 from runtime.worker.model.fused_projections import (
@@ -178,10 +179,28 @@ def test_fuse_projections_setting():
     with pytest.raises(ConfigError, match="fuse_projections"):
         parse_config({"model": {"path": "/m"}, "worker": {"fuse_projections": "yes"}})
     assert fusion_wanted("auto", on_gpu=True, compiled_step=True)
-    assert not fusion_wanted("auto", on_gpu=False, compiled_step=True)
+    assert not fusion_wanted("auto", on_gpu=False, compiled_step=True)  # a CPU with OpenBLAS
+    assert fusion_wanted("auto", on_gpu=False, compiled_step=True, reference_blas=True)
+    assert not fusion_wanted("auto", on_gpu=False, compiled_step=False, reference_blas=True)
+    assert not fusion_wanted("off", on_gpu=False, compiled_step=True, reference_blas=True)
     assert not fusion_wanted("auto", on_gpu=True, compiled_step=False)  # hybrids, compile_decode off
     assert fusion_wanted("on", on_gpu=False, compiled_step=False)
     assert not fusion_wanted("off", on_gpu=True, compiled_step=True)
+
+
+def test_reference_blas_is_read_from_the_mapped_libraries():
+    bundled = "7f36a5758000-7f36a5800000 r-xp 00000000 08:01 1 /venv/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0\n"
+    openblas = "7f36a5000000-7f36a5100000 r-xp 00000000 08:01 2 /usr/lib/x86_64-linux-gnu/libopenblas.so.0\n"
+    assert reference_blas(bundled)
+    assert not reference_blas(bundled + openblas)
+    assert not reference_blas("/opt/intel/lib/libmkl_rt.so.2\n")
+
+
+def test_auto_fuses_on_this_cpu_exactly_when_its_blas_is_the_reference_one(model_dir):
+    from runtime.worker.loader import load
+
+    loaded = load(parse_config({"model": {"path": str(model_dir("llama"))}}))
+    assert (loaded.fused_groups > 0) == reference_blas()
 
 
 def test_the_loader_fuses_when_configured(model_dir):

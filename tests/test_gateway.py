@@ -364,9 +364,9 @@ async def test_32_concurrent_streams_complete(gateway):
 
 def test_closed_stream_aborts_its_request(gateway):
     client = gateway.openai()
-    stream = client.completions.create(model=gateway.folder.name, prompt="a long one", max_tokens=CONTEXT - 20,
-                                       stream=True, **GREEDY)
-    with SyncClient(gateway.svc.address) as scheduler:
+    with SyncClient(gateway.svc.address) as scheduler:  # connected first: the stream's tokens come fast
+        stream = client.completions.create(model=gateway.folder.name, prompt="a long one", max_tokens=CONTEXT - 20,
+                                           stream=True, **GREEDY)
         for i, _ in enumerate(stream):
             if i == 2:
                 break

@@ -52,6 +52,21 @@ def test_the_kernel_builds_without_spills_and_launches(nvrtc, loop, n_rep, head_
     assert nvrtc_check.launches(regs, warps), f"{warps} warps of {regs} registers a lane cannot launch"
 
 
+@pytest.mark.parametrize("cap", [168, 128])
+def test_a_register_cap_holds_the_split_kernel_to_it(nvrtc, cap):
+    """``register_cap`` (``PagedAttention(split_registers=...)``): the build keeps to the cap,
+    where the uncapped one takes more (mma_ahead at 4 x 128: 255)."""
+    options = nvrtc_check.build_options(CUDA, [])
+    regs = {}
+    for registers in (0, cap):
+        source = nvrtc_check.kernel_source("paged", True, True, "mma_ahead", 128, 4, 8, 8, nvrtc_check.STUB_HEADER,
+                                           registers)
+        built, log, _ = nvrtc.compile(source, options)
+        assert built, log[:3000]
+        regs[registers] = nvrtc_check.registers(log)[0]
+    assert regs[0] > cap >= regs[cap] > 0
+
+
 def test_a_kernel_error_fails_the_build(nvrtc):
     source = nvrtc_check.kernel_source("paged", True, True, "mma", 128, 4, 8, 8, nvrtc_check.STUB_HEADER)
     built, log, _ = nvrtc.compile(source.replace("__byte_perm(", "__byte_permute("), nvrtc_check.build_options(CUDA, []))

@@ -11,6 +11,7 @@ import mlx.nn as nn
 
 from runtime.config import Config
 from runtime.worker import defaults
+from runtime.worker.cpu_blas import reference_blas
 from runtime.worker.model.discovery import (
     AttentionShape,
     CacheLayout,
@@ -119,7 +120,8 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     # Not on a sharded model: its projections are sharded layers the fusion does not know.
     if group is None and fusion_wanted(config.worker.fuse_projections, on_gpu,
-                                       config.worker.compile_decode and not layout.has_aux):
+                                       config.worker.compile_decode and not layout.has_aux,
+                                       reference_blas=not on_gpu and reference_blas()):
         # From the lazily loaded weights: each group's parts are read, stacked and freed before
         # the next group's are read, so the freed buffers are reused instead of staying
         # reserved on the device (a CUDA memory pool keeps what it was given back).

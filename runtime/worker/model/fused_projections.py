@@ -182,12 +182,14 @@ def probe_rows(model: nn.Module, rows: list[int]) -> dict[int, bool]:
     return {n: all(n in ok for ok in verdicts.values()) for n in rows}
 
 
-def fusion_wanted(setting: str, on_gpu: bool, compiled_step: bool) -> bool:
-    """``worker.fuse_projections`` resolved. ``auto`` fuses where it was measured to pay: on a
-    GPU, for a decode step that is one compiled function (models with attention layers only,
-    ``compile_decode`` on). On the CPU it measured slower; in an uncompiled step the parts'
-    Python costs about what the saved kernels do (mlx-lm's own loop on a fused 8B model)."""
-    return setting == "on" or (setting == "auto" and on_gpu and compiled_step)
+def fusion_wanted(setting: str, on_gpu: bool, compiled_step: bool, reference_blas: bool = False) -> bool:
+    """``worker.fuse_projections`` resolved. ``auto`` fuses where it was measured to pay, for a
+    decode step that is one compiled function (models with attention layers only,
+    ``compile_decode`` on): on a GPU, and on a CPU whose products run on the wheel's reference
+    BLAS (``reference_blas``; session 24, tiny llama: 1.07-1.10x ``generate_step`` fused against
+    1.05x apart). With OpenBLAS it measured slower (session 8: 0.98x against 1.13x). In an
+    uncompiled step the parts' Python costs about what the saved kernels do."""
+    return setting == "on" or (setting == "auto" and compiled_step and (on_gpu or reference_blas))
 
 
 def stacked_line(verdicts: dict[int, bool] | None) -> str:
