@@ -62,6 +62,8 @@ def main() -> None:
     p.add_argument("--loop", default="", help="the kernel's loop for every launch (default: the worker's, "
                                               "paged_attention.LOOP and SPLIT_LOOP)")
     p.add_argument("--no-trace", action="store_true", help="no CUPTI (under ncu)")
+    p.add_argument("--split-registers", type=int, default=None,
+                   help="the split kernels' register cap (default: the worker's, SPLIT_MAX_REGISTERS; 0 none)")
     args = p.parse_args()
     if args.variant:
         old, new = VARIANTS[args.variant]
@@ -69,7 +71,9 @@ def main() -> None:
         paged_loops._CLASSIC_LOOP = paged_loops._CLASSIC_LOOP.replace(old, new)
     n_q, n_kv, d = (int(x) for x in args.heads.split(","))
     dtype = mx.bfloat16
-    attn = PagedAttention(True, loop="classic" if args.variant else args.loop or None)
+    attn = PagedAttention(True, loop="classic" if args.variant else args.loop or None,
+                          split_registers=args.split_registers)
+    print(f"loop {args.loop or 'default'}, split kernels' register cap {attn.split_registers}", flush=True)
     for b in [int(r) for r in args.rows.split(",")]:
         n = args.context - args.tail - 1  # pool positions
         slots = max(args.slots, b * args.context + 8)

@@ -55,7 +55,7 @@ struct Shape {
 
 
 def kernel_source(name: str, appending: bool, split: bool, loop: str, d: int, n_rep: int, n_kv: int,
-                  warps: int, header: str = _DEFAULT_HEADER) -> str:
+                  warps: int, header: str = _DEFAULT_HEADER, registers: int = 0) -> str:
     """The full translation unit MLX's ``cuda_kernel`` makes of the decode kernel's source."""
     body = pk.body(appending, loop) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
     inputs = pk.APPEND_INPUTS if appending else pk.INPUTS
@@ -70,7 +70,7 @@ def kernel_source(name: str, appending: bool, split: bool, loop: str, d: int, n_
     constants = (f"  using T = __nv_bfloat16;\n  constexpr int D = {d};\n  constexpr int NREP = {n_rep};\n"
                  f"  constexpr int HKV = {n_kv};\n  constexpr int NWARPS = {warps};\n  constexpr int UNROLL = 1;\n"
                  f"  constexpr int GL = {lanes_per_position(d)};\n")
-    return (header + pk.HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    return (header + pk.register_cap(registers) + pk.HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             f"__global__ void {name}(\n" + ",\n".join(params) + ") {\n" + constants + "\n" + body
             + "\n}\n\n} // namespace mlx::core::cu\n")
 
@@ -156,6 +156,7 @@ def main() -> int:
     p.add_argument("--launches", action="store_true",
                    help="per loop and shape, whether the most warps the launch shapes pick (few blocks) can launch")
     p.add_argument("--stub", action="store_true", help="a stub for MLX's device headers (no --include needed)")
+    p.add_argument("--registers", type=int, default=0, help="a register cap for every build (0: none)")
     args = p.parse_args()
     cuda = cuda_folder(args.site)
     if cuda is None:
@@ -185,7 +186,8 @@ def main() -> int:
                     for split in (False, True):
                         name = f"paged_{loop}_{'append' if appending else 'read'}_{'split' if split else 'single'}"
                         ok, log, cubin = nvrtc.compile(
-                            kernel_source(name, appending, split, loop, d, n_rep, 8, warps, header), options)
+                            kernel_source(name, appending, split, loop, d, n_rep, 8, warps, header, args.registers),
+                            options)
                         label = f"{name:34} nrep {n_rep} d {d:3} warps {warps:2}"
                         if not ok:
                             failures += 1

@@ -64,6 +64,16 @@ for item in "$@"; do
                                           python3 scripts/kernel_bench.py --rows 1,8 --context 32768 --calls 20 --scatter &&
                                           python3 scripts/kernel_bench.py --rows 1,64 --context 2048 --calls 20 &&
                                           python3 scripts/kernel_bench.py --rows 1 --context 32768 --calls 20 --sweep 8,16,32,64,128x4,8,16" ;;
+    kernel-regs)  # the split kernels' loop and register cap, one row x 32k (the base, the worker's own, first)
+      run "$item" 200 bash -c "for v in mma_ahead:0 mma:0 mma:168 mma:128 mma_ahead:168 mma:96; do
+                                 python3 scripts/kernel_bench.py --loop \${v%:*} --split-registers \${v#*:} --rows 1,1,8 --context 32768 --calls 30; done" ;;
+    use-best-regs)  # on this device copy only: kernel-regs's winner as SPLIT_LOOP and SPLIT_MAX_REGISTERS
+      best=$(python3 scripts/gpu/pick_regs.py "$OUT/kernel-regs.log" 2>>"$OUT/pick-regs.log")
+      if [ -n "$best" ]; then
+        sed -i "s/^SPLIT_LOOP = \".*\"/SPLIT_LOOP = \"${best% *}\"/; s/^SPLIT_MAX_REGISTERS = .*/SPLIT_MAX_REGISTERS = ${best#* }/" \
+          runtime/worker/paths/paged_attention.py
+      fi
+      echo "== use-best-regs: $(tr '\n' ';' < "$OUT/pick-regs.log" 2>/dev/null) $(grep -E '^SPLIT_(LOOP|MAX_REGISTERS) =' runtime/worker/paths/paged_attention.py | tr '\n' ' ')" ;;
     kernel-gpu-mma) run "$item" 150 bash -c "for loop in mma mma_ahead; do
                                                 python3 scripts/kernel_bench.py --loop \$loop --rows 1,8,64 --context 32768 --calls 20 &&
                                                 python3 scripts/kernel_bench.py --loop \$loop --rows 1,64 --context 2048 --calls 20; done" ;;
@@ -90,7 +100,7 @@ for item in "$@"; do
     1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item$tag.json" ;;
     1b-first) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads first --pairs 3 --json "$OUT/$item$tag.json" ;;
     pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py ;;
-    *) echo "== $item: unknown (kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
+    *) echo "== $item: unknown (kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then

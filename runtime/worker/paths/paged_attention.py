@@ -30,6 +30,7 @@ from runtime.worker.paths.cuda.paged_kernels import (
     WRITE_OUT,
     WRITE_PARTIAL,
     body,
+    register_cap,
 )
 from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS
 from runtime.worker.paths.decode_plan import bucket_lengths
@@ -49,6 +50,10 @@ SPLIT_LOOP = "mma_ahead"
 # 16 warps mma keeps: mma was faster at every split launch of 1 x 2,048 positions tried on an
 # H200 (65.2 against 77.8 us by default, 9 of 9 launch shapes; session 21, dim-64 A/B).
 SPLIT_LOOP_SMALL_DIMS = "mma"
+# Registers a lane of the split launches' kernels may use (0: the compiler's choice; mma_ahead
+# takes 255 at 4 x 128, so 8 warps an SM). ``scripts/kernel_bench.py --split-registers`` times
+# caps on a GPU (plan item ``kernel-regs``); none is measured to pay yet.
+SPLIT_MAX_REGISTERS = 0
 
 
 class PagedAttention:
@@ -63,10 +68,13 @@ class PagedAttention:
     so one compiled decode step serves every length.
     """
 
-    def __init__(self, use_kernel: bool, loop: str | None = None, unroll: int = UNROLL) -> None:
+    def __init__(self, use_kernel: bool, loop: str | None = None, unroll: int = UNROLL,
+                 split_registers: int | None = None) -> None:
         """``loop``: one loop for every launch; by default the worker's, ``LOOP`` for unsplit
         launches and ``SPLIT_LOOP`` (``SPLIT_LOOP_SMALL_DIMS`` up to head dim ``MMA_SMALL_DIMS``)
-        for split ones."""
+        for split ones. ``split_registers``: the split kernels' register cap (default
+        ``SPLIT_MAX_REGISTERS``; 0 none)."""
+        self.split_registers = SPLIT_MAX_REGISTERS if split_registers is None else split_registers
         self.loop, self.split_loop = (loop, loop) if loop else (LOOP, SPLIT_LOOP)
         self.small_split_loop = loop or SPLIT_LOOP_SMALL_DIMS
         for name in {self.loop, self.split_loop, self.small_split_loop}:
@@ -174,12 +182,13 @@ class PagedAttention:
                                              source=COMBINE)
             else:
                 outputs = ["out"] if kind == "single" else ["part_acc", "part_m", "part_l"]
-                kernel = mx.fast.cuda_kernel(
-                    name=f"runtime_paged_decode_{kind}{'_append' if appending else ''}_{loop}",
+                cap = self.split_registers if kind == "split" else 0
+                kernel = mx.fast.cuda_kernel(  # a capped build has a name of its own (MLX caches by name)
+                    name=f"runtime_paged_decode_{kind}{'_append' if appending else ''}_{loop}{f'_r{cap}' if cap else ''}",
                     input_names=APPEND_INPUTS if appending else INPUTS,
                     output_names=outputs + (APPEND_OUTPUTS if appending else []),
                     source=body(appending, loop) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL),
-                    header=HEADER)
+                    header=register_cap(cap) + HEADER)
             self._kernels[key] = kernel
         return self._kernels[key]
 

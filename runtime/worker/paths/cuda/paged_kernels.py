@@ -91,6 +91,17 @@ struct KVRow {
 
 HEADER = MMA + RAW2 + LOAD_CHUNK + HEADER
 
+
+def register_cap(registers: int) -> str:
+    """A header prefix that caps the kernel after it at ``registers`` 32-bit registers a lane
+    (``__maxnreg__``, CUDA 12.4 on; what ``-maxrregcount`` does for a whole build), or "" for 0,
+    the compiler's choice. MLX writes the kernel's ``__global__`` line itself, so the cap rides
+    on that macro. Fewer registers let more warps share an SM (to hide the load latency a
+    one-row split launch waits on) at the price of spills: ``scripts/nvrtc_check.py`` reports both."""
+    if registers <= 0:
+        return ""
+    return f"#undef __global__\n#define __global__ __location__(global) __maxnreg__({registers})\n"
+
 _PROLOGUE = """
     constexpr int PER = D / GL;
     constexpr int GROUPS = 32 / GL;
