@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import random
 
 import mlx.core as mx
@@ -188,12 +189,37 @@ def test_fuse_projections_setting():
     assert not fusion_wanted("off", on_gpu=True, compiled_step=True)
 
 
-def test_reference_blas_is_read_from_the_mapped_libraries():
+def test_reference_blas_is_the_bundled_one_unless_another_cblas_comes_first():
     bundled = "7f36a5758000-7f36a5800000 r-xp 00000000 08:01 1 /venv/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0\n"
-    openblas = "7f36a5000000-7f36a5100000 r-xp 00000000 08:01 2 /usr/lib/x86_64-linux-gnu/libopenblas.so.0\n"
-    assert reference_blas(bundled)
-    assert not reference_blas(bundled + openblas)
-    assert not reference_blas("/opt/intel/lib/libmkl_rt.so.2\n")
+    numpy_own = "7f36a5000000-7f36a5100000 r-xp 00000000 08:01 2 /venv/numpy.libs/libscipy_openblas64_-ff651d7f.so\n"
+    assert reference_blas(bundled + numpy_own, None, probe=False)  # numpy's prefixed OpenBLAS takes no MLX call
+    assert not reference_blas(bundled, "/usr/lib/x86_64-linux-gnu/libopenblas.so.0", probe=False)  # preloaded
+    assert reference_blas(bundled, "/venv/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0", probe=False)
+    assert not reference_blas("/usr/lib/libmlx.so\n", None, probe=False)  # an MLX built on another BLAS
+
+
+def test_a_preloaded_cblas_is_found(tmp_path):
+    """``global_cblas`` in a process with a library preloaded that defines ``cblas_sgemm``, as
+    ``worker.blas = "auto"`` preloads OpenBLAS; built here with the C compiler."""
+    import shutil
+    import subprocess
+    import sys
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the stand-in BLAS with")
+    (tmp_path / "fake.c").write_text("void cblas_sgemm(void) {}\n")
+    lib = tmp_path / "libfakeopenblas.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "fake.c")], check=True)
+    probe = "import mlx.core; from runtime.worker.cpu_blas import global_cblas, reference_blas; " \
+            "print(global_cblas(), reference_blas())"
+    out = {}
+    for preload in ("", str(lib)):
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | ({"LD_PRELOAD": preload} if preload else {})
+        out[preload] = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                                      check=True).stdout.split()
+    assert out[str(lib)] == [str(lib), "False"]
+    assert out[""][0] != str(lib)
 
 
 def test_auto_fuses_on_this_cpu_exactly_when_its_blas_is_the_reference_one(model_dir):

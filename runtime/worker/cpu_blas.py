@@ -1,23 +1,47 @@
 """Which BLAS this worker's CPU matrix products run on (it decides defaults that depend on it).
 
-The Linux ``mlx-cpu`` wheel bundles the reference BLAS; ``worker.blas = "auto"`` preloads a
-system OpenBLAS where one is installed (``runtime/scheduler/blas.py``). The two reward
+The Linux ``mlx-cpu`` wheel bundles the reference BLAS (``mlx_cpu.libs/libblas-*.so``);
+``worker.blas = "auto"`` preloads a system OpenBLAS where one is installed
+(``runtime/scheduler/blas.py``), whose ``cblas_*`` symbols then take MLX's calls. The two reward
 different things: stacking a layer's projections into one product paid on the reference BLAS
 (one call instead of three or two, the same per-element order) and cost on OpenBLAS.
+Other libraries named like a BLAS may be mapped too without taking MLX's calls (numpy's wheel
+maps its own OpenBLAS under prefixed symbols), so the test is where ``cblas_sgemm`` resolves.
 """
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from pathlib import Path
 
-FAST_BLAS = ("openblas", "libmkl", "libblis", "accelerate")
+BUNDLED = "mlx_cpu.libs/libblas"  # the wheel's reference BLAS, as mapped
 
 
-def reference_blas(maps: str | None = None) -> bool:
-    """True when this Linux process's BLAS is the wheel's reference one: no optimized BLAS
-    among its mapped libraries (``maps``: ``/proc/self/maps`` text, read if not given). False
-    off Linux (macOS's Accelerate is fast) and when the maps cannot be read."""
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def global_cblas() -> str | None:
+    """The file of the ``cblas_sgemm`` the process's global scope resolves (a preloaded BLAS
+    takes MLX's calls), or None if there is none."""
+    try:
+        process = ctypes.CDLL(None)
+        symbol = process.cblas_sgemm
+    except (AttributeError, OSError):
+        return None
+    info = _DlInfo()
+    if not process.dladdr(ctypes.cast(symbol, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
+        return "?"
+    return info.dli_fname.decode(errors="replace")
+
+
+def reference_blas(maps: str | None = None, cblas: str | None = None, *, probe: bool = True) -> bool:
+    """True when this Linux process's matrix products run on the wheel's reference BLAS: it is
+    mapped (``maps``: ``/proc/self/maps`` text) and no other library's ``cblas_sgemm`` comes
+    first (``cblas``: ``global_cblas()``; read when ``probe``). False off Linux (macOS's
+    Accelerate is fast) and when the maps cannot be read."""
     if maps is None:
         if not sys.platform.startswith("linux"):
             return False
@@ -25,5 +49,6 @@ def reference_blas(maps: str | None = None) -> bool:
             maps = Path("/proc/self/maps").read_text()
         except OSError:
             return False
-    lowered = maps.lower()
-    return not any(name in lowered for name in FAST_BLAS)
+    if probe and cblas is None:
+        cblas = global_cblas()
+    return BUNDLED in maps and (cblas is None or BUNDLED in cblas)
