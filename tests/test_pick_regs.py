@@ -23,11 +23,14 @@ def _variant(loop: str, cap: int, one_row: list[float]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_the_fastest_variant_by_its_best_one_row_launch_wins() -> None:
+def test_the_fastest_variant_by_its_median_one_row_launch_wins() -> None:
     log = _variant("mma_ahead", 0, [66.5, 58.7]) + _variant("mma", 0, [60.0, 57.0]) + _variant("mma", 128, [52.0, 50.5])
     winner, times = pick_regs.pick(log, 0.03)
     assert winner == ("mma", 128)
-    assert times == {("mma_ahead", 0): 58.7, ("mma", 0): 57.0, ("mma", 128): 50.5}
+    assert times == {("mma_ahead", 0): 62.6, ("mma", 0): 58.5, ("mma", 128): 51.25}
+    # one fast outlier of two does not win on its own (session 24's log: mma 59.8 / 45.2 against 54.9 / 53.0)
+    log = _variant("mma_ahead", 0, [54.9, 53.0]) + _variant("mma", 0, [59.8, 45.2])
+    assert pick_regs.pick(log, 0.03)[0] == ("mma_ahead", 0)
 
 
 def test_the_base_stays_unless_another_is_faster_by_the_margin() -> None:

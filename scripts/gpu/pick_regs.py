@@ -1,6 +1,7 @@
 """The split kernels' loop and register cap that won the ``kernel-regs`` plan item's log: per
 variant (a ``loop X, split kernels' register cap N`` line of ``scripts/kernel_bench.py``, then its
-cases), the fastest one-row appending launch (``rows 1 ... paged (S, W) total T us``); prints
+cases), the median of its one-row appending launches (``rows 1 ... paged (S, W) total T us``:
+one outlier of two reps moved the minimum by a quarter on an H200, session 24); prints
 ``LOOP CAP`` of the winner, the base (the first variant) unless another is ``--margin`` faster.
 
     python3 scripts/gpu/pick_regs.py kernel-regs.log [--margin 0.03]
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import sys
 
 
 def pick(text: str, margin: float) -> tuple[tuple[str, int], dict[tuple[str, int], float]]:
-    best: dict[tuple[str, int], float] = {}
+    runs: dict[tuple[str, int], list[float]] = {}
     order: list[tuple[str, int]] = []
     variant = None
     for line in text.splitlines():
@@ -25,7 +27,8 @@ def pick(text: str, margin: float) -> tuple[tuple[str, int], dict[tuple[str, int
             continue
         case = re.match(r"rows +1 ctx \d+ slots \d+: paged \(\d+, \d+\) +total +([\d.]+) us", line)
         if case and variant is not None:
-            best[variant] = min(best.get(variant, float("inf")), float(case.group(1)))
+            runs.setdefault(variant, []).append(float(case.group(1)))
+    best = {v: statistics.median(t) for v, t in runs.items()}
     timed = [v for v in order if v in best]
     if not timed:
         raise ValueError("no timed variant in the log")
