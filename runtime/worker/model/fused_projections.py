@@ -186,9 +186,10 @@ def fusion_wanted(setting: str, on_gpu: bool, compiled_step: bool, reference_bla
     """``worker.fuse_projections`` resolved. ``auto`` fuses where it was measured to pay, for a
     decode step that is one compiled function (models with attention layers only,
     ``compile_decode`` on): on a GPU, and on a CPU whose products run on the wheel's reference
-    BLAS (``reference_blas``; session 24, tiny llama: 1.07-1.10x ``generate_step`` fused against
-    1.05x apart). With OpenBLAS it measured slower (session 8: 0.98x against 1.13x). In an
-    uncompiled step the parts' Python costs about what the saved kernels do."""
+    BLAS (``reference_blas``; session 24, tiny llama: a fresh service's first request 1.08x
+    ``generate_step`` fused against 0.96-1.00x apart). With OpenBLAS it measured slower
+    (session 8: 0.98x against 1.13x). In an uncompiled step the parts' Python costs about what
+    the saved kernels do."""
     return setting == "on" or (setting == "auto" and compiled_step and (on_gpu or reference_blas))
 
 
