@@ -222,11 +222,12 @@ def test_a_preloaded_cblas_is_found(tmp_path):
     assert out[""][0] != str(lib)
 
 
-def test_auto_fuses_on_this_cpu_exactly_when_its_blas_is_the_reference_one(model_dir):
+def test_auto_fuses_on_a_cpu_exactly_when_its_blas_is_the_reference_one(model_dir):
     from runtime.worker.loader import load
 
     loaded = load(parse_config({"model": {"path": str(model_dir("llama"))}}))
-    assert (loaded.fused_groups > 0) == reference_blas()
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu  # a Mac's Metal GPU fuses whatever the BLAS
+    assert (loaded.fused_groups > 0) == (on_gpu or reference_blas())
 
 
 def test_the_loader_fuses_when_configured(model_dir):
