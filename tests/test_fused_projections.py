@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -198,12 +199,12 @@ def test_reference_blas_is_the_bundled_one_unless_another_cblas_comes_first():
     assert not reference_blas("/usr/lib/libmlx.so\n", None, probe=False)  # an MLX built on another BLAS
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD preloads only on Linux")
 def test_a_preloaded_cblas_is_found(tmp_path):
     """``global_cblas`` in a process with a library preloaded that defines ``cblas_sgemm``, as
     ``worker.blas = "auto"`` preloads OpenBLAS; built here with the C compiler."""
     import shutil
     import subprocess
-    import sys
 
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
