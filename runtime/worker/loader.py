@@ -23,7 +23,9 @@ from runtime.worker.model.fused_projections import (
     fuse_projections,
     fusion_wanted,
     probe_rows,
+    transpose_stacked,
 )
+from runtime.worker.model.transposed_linear import transpose_linears
 from runtime.worker.paths.decode_plan import row_classes
 from runtime.worker.pools.aux_pool import AuxPool
 from runtime.worker.pools.kv_pool import KVPool
@@ -44,6 +46,7 @@ class LoadedModel:
     aux_slots: int = 0
     fused_groups: int = 0
     stacked_rows: dict[int, bool] | None = None  # decode row class -> whether its step takes the stacked product
+    transposed: int = 0  # float32 products (fused groups count once) over transposed weights: transposed_linear
 
     @property
     def max_context(self) -> int:
@@ -116,16 +119,19 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
     if layout.kv_shape is None and not layout.has_aux:
         raise UnsupportedModel("model has neither attention layers nor recurrent-state layers")
     flatten_quantized(model)  # many-row quantized products as one matrix product each
-    fused_groups = 0
+    fused_groups = transposed = 0
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    slow_blas = not on_gpu and reference_blas()
     # Not on a sharded model: its projections are sharded layers the fusion does not know.
     if group is None and fusion_wanted(config.worker.fuse_projections, on_gpu,
                                        config.worker.compile_decode and not layout.has_aux,
-                                       reference_blas=not on_gpu and reference_blas()):
+                                       reference_blas=slow_blas):
         # From the lazily loaded weights: each group's parts are read, stacked and freed before
         # the next group's are read, so the freed buffers are reused instead of staying
         # reserved on the device (a CUDA memory pool keeps what it was given back).
         fused_groups = fuse_projections(model)
+    if group is None and slow_blas:  # float32 products over (input, output) weights: same bits, faster
+        transposed = transpose_stacked(model) + transpose_linears(model)
     mx.eval(model.parameters())
     aux_templates = AuxPool.probe(model, layout) if layout.has_aux else None
     text_config = model_config.get("text_config", model_config)
@@ -153,5 +159,6 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
         aux_slots=aux_slots,
         fused_groups=fused_groups,
         stacked_rows=stacked_rows,
+        transposed=transposed,
     )
 

@@ -97,6 +97,9 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         if loaded.fused_groups:
             print(f"runtime worker: fused {loaded.fused_groups} projection groups; {stacked_line(loaded.stacked_rows)}",
                   flush=True)
+        if loaded.transposed:
+            print(f"runtime worker: {loaded.transposed} float32 products on transposed weights (the bundled "
+                  "reference BLAS runs those faster, with the same bits)", flush=True)
         paths_started = time.perf_counter()
         pool, aux_pool = loaded.make_pools()
         pool_bytes = pool.nbytes + (aux_pool.nbytes if aux_pool is not None else 0)

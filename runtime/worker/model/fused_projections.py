@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from runtime.worker.model.flat_quantized import flat_rows
+from runtime.worker.model.transposed_linear import TransposedLinear
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -61,24 +62,32 @@ class _Stacked:
 
     def signature(self) -> tuple:
         """What decides the product's kernel: output widths, input width, dtype, quantization."""
-        w = self.arrays["weight"]
+        w = self.arrays["weight_t"].T if "weight_t" in self.arrays else self.arrays["weight"]
         return (tuple(hi - lo for lo, hi in self.bounds), w.shape[1], w.dtype, self.quant)
+
+    def transpose(self) -> None:
+        """Keep the stacked float32 weight as (input, outputs) (``transposed_linear``'s faster
+        reference-BLAS product); the parts then read column ranges of it."""
+        assert not self.quantized
+        self.arrays = {"weight_t": mx.contiguous(self.arrays["weight"].T)}
+        mx.eval(self.arrays)
 
     def agrees(self, rows: int, parts: list[nn.Module]) -> bool:
         """Whether the stacked product of a random ``rows``-row input equals every part's own
         product bit for bit (``parts``: the group's linears, on their view weights)."""
-        packed = parts[0]["weight"].shape[1]
+        packed = parts[0].weight.shape[1]
         width = packed * 32 // self.quant[1] if self.quant is not None else packed
-        dtype = parts[0]["scales"].dtype if self.quantized else parts[0]["weight"].dtype
+        dtype = parts[0]["scales"].dtype if self.quantized else parts[0].weight.dtype
         x = mx.random.normal((rows, 1, width), key=mx.random.key(rows)).astype(dtype)  # a decode step's input
         whole = self._product(x)
         separate = [lin(x) for lin in parts]
         return all(bool(mx.array_equal(whole[..., lo:hi], y)) for (lo, hi), y in zip(self.bounds, separate))
 
     def views(self, part: int) -> dict[str, mx.array]:
-        """Part ``part``'s own weights: row ranges of the stacked arrays (views, no copy)."""
+        """Part ``part``'s own weights: row ranges of the stacked arrays (column ranges of a
+        transposed one), views, no copy."""
         lo, hi = self.bounds[part]
-        return {k: a[lo:hi] for k, a in self.arrays.items()}
+        return {k: a[:, lo:hi] if k == "weight_t" else a[lo:hi] for k, a in self.arrays.items()}
 
     def _product(self, x: mx.array) -> mx.array:
         a = self.arrays
@@ -88,6 +97,8 @@ class _Stacked:
             return flat_rows(x, lambda rows: mx.quantized_matmul(
                 rows, a["weight"], scales=a["scales"], biases=a.get("biases"), transpose=True, group_size=group_size,
                 bits=bits, mode=mode))
+        if "weight_t" in a:
+            return x @ a["weight_t"]
         return x @ a["weight"].T
 
     def project(self, x: mx.array, part: int) -> mx.array:
@@ -122,7 +133,7 @@ class FusedPart(nn.Module):
 
     @property
     def weight(self) -> mx.array:
-        return self.linear["weight"]
+        return self.linear.weight
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.shape[0] if x.ndim > 1 else 1
@@ -160,6 +171,22 @@ def fuse_projections(model: nn.Module) -> int:
             count += 1
     mx.clear_cache()
     return count
+
+
+def transpose_stacked(model: nn.Module) -> int:
+    """Every float32 fused group of ``model`` onto a transposed stacked weight, its parts onto
+    ``TransposedLinear`` views of it (``transposed_linear``); the number of groups."""
+    parts: dict[_Stacked, list[FusedPart]] = {}
+    for _, module in model.named_modules():
+        if isinstance(module, FusedPart) and not module._stacked.quantized \
+                and module._stacked.arrays.get("weight", module.weight).dtype == mx.float32:
+            parts.setdefault(module._stacked, []).append(module)
+    for stacked, group in parts.items():
+        if "weight" in stacked.arrays:
+            stacked.transpose()
+        for part in group:
+            part.linear = TransposedLinear(stacked.views(part._part)["weight_t"])
+    return len(parts)
 
 
 def probe_rows(model: nn.Module, rows: list[int]) -> dict[int, bool]:
