@@ -13,7 +13,12 @@ from harness import InProcessService
 from model_factory import reference_greedy
 
 import runtime.worker.loader as loader
-from runtime.worker.model.fused_projections import FusedPart, fuse_projections, probe_rows, transpose_stacked
+from runtime.worker.model.fused_projections import (
+    FusedPart,
+    fuse_projections,
+    probe_rows,
+    transpose_stacked,
+)
 from runtime.worker.model.transposed_linear import TransposedLinear, transpose_linears
 
 
