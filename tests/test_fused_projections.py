@@ -16,7 +16,7 @@ from mlx_lm.utils import load_model
 from model_factory import reference_greedy
 
 from runtime.config import ConfigError, parse_config
-from runtime.worker.cpu_blas import reference_blas
+from runtime.worker.cpu_blas import is_reference, reference_blas
 from runtime.worker.model import fused_projections
 from runtime.worker.model.discovery import model_layers
 from runtime.worker.model.fused_projections import (
@@ -193,10 +193,10 @@ def test_fuse_projections_setting():
 def test_reference_blas_is_the_bundled_one_unless_another_cblas_comes_first():
     bundled = "7f36a5758000-7f36a5800000 r-xp 00000000 08:01 1 /venv/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0\n"
     numpy_own = "7f36a5000000-7f36a5100000 r-xp 00000000 08:01 2 /venv/numpy.libs/libscipy_openblas64_-ff651d7f.so\n"
-    assert reference_blas(bundled + numpy_own, None, probe=False)  # numpy's prefixed OpenBLAS takes no MLX call
-    assert not reference_blas(bundled, "/usr/lib/x86_64-linux-gnu/libopenblas.so.0", probe=False)  # preloaded
-    assert reference_blas(bundled, "/venv/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0", probe=False)
-    assert not reference_blas("/usr/lib/libmlx.so\n", None, probe=False)  # an MLX built on another BLAS
+    assert is_reference(bundled + numpy_own, None)  # numpy's prefixed OpenBLAS takes no MLX call
+    assert not is_reference(bundled, "/usr/lib/x86_64-linux-gnu/libopenblas.so.0")  # preloaded
+    assert is_reference(bundled, "/venv/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0")
+    assert not is_reference("/usr/lib/libmlx.so\n", None)  # an MLX built on another BLAS
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD preloads only on Linux")

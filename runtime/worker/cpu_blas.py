@@ -37,18 +37,20 @@ def global_cblas() -> str | None:
     return info.dli_fname.decode(errors="replace")
 
 
-def reference_blas(maps: str | None = None, cblas: str | None = None, *, probe: bool = True) -> bool:
-    """True when this Linux process's matrix products run on the wheel's reference BLAS: it is
-    mapped (``maps``: ``/proc/self/maps`` text) and no other library's ``cblas_sgemm`` comes
-    first (``cblas``: ``global_cblas()``; read when ``probe``). False off Linux (macOS's
-    Accelerate is fast) and when the maps cannot be read."""
-    if maps is None:
-        if not sys.platform.startswith("linux"):
-            return False
-        try:
-            maps = Path("/proc/self/maps").read_text()
-        except OSError:
-            return False
-    if probe and cblas is None:
-        cblas = global_cblas()
+def is_reference(maps: str, cblas: str | None) -> bool:
+    """Whether products run on the wheel's reference BLAS, given the process's mapped files
+    (``/proc/self/maps`` text) and ``global_cblas()``: the bundled library is mapped and no other
+    library's ``cblas_sgemm`` comes first."""
     return BUNDLED in maps and (cblas is None or BUNDLED in cblas)
+
+
+def reference_blas() -> bool:
+    """``is_reference`` for this process; False off Linux (macOS's Accelerate is fast) and when
+    the maps cannot be read."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    return is_reference(maps, global_cblas())

@@ -178,8 +178,7 @@ def transpose_stacked(model: nn.Module) -> int:
     ``TransposedLinear`` views of it (``transposed_linear``); the number of groups."""
     parts: dict[_Stacked, list[FusedPart]] = {}
     for _, module in model.named_modules():
-        if isinstance(module, FusedPart) and not module._stacked.quantized \
-                and module._stacked.arrays.get("weight", module.weight).dtype == mx.float32:
+        if isinstance(module, FusedPart) and not module._stacked.quantized and module.weight.dtype == mx.float32:
             parts.setdefault(module._stacked, []).append(module)
     for stacked, group in parts.items():
         if "weight" in stacked.arrays:
