@@ -52,8 +52,19 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Union
 
+import factory_families
 import mlx.core as mx
 import mlx.nn as nn
+from factory_shapes import (
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    INTERMEDIATE,
+    KV_HEADS,
+    MAX_POS,
+    VOCAB,
+    dense,
+)
 from mlx.utils import tree_flatten, tree_unflatten
 
 EOS_TOKEN = "<|endoftext|>"
@@ -229,15 +240,6 @@ def tokenizer_eos_id(folder: Union[str, Path]) -> int:
 # --------------------------------------------------------------------------
 # Model configs
 # --------------------------------------------------------------------------
-
-HIDDEN = 64
-HEADS = 4
-KV_HEADS = 2
-HEAD_DIM = 16
-INTERMEDIATE = 128
-VOCAB = 256
-MAX_POS = 2048
-
 
 def _cfg_llama() -> dict:
     return {
@@ -654,23 +656,7 @@ def _cfg_exaone4() -> dict:
     }
 
 
-def _dense(model_type: str, architecture: str, **fields: Any) -> dict:
-    """A plain decoder (GQA attention, 2 layers) with the fields every such family shares."""
-    return {
-        "model_type": model_type,
-        "architectures": [architecture],
-        "hidden_size": HIDDEN,
-        "num_hidden_layers": 2,
-        "intermediate_size": INTERMEDIATE,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": MAX_POS,
-        "rope_theta": 10000.0,
-        **fields,
-    }
+_dense = dense
 
 
 def _cfg_mistral() -> dict:
@@ -814,11 +800,16 @@ _CONFIGS: Dict[str, Callable[[], dict]] = {
     "hunyuan_v1_dense": _cfg_hunyuan_v1_dense,
     "mamba": _cfg_mamba,
 }
+_CORE_ARCHS: tuple = tuple(_CONFIGS)
+assert not set(_CONFIGS) & set(factory_families.CONFIGS), "a family module redefines a core family"
+_CONFIGS.update(factory_families.CONFIGS)
+# Families from factory_families/, with no test file of their own (test_more_families_exact).
+MORE_ARCHS: tuple = tuple(factory_families.CONFIGS)
 
 ARCHS: tuple = tuple(_CONFIGS)
 
 # Archs whose config nests the language model under "text_config".
-_NESTED = {"qwen3_5"}
+_NESTED = {"qwen3_5"} | factory_families.NESTED
 
 _EMBED_STD = 0.25
 _EMBED_STD_TIED = 0.02
@@ -870,13 +861,14 @@ def _vocab_size(cfg: dict) -> int:
 
 # Names of the final (pre-lm_head) norm scale, per weight layout.
 _FINAL_NORMS = ("model.norm.weight", "backbone.norm_f.weight", "language_model.model.norm.weight",
-                "model.embedding_norm.weight")
+                "model.embedding_norm.weight", *factory_families.FINAL_NORMS)
 
 _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.q_layernorm.weight",
-             "self_attn.k_layernorm.weight", "attention.query_layernorm.weight", "attention.key_layernorm.weight")
+             "self_attn.k_layernorm.weight", "attention.query_layernorm.weight", "attention.key_layernorm.weight",
+             *factory_families.QK_NORMS)
 # Projections that make queries and keys (fused ones make values too: they get the gain as well).
 _QK_WEIGHTS = ("q_proj.weight", "k_proj.weight", "qkv_proj.weight", "query_key_value.weight",
-               "kv_a_proj_with_mqa.weight", "embed_q.weight")
+               "kv_a_proj_with_mqa.weight", "embed_q.weight", *factory_families.QK_WEIGHTS)
 
 
 def _init_weights(
@@ -1115,6 +1107,7 @@ def with_chat_template(src: Union[str, Path], dst: Union[str, Path], template: s
 
 __all__ = [
     "ARCHS",
+    "MORE_ARCHS",
     "EOS_TOKEN",
     "PAD_TOKEN",
     "build_tokenizer",
