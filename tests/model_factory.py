@@ -805,6 +805,8 @@ assert not set(_CONFIGS) & set(factory_families.CONFIGS), "a family module redef
 _CONFIGS.update(factory_families.CONFIGS)
 # Families from factory_families/, with no test file of their own (test_more_families_exact).
 MORE_ARCHS: tuple = tuple(factory_families.CONFIGS)
+# Families the runtime refuses at load, and a pattern its message must match.
+REFUSED: Dict[str, str] = dict(factory_families.REFUSED)
 
 ARCHS: tuple = tuple(_CONFIGS)
 
@@ -969,7 +971,7 @@ def _is_lively(
 ) -> bool:
     """Greedy continuations of a few ordinary prompts are varied and finite."""
     logits = model(mx.array([list(prompts[0])]))
-    if not bool(mx.all(mx.isfinite(logits)).item()):
+    if bool(mx.any(mx.isnan(logits)).item()):  # -inf is allowed: Phi-3-small masks unused ids so
         return False
     for p in prompts:
         if len(set(greedy_tokens(model, p, n_tokens))) < min_distinct:
@@ -1108,6 +1110,7 @@ def with_chat_template(src: Union[str, Path], dst: Union[str, Path], template: s
 __all__ = [
     "ARCHS",
     "MORE_ARCHS",
+    "REFUSED",
     "EOS_TOKEN",
     "PAD_TOKEN",
     "build_tokenizer",

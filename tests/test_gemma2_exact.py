@@ -16,7 +16,7 @@ import random
 import mlx.core as mx
 import pytest
 from harness import InProcessService
-from model_factory import ARCHS, HEADS, KV_HEADS, load_cached, reference_greedy
+from model_factory import ARCHS, HEADS, KV_HEADS, REFUSED, load_cached, reference_greedy
 
 from runtime.worker.model.discovery import UnsupportedModel, discover
 
@@ -72,7 +72,6 @@ def test_batched_decode_after_prefix_hits_is_exact(compiled, model_dir):
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
 
 
-REFUSED: dict[str, str] = {}  # architectures refused at load, and what the message names (none now)
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])

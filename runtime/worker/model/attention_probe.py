@@ -1,6 +1,7 @@
 """Recognise a layer's softmax attention by how it uses a KV cache, not by attribute names.
 
-A module is attention for the runtime when, called as ``module(x, mask=None, cache=c)`` with
+A module is attention for the runtime when, called as ``module(x, mask=None, cache=c)`` (the
+mask under the name its call gives it) with
 a cache that offers only what the worker's KV stand-ins offer (``offset``,
 ``update_and_fetch``), it stores one (B, kv_heads, L, head_dim) key and value tensor through
 ``c.update_and_fetch`` and returns an output of its input's shape. Whether it then attends
@@ -97,6 +98,22 @@ def takes_cache(module: nn.Module) -> bool:
         return False
 
 
+def _parameters(module: nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(type(module).__call__).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def call_attention(module: nn.Module, x: mx.array, mask: mx.array | None, cache: object) -> object:
+    """``module(x, mask=..., cache=...)``, with the mask under the name the module's call gives
+    it (``mask``, or ``attention_mask`` as PLaMo's); never positionally (Ministral 3's second
+    parameter is a query scale)."""
+    names = _parameters(module)
+    mask_name = "attention_mask" if "mask" not in names and "attention_mask" in names else "mask"
+    return module(x, cache=cache, **{mask_name: mask})
+
+
 # Tensor-parallel ranks (``worker/ranks.py``) see mlx's sharded linear layers in their place.
 _LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear, nn.AllToShardedLinear, nn.ShardedToAllLinear,
                  nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
@@ -140,7 +157,7 @@ def probe_attention(module: nn.Module, dtype: mx.Dtype = mx.float32) -> ProbedAt
         x = mx.zeros((1, PROBE_LENGTH, width), dtype=dtype)
         with _recorded_attention(py_module, calls) as defines_call:
             try:
-                out = module(x, mask=None, cache=cache)
+                out = call_attention(module, x, None, cache)
             except Exception:  # a shape that does not fit, or a cache used another way
                 continue
         if isinstance(out, tuple) and out:

@@ -9,6 +9,7 @@ import mlx.nn as nn
 
 from runtime.worker.model.attention_probe import (
     ProbedAttention,
+    call_attention,
     probe_attention,
     takes_cache,
 )
@@ -189,7 +190,7 @@ def is_softmax_attention(module: nn.Module) -> bool:
 def _attend(module: nn.Module, x: mx.array, mask: mx.array | None) -> mx.array | None:
     """``module``'s output on ``x`` with ``mask`` and no cache, or None where it fails."""
     try:
-        out = module(x, mask=mask, cache=None)
+        out = call_attention(module, x, mask, None)
         if isinstance(out, tuple) and out:
             out = out[0]  # (output, state for later layers), as the probe takes it
         mx.eval(out)
@@ -203,9 +204,11 @@ def query_mask_rank(module: nn.Module, shape: AttentionShape, dtype: mx.Dtype, w
     4 for (B, heads, L, T), 5 for queries grouped by hand as (B, kv_heads, n_rep, L, T)
     (gemma2). None when the module cannot be run alone on a plain input (left as 4).
 
-    Probed once at load with an all-true mask over a batch larger than every head count, so
-    a mask of the wrong rank cannot broadcast silently (batch against a head axis): it fails
-    or changes the output. ``width`` is the module's input width.
+    Probed at load with an all-true mask over a batch larger than every head count, so a mask
+    of the wrong rank cannot broadcast silently (batch against a head axis): it fails or
+    changes the output. Then a mask hiding the second key must hide it: a module that adds the
+    boolean mask to its scores (Phi-3-small's block-sparse layers) would attend to the padding
+    and pool slots the runtime masks, and is refused. ``width`` is the module's input width.
     """
     batch = shape.n_heads + 1
     x = mx.random.normal((batch, 2, width), key=mx.random.key(0)).astype(dtype)  # fixed key: RNG untouched
@@ -216,11 +219,33 @@ def query_mask_rank(module: nn.Module, shape: AttentionShape, dtype: mx.Dtype, w
         out = _attend(module, x, mx.ones((batch,) + (1,) * (rank - 2) + (2,), dtype=mx.bool_))
         # An all-true mask changes nothing but rounding (masked kernels may differ from unmasked
         # ones in bf16); a mask of the wrong rank fails, or changes the shape or the values.
-        if out is not None and out.shape == reference.shape and mx.allclose(out, reference, rtol=1e-2, atol=1e-2).item():
+        if out is not None and out.shape == reference.shape and _close(out, reference):
+            _check_mask_hides(module, x, rank, reference)
             return rank
     raise UnsupportedModel(
         f"{type(module).__name__} attention accepts no per-row decode mask of rank 4 or 5; "
         "batched decode would be wrong, so this model is not served")
+
+
+def _close(a: mx.array, b: mx.array) -> bool:
+    return bool(mx.allclose(a, b, rtol=1e-2, atol=1e-2).item())
+
+
+def _check_mask_hides(module: nn.Module, x: mx.array, rank: int, seen: mx.array) -> None:
+    """Queries shown only the first key must see what the first token alone sees: closer to
+    it than to ``seen`` (the output with both keys visible) by far, so that rounding (another
+    kernel for one token, bf16) cannot refuse a module whose mask works."""
+    first_only = mx.array([True, False]).reshape((1,) * (rank - 1) + (2,))
+    hidden = _attend(module, x, mx.broadcast_to(first_only, (x.shape[0],) + first_only.shape[1:]))
+    alone = _attend(module, x[:, :1], None)
+    if hidden is None or alone is None:
+        return  # a module that cannot run so: left to the token-exact tests
+    missed = mx.abs(hidden[:, :1] - alone).max().item()
+    if missed > 0.25 * mx.abs(seen[:, :1] - alone).max().item() and not _close(hidden[:, :1], alone):
+        raise UnsupportedModel(
+            f"{type(module).__name__} attention does not hide the keys a boolean mask hides (it "
+            "adds the mask to its scores?); padded and batched rows would be wrong, so this model "
+            "is not served")
 
 
 AUX_CACHE_KINDS = ("ArraysCache", "MambaCache")
@@ -281,6 +306,11 @@ def _attention_owners(layers: list[nn.Module], kinds: list[str], groups: EntryGr
         raise UnsupportedModel(f"{len(set(model_entry))} cache entries (some a CacheList) for {len(layers)} "
                                "layers; cannot tell which layer owns which entry")
     found_all = [(j, f) for j, layer in enumerate(layers) if (f := layer_attention(layer)) is not None]
+    if found_all and len(kv_entries) == len(kinds) and len(kv_entries) % len(found_all) == 0 \
+            and len(found_all) == len(layers):
+        # A stack run several times on shared weights (Nanbeige's num_loops), one KV entry per
+        # layer and pass: entry i is layer i % layers' in pass i // layers.
+        return {i: found_all[i % len(found_all)] for i in kv_entries}
     if len(found_all) != len(kv_entries):
         raise UnsupportedModel(f"{len(kv_entries)} KV cache entries for {len(found_all)} layers whose module "
                                "stores K/V; cannot tell which layer owns which entry")
@@ -315,7 +345,7 @@ def discover(model: nn.Module) -> CacheLayout:
     attention, aux, kv_index = [], [], []
     shape: AttentionShape | None = None
     dtype: mx.Dtype | None = None
-    ranks: dict[type, int | None] = {}  # per attention class: one decode mask serves every layer
+    ranks: dict[int, int | None] = {}  # per layer: one decode mask must serve every layer
     for i, kind in enumerate(kinds):
         if kind in AUX_CACHE_KINDS:
             kv_index.append(-1)
@@ -328,8 +358,8 @@ def discover(model: nn.Module) -> CacheLayout:
         if dtype is not None and found.probe.dtype != dtype:
             raise UnsupportedModel(f"attention layers store K/V of different dtypes ({dtype} vs {found.probe.dtype})")
         shape, dtype = this, found.probe.dtype
-        if type(found.module) not in ranks:
-            ranks[type(found.module)] = query_mask_rank(found.module, this, dtype, found.probe.width)
+        if id(found.module) not in ranks:  # a module shared by layers (looped models) once
+            ranks[id(found.module)] = query_mask_rank(found.module, this, dtype, found.probe.width)
         kv_index.append(len(attention))
         attention.append(i)
     known = {r for r in ranks.values() if r is not None}
