@@ -847,8 +847,9 @@ def make_config(arch: str, **overrides: Any) -> dict:
 
 def _is_tied(cfg: dict) -> bool:
     tc = cfg.get("text_config", cfg)
-    if tc.get("model_type", cfg["model_type"]).startswith("gemma3"):
-        return False  # gemma3_text ties only when lm_head.weight is absent
+    model_type = tc.get("model_type", cfg["model_type"])
+    if model_type.startswith("gemma3") and not model_type.startswith("gemma3n"):
+        return False  # gemma3_text ties only when lm_head.weight is absent (gemma3n always ties)
     return bool(tc.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True)))
 
 

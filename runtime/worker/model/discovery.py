@@ -14,6 +14,7 @@ from runtime.worker.model.attention_probe import (
     takes_cache,
 )
 from runtime.worker.model.cache_entries import EntryGroups, NestedCacheError
+from runtime.worker.model.forward_probe import ForwardRefusal, check_forward
 
 
 class UnsupportedModel(ValueError):
@@ -107,6 +108,10 @@ def model_layers(model: nn.Module) -> list[nn.Module]:
     raise UnsupportedModel("model has no `layers` list; cannot find its decoder layers")
 
 
+# Query head counts in the spellings mlx-lm's modules use (PLaMo 2's ``q_num_heads``).
+_QUERY_HEAD_ATTRS = ("n_heads", "num_attention_heads", "num_heads", "q_num_heads")
+
+
 def _int_attr(module: nn.Module, *names: str) -> int | None:
     for name in names:
         value = getattr(module, name, None)
@@ -118,7 +123,7 @@ def _int_attr(module: nn.Module, *names: str) -> int | None:
 def attention_shape(module: nn.Module) -> AttentionShape:
     """Head counts from the module's attributes, in either spelling; head_dim from the module or
     the k projection (a fallback: ``discover`` takes K/V geometry from the probe)."""
-    n_heads = _int_attr(module, "n_heads", "num_attention_heads", "num_heads")
+    n_heads = _int_attr(module, *_QUERY_HEAD_ATTRS)
     n_kv = _int_attr(module, "n_kv_heads", "num_key_value_heads", "num_kv_heads") or n_heads
     head_dim = _int_attr(module, "head_dim")
     if head_dim is None:
@@ -141,7 +146,7 @@ class LayerAttention:
         """K/V geometry from the probe; the query head count from the attention call, or, for a
         module that attends by hand, from its attributes."""
         probe, name = self.probe, type(self.module).__name__
-        n_heads = probe.query_heads or _int_attr(self.module, "n_heads", "num_attention_heads", "num_heads")
+        n_heads = probe.query_heads or _int_attr(self.module, *_QUERY_HEAD_ATTRS)
         if n_heads is None or n_heads % probe.kv_heads:
             raise UnsupportedModel(f"{name}: cannot tell its query head count ({n_heads!r} for "
                                    f"{probe.kv_heads} KV heads)")
@@ -365,6 +370,11 @@ def discover(model: nn.Module) -> CacheLayout:
     known = {r for r in ranks.values() if r is not None}
     if len(known) > 1:
         raise UnsupportedModel(f"attention layers group their queries differently (score ranks {sorted(known)})")
+    try:
+        check_forward(model, caches if caches is not None else [None] * len(kinds), attention, windows,
+                      groups.nest)
+    except ForwardRefusal as e:
+        raise UnsupportedModel(str(e)) from None
     return CacheLayout(
         num_layers=len(kinds),
         attention_layers=tuple(attention),

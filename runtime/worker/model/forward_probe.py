@@ -1,0 +1,84 @@
+"""One graph-only forward of the whole model at load, on KV caches that offer only what the
+runtime's stand-ins offer, to refuse what the per-module attention probe cannot see.
+
+Two things only show in the model's own forward: a layer that reads another layer's K/V back
+through a cache method (the KV-shared layers of AFM and Gemma 3n call
+``cache.keys_and_values()``), and a model that asks a sliding-window layer's mask for a wider
+window than its ``RotatingKVCache`` keeps (PLaMo 3's prefill mask spans window + 1, its decode
+sees the cache's window): the runtime's caches window every mask by the cache, so mlx-lm's
+prefill and its decode cannot both be matched. The forward builds the graph of two tokens and
+evaluates nothing.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_causal_mask
+
+PROBE_TOKENS = 2
+
+
+class _KVStandIn:
+    """A KV cache with the interface the worker's stand-ins (``paths/pool_cache.py``) offer:
+    ``offset``, ``update_and_fetch``, ``make_mask``, ``state``, ``is_trimmable``, ``empty``.
+    Records the mask windows asked of it."""
+
+    offset = 0
+
+    def __init__(self) -> None:
+        self.asked_windows: list[int] = []
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return keys, values
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        if window_size is not None:
+            self.asked_windows.append(window_size)
+        if window_size is not None or return_array:
+            return create_causal_mask(n, 0, window_size=window_size)
+        return "causal" if n > 1 else None
+
+    @property
+    def state(self) -> list:
+        return []
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str):
+        raise AttributeError(name, name=name, obj=self)
+
+
+class ForwardRefusal(ValueError):
+    """What the forward showed that cannot be served; the message says why."""
+
+
+def check_forward(model: nn.Module, caches: list, kv_entries: list[int], windows: tuple[int | None, ...],
+                  nest) -> None:
+    """Run ``model`` on two tokens with a ``_KVStandIn`` for each flat KV entry (``caches``: the
+    model's fresh flat cache list, ``nest`` its ``CacheLayout.nest``); raise ``ForwardRefusal``
+    where a layer needs a cache method the runtime lacks or a mask is wider than its cache's
+    window. A forward that fails otherwise (a model that cannot run so) is left to the probes."""
+    stand_ins = {i: _KVStandIn() for i in kv_entries}
+    flat = [stand_ins.get(i, cache) for i, cache in enumerate(caches)]
+    try:
+        model(mx.zeros((1, PROBE_TOKENS), dtype=mx.int32), cache=nest(flat))
+    except AttributeError as e:
+        if isinstance(getattr(e, "obj", None), _KVStandIn):
+            raise ForwardRefusal(
+                f"a layer reads `{e.name}` from its KV cache (a layer sharing another layer's K/V reads "
+                "them back so); the runtime's caches do not offer it, so this model is not served") from None
+        return
+    except Exception:  # noqa: BLE001 - a model that cannot run on two zero tokens alone
+        return
+    for i, stand_in in stand_ins.items():
+        window = windows[i] if windows else None
+        wider = [w for w in stand_in.asked_windows if window is not None and w > window]
+        if wider:
+            raise ForwardRefusal(
+                f"its sliding-window mask spans {wider[0]} positions in prefill, but its cache keeps {window} "
+                "(mlx-lm's prefill and decode attend to different windows); not served")
