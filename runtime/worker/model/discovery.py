@@ -327,7 +327,9 @@ def discover(model: nn.Module) -> CacheLayout:
 
     Entries come from ``model.make_cache()`` when the model has it (hybrids, and models
     whose cache list skips MLP-only blocks), else one KV entry per layer. A KV entry's
-    attention is the module that stores K/V through it (``attention_probe``).
+    attention is the module that stores K/V through it (``attention_probe``); one forward of
+    the whole model on stand-in caches checks what only the model's own call shows
+    (``forward_probe``).
     """
     layers = model_layers(model)
     caches = model.make_cache() if hasattr(model, "make_cache") else None

@@ -12,6 +12,8 @@ evaluates nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask
@@ -32,7 +34,7 @@ class _KVStandIn:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return keys, values
 
-    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array | str | None:
         if window_size is not None:
             self.asked_windows.append(window_size)
         if window_size is not None or return_array:
@@ -58,7 +60,7 @@ class ForwardRefusal(ValueError):
 
 
 def check_forward(model: nn.Module, caches: list, kv_entries: list[int], windows: tuple[int | None, ...],
-                  nest) -> None:
+                  nest: Callable[[list], list]) -> None:
     """Run ``model`` on two tokens with a ``_KVStandIn`` for each flat KV entry (``caches``: the
     model's fresh flat cache list, ``nest`` its ``CacheLayout.nest``); raise ``ForwardRefusal``
     where a layer needs a cache method the runtime lacks or a mask is wider than its cache's
