@@ -7,7 +7,9 @@ through a cache method (the KV-shared layers of AFM and Gemma 3n call
 window than its ``RotatingKVCache`` keeps (PLaMo 3's prefill mask spans window + 1, its decode
 sees the cache's window): the runtime's caches window every mask by the cache, so mlx-lm's
 prefill and its decode cannot both be matched. The forward builds the graph of two tokens and
-evaluates nothing.
+evaluates nothing; then one decode token's forward is traced under ``mx.compile``, as the
+runtime's compiled decode step traces it: a model that reads arrays back to the host inside its
+forward (DBRX picks each token's experts through ``.tolist()``) cannot be traced so.
 """
 
 from __future__ import annotations
@@ -26,9 +28,8 @@ class _KVStandIn:
     ``offset``, ``update_and_fetch``, ``make_mask``, ``state``, ``is_trimmable``, ``empty``.
     Records the mask windows asked of it."""
 
-    offset = 0
-
-    def __init__(self) -> None:
+    def __init__(self, offset: int | mx.array = 0) -> None:
+        self.offset = offset
         self.asked_windows: list[int] = []
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -59,6 +60,20 @@ class ForwardRefusal(ValueError):
     """What the forward showed that cannot be served; the message says why."""
 
 
+def _check_row_positions(model: nn.Module, entries: int, nest: Callable[[list], list]) -> None:
+    """Build one decode step of two rows at positions 2 and 3 (``offset`` a (2,) array, as
+    batched decode passes it to a model with only KV caches); a model that reads the offset as
+    one host number (GPTBigCode's ``np.arange``, dynamic-NTK RoPE's ``max``) fails there."""
+    offset = mx.array([PROBE_TOKENS, PROBE_TOKENS + 1])
+    try:
+        model(mx.zeros((2, 1), dtype=mx.int32), cache=nest([_KVStandIn(offset) for _ in range(entries)]))
+    except Exception as e:  # noqa: BLE001 - whatever it raises, it cannot decode rows together
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise ForwardRefusal(
+            f"its forward fails on rows at different positions ({type(e).__name__}: {reason}): it reads the "
+            "cache offset as one number, while batched decode gives one per row; not served") from None
+
+
 def check_forward(model: nn.Module, caches: list, kv_entries: list[int], windows: tuple[int | None, ...],
                   nest: Callable[[list], list]) -> None:
     """Run ``model`` on two tokens with a ``_KVStandIn`` for each flat KV entry (``caches``: the
@@ -77,6 +92,8 @@ def check_forward(model: nn.Module, caches: list, kv_entries: list[int], windows
         return
     except Exception:  # noqa: BLE001 - a model that cannot run on two zero tokens alone
         return
+    if len(stand_ins) == len(caches):
+        _check_row_positions(model, len(caches), nest)
     for i, stand_in in stand_ins.items():
         window = windows[i] if windows else None
         wider = [w for w in stand_in.asked_windows if window is not None and w > window]
@@ -84,3 +101,20 @@ def check_forward(model: nn.Module, caches: list, kv_entries: list[int], windows
             raise ForwardRefusal(
                 f"its sliding-window mask spans {wider[0]} positions in prefill, but its cache keeps {window} "
                 "(mlx-lm's prefill and decode attend to different windows); not served")
+    _check_compiles(model, [_KVStandIn() if i in stand_ins else cache for i, cache in enumerate(flat)], nest)
+
+
+def _check_compiles(model: nn.Module, flat: list, nest: Callable[[list], list]) -> None:
+    """Trace (not run) one decode token's forward under ``mx.compile``; a model whose plain forward
+    runs but whose traced one fails (it evaluates arrays mid-forward) cannot decode compiled."""
+    def step(tokens: mx.array) -> mx.array:
+        return model(tokens, cache=nest(flat))
+
+    try:
+        mx.compile(step)(mx.zeros((1, 1), dtype=mx.int32))
+    except Exception as e:  # noqa: BLE001 - whatever stops the trace refuses the model
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ForwardRefusal(
+            f"its forward cannot be traced by mx.compile ({reason}); it reads arrays back mid-forward "
+            "(e.g. `.tolist()` to pick experts), and the runtime decodes through a compiled step, so "
+            "this model is not served") from None
