@@ -15,7 +15,8 @@ from test_paged_attention import _reference_kernels
 KERNEL_PATH = ("llama", "qwen3", "phi3", "bailing_moe", "mistral", "qwen2", "qwen3_moe", "mixtral", "gemma",
                "olmo2", "granite", "minicpm", "starcoder2", "smollm3", "glm4", "ernie4_5", "hunyuan",
                "hunyuan_v1_dense", "glm", "lille-130m", "llama4_text", "mimo", "nanbeige", "nanochat", "nemotron-nas",
-               "qwen", "solar_open", "talkie", "telechat3")
+               "qwen", "solar_open", "talkie", "telechat3",
+               "olmoe", "granitemoe", "qwen2_moe", "phimoe", "ernie4_5_moe", "glm4_moe", "dots1", "Klear", "minimax")
 
 
 def _service(folder) -> InProcessService:
