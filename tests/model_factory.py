@@ -862,9 +862,10 @@ def _vocab_size(cfg: dict) -> int:
 # --------------------------------------------------------------------------
 
 
-# Names of the final (pre-lm_head) norm scale, per weight layout.
-_FINAL_NORMS = ("model.norm.weight", "backbone.norm_f.weight", "language_model.model.norm.weight",
-                "model.embedding_norm.weight", *factory_families.FINAL_NORMS)
+# Names of the final (pre-lm_head) norm scale, per weight layout (once each: family modules may
+# name the same one).
+_FINAL_NORMS = tuple(dict.fromkeys(("model.norm.weight", "backbone.norm_f.weight", "language_model.model.norm.weight",
+                                    "model.embedding_norm.weight", *factory_families.FINAL_NORMS)))
 
 _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.q_layernorm.weight",
              "self_attn.k_layernorm.weight", "attention.query_layernorm.weight", "attention.key_layernorm.weight",
@@ -890,8 +891,8 @@ def _init_weights(
     qk_norm = any(n.endswith(_QK_NORMS) for n, _ in params)
     new = []
     for i, (name, p) in enumerate(params):
-        if p.ndim < 2:
-            continue
+        if p.ndim < 2 or (qk_norm and name.endswith(_QK_NORMS)):
+            continue  # (2-D q/k norm scales, Cohere's per-head LayerNorms, are set below)
         w = mx.random.normal(p.shape, key=keys[i])
         if "embed" in name:
             # Equal-norm rows, so that with tied embeddings (logit_j = h . E_j)

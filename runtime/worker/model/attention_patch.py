@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import mlx.nn as nn
 
-from runtime.worker.model.discovery import model_layers
+from runtime.worker.model.discovery import model_layers, submodule
 
 _MARK = "_runtime_dispatch_original"
 
@@ -47,7 +47,7 @@ def install(model: nn.Module, attn_attr: tuple[str | None, ...]) -> bool:
     for layer, name in zip(layers, attn_attr):
         if name is None:
             continue
-        module = sys.modules.get(type(getattr(layer, name)).__module__)
+        module = sys.modules.get(type(submodule(layer, name)).__module__)
         if module is None or not callable(getattr(module, "scaled_dot_product_attention", None)):
             return False
         modules.append(module)

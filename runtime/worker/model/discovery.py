@@ -52,7 +52,7 @@ class CacheLayout:
     KV cache per layer) counts as one entry per part, ``groups`` records how to nest them back
     (``flatten``/``nest``). ``num_layers`` counts flat entries (one per layer for most models);
     ``kv_index[entry]`` is the entry's index into the KV pool, or -1;
-    ``attn_attr[layer]`` is the attribute holding a layer's attention, or None;
+    ``attn_attr[layer]`` is the attribute (path) holding a layer's attention, or None;
     ``windows[entry]`` is how many of the latest positions a sliding-window layer attends to
     (mlx-lm's ``RotatingKVCache(max_size=window)``), or None for a full layer. The pool keeps
     every position of every layer; a windowed layer's masks hide the older ones.
@@ -154,11 +154,30 @@ class LayerAttention:
         return AttentionShape(n_heads=n_heads, n_kv_heads=probe.kv_heads, head_dim=probe.head_dim, value_dim=value_dim)
 
 
+def _submodules(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``layer``'s direct submodules, and those of a direct submodule that is a plain holder
+    (not callable: EXAONE's ``attn`` holds ``attention``), under dotted paths."""
+    found = []
+    for name, child in layer.items():
+        if isinstance(child, nn.Module):
+            found.append((name, child))
+            if not callable(child):
+                found += [(f"{name}.{sub}", m) for sub, m in child.items() if isinstance(m, nn.Module)]
+    return found
+
+
+def submodule(layer: nn.Module, path: str) -> nn.Module:
+    """The module at a (dotted) ``attn_attr`` path of ``layer``."""
+    for name in path.split("."):
+        layer = getattr(layer, name)
+    return layer
+
+
 def layer_attention(layer: nn.Module) -> LayerAttention | None:
-    """The one direct submodule of ``layer`` that stores K/V through its cache, or None: any
-    attribute name (``self_attn``, ``attention``, ``mixer``...) and any projections."""
-    children = [(name, child) for name, child in layer.items() if isinstance(child, nn.Module)]
-    found = [(name, child, p) for name, child in children if (p := probe_attention(child)) is not None]
+    """The one submodule of ``layer`` (direct, or in a plain holder) that stores K/V through its
+    cache, or None: any attribute name (``self_attn``, ``attention``, ``mixer``...) and any
+    projections."""
+    found = [(name, child, p) for name, child in _submodules(layer) if (p := probe_attention(child)) is not None]
     if len(found) > 1:
         raise UnsupportedModel(f"{type(layer).__name__} has several modules storing K/V "
                                f"({', '.join(n for n, _, _ in found)}); one KV cache per layer is served")

@@ -9,7 +9,9 @@ sees the cache's window): the runtime's caches window every mask by the cache, s
 prefill and its decode cannot both be matched. The forward builds the graph of two tokens and
 evaluates nothing; then one decode token's forward is traced under ``mx.compile``, as the
 runtime's compiled decode step traces it: a model that reads arrays back to the host inside its
-forward (DBRX picks each token's experts through ``.tolist()``) cannot be traced so.
+forward (DBRX picks each token's experts through ``.tolist()``) cannot be traced so. A model
+with only KV caches also builds one decode step of two rows at different positions, as batched
+decode hands it one offset per row.
 """
 
 from __future__ import annotations
@@ -28,9 +30,8 @@ class _KVStandIn:
     ``offset``, ``update_and_fetch``, ``make_mask``, ``state``, ``is_trimmable``, ``empty``.
     Records the mask windows asked of it."""
 
-    offset = 0
-
-    def __init__(self) -> None:
+    def __init__(self, offset: int | mx.array = 0) -> None:
+        self.offset = offset
         self.asked_windows: list[int] = []
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -61,12 +62,26 @@ class ForwardRefusal(ValueError):
     """What the forward showed that cannot be served; the message says why."""
 
 
+def _check_row_positions(model: nn.Module, entries: int, nest: Callable[[list], list]) -> None:
+    """Build one decode step of two rows at positions 2 and 3 (``offset`` a (2,) array, as
+    batched decode passes it to a model with only KV caches); a model that reads the offset as
+    one host number (GPTBigCode's ``np.arange``, dynamic-NTK RoPE's ``max``) fails there."""
+    offset = mx.array([PROBE_TOKENS, PROBE_TOKENS + 1])
+    try:
+        model(mx.zeros((2, 1), dtype=mx.int32), cache=nest([_KVStandIn(offset) for _ in range(entries)]))
+    except Exception as e:  # noqa: BLE001 - whatever it raises, it cannot decode rows together
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise ForwardRefusal(
+            f"its forward fails on rows at different positions ({type(e).__name__}: {reason}): it reads the "
+            "cache offset as one number, while batched decode gives one per row; not served") from None
+
+
 def check_forward(model: nn.Module, caches: list, kv_entries: list[int], windows: tuple[int | None, ...],
                   nest: Callable[[list], list]) -> None:
     """Run ``model`` on two tokens with a ``_KVStandIn`` for each flat KV entry (``caches``: the
     model's fresh flat cache list, ``nest`` its ``CacheLayout.nest``); raise ``ForwardRefusal``
-    where a layer needs a cache method the runtime lacks or a mask is wider than its cache's
-    window. A forward that fails otherwise (a model that cannot run so) is left to the probes."""
+    where a layer needs a cache method the runtime lacks, a mask is wider than its cache's
+    window or rows at different positions cannot decode together. A forward that fails otherwise (a model that cannot run so) is left to the probes."""
     stand_ins = {i: _KVStandIn() for i in kv_entries}
     flat = [stand_ins.get(i, cache) for i, cache in enumerate(caches)]
     try:
@@ -79,6 +94,8 @@ def check_forward(model: nn.Module, caches: list, kv_entries: list[int], windows
         return
     except Exception:  # noqa: BLE001 - a model that cannot run on two zero tokens alone
         return
+    if len(stand_ins) == len(caches):
+        _check_row_positions(model, len(caches), nest)
     for i, stand_in in stand_ins.items():
         window = windows[i] if windows else None
         wider = [w for w in stand_in.asked_windows if window is not None and w > window]
