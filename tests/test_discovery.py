@@ -246,3 +246,21 @@ def test_sliding_window_layers_are_served_with_their_windows(model_dir):
     model, _ = load_cached(model_dir("gemma3_text"))
     layout = discover(model)  # RotatingKVCache layers: full K/V in the pool, masked to their window
     assert layout.windowed and any(w is not None for w in layout.windows)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_mask_probes_run_once_per_kind_of_attention_module(model_dir, monkeypatch, arch):
+    """The decode-mask probes run a forward each (seconds a layer for a large bf16 model on a
+    CPU): once for layers whose attention modules are alike (llama), again for each module that
+    differs in a plain attribute (gemma3 records its layer index, which its call may read)."""
+    from runtime.worker.model import discovery
+
+    calls = []
+    probe = discovery.query_mask_rank
+    monkeypatch.setattr(discovery, "query_mask_rank", lambda module, *a: calls.append(module) or probe(module, *a))
+    model, _ = load_cached(model_dir(arch))
+    layout = discover(model)
+    layers = len(layout.attention_layers)
+    assert layers > 1
+    assert len(calls) == (1 if arch == "llama" else layers)
+    assert len({discovery.behaviour_key(m) for m in calls}) == len(calls)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from runtime.worker.model.attention_probe import (
     ProbedAttention,
@@ -223,6 +224,21 @@ def _attend(module: nn.Module, x: mx.array, mask: mx.array | None) -> mx.array |
     return out
 
 
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def behaviour_key(module: nn.Module) -> tuple:
+    """Attention modules with one key run the same code on the same shapes: the same classes
+    and plain attributes (ints, floats, strings: head counts, RoPE bases, a recorded layer index, Phi-3-small's
+    ``block_sparse``) in every submodule, and parameters of the same names, shapes and dtypes.
+    The mask probes run once a key (each costs a forward; on a CPU in bf16 about a second a
+    layer at the 8B shape), not once a layer."""
+    plain = tuple((name, type(m).__name__, tuple(sorted((k, v) for k, v in vars(m).items() if isinstance(v, _PLAIN))))
+                  for name, m in module.named_modules())
+    params = tuple((name, a.shape, a.dtype) for name, a in tree_flatten(module.parameters()))
+    return plain, params
+
+
 def query_mask_rank(module: nn.Module, shape: AttentionShape, dtype: mx.Dtype, width: int) -> int | None:
     """The rank a per-row decode mask must have to broadcast against ``module``'s scores:
     4 for (B, heads, L, T), 5 for queries grouped by hand as (B, kv_heads, n_rep, L, T)
@@ -371,7 +387,7 @@ def discover(model: nn.Module) -> CacheLayout:
     attention, aux, kv_index = [], [], []
     shape: AttentionShape | None = None
     dtype: mx.Dtype | None = None
-    ranks: dict[int, int | None] = {}  # per layer: one decode mask must serve every layer
+    ranks: dict[tuple, int | None] = {}  # one decode mask must serve every layer: probed per behaviour_key
     for i, kind in enumerate(kinds):
         if kind in AUX_CACHE_KINDS:
             kv_index.append(-1)
@@ -384,8 +400,9 @@ def discover(model: nn.Module) -> CacheLayout:
         if dtype is not None and found.probe.dtype != dtype:
             raise UnsupportedModel(f"attention layers store K/V of different dtypes ({dtype} vs {found.probe.dtype})")
         shape, dtype = this, found.probe.dtype
-        if id(found.module) not in ranks:  # a module shared by layers (looped models) once
-            ranks[id(found.module)] = query_mask_rank(found.module, this, dtype, found.probe.width)
+        key = behaviour_key(found.module)  # also once for a module shared by layers (looped models)
+        if key not in ranks:
+            ranks[key] = query_mask_rank(found.module, this, dtype, found.probe.width)
         kv_index.append(len(attention))
         attention.append(i)
     known = {r for r in ranks.values() if r is not None}
