@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import shutil
 import sys
 
 import mlx.core as mx
@@ -199,16 +200,17 @@ def test_reference_blas_is_the_bundled_one_unless_another_cblas_comes_first():
     assert not is_reference("/usr/lib/libmlx.so\n", None)  # an MLX built on another BLAS
 
 
+_COMPILER = shutil.which("cc") or shutil.which("gcc")
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD preloads only on Linux")
+@pytest.mark.skipif(_COMPILER is None, reason="no C compiler to build the stand-in BLAS with")
 def test_a_preloaded_cblas_is_found(tmp_path):
     """``global_cblas`` in a process with a library preloaded that defines ``cblas_sgemm``, as
     ``worker.blas = "auto"`` preloads OpenBLAS; built here with the C compiler."""
-    import shutil
     import subprocess
 
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler to build the stand-in BLAS with")
+    compiler = _COMPILER
     (tmp_path / "fake.c").write_text("void cblas_sgemm(void) {}\n")
     lib = tmp_path / "libfakeopenblas.so"
     subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "fake.c")], check=True)
