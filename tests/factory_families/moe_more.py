@@ -396,7 +396,7 @@ REFUSED = {
     "dbrx": "forward cannot be traced by mx.compile",
     # Sliding layers have twice the query heads of full ones (same K/V): one attention shape
     # serves every layer.
-    "step3p5": r"different K/V shapes .*n_heads=4.* vs .*n_heads=8",
+    "step3p5": r"different query head counts .*n_heads=4.* vs .*n_heads=8",
     # Sliding layers store twice the K/V heads of full ones (as the real model: 8 against 4).
     "mimo_v2_flash": r"different K/V shapes .*n_kv_heads=1.* vs .*n_kv_heads=2",
     # Two attention blocks per layer, each with its own KV cache (CacheList of two).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -319,7 +320,10 @@ def discover(model: nn.Module) -> CacheLayout:
         found = owners[i][1]
         this = found.shape
         if shape is not None and this != shape:
-            raise UnsupportedModel(f"attention layers have different K/V shapes ({shape} vs {this})")
+            what = "query head counts" if this.n_heads != shape.n_heads and \
+                this == dataclasses.replace(shape, n_heads=this.n_heads) else "K/V shapes"
+            raise UnsupportedModel(f"attention layers have different {what} ({shape} vs {this}); "
+                                   "one attention shape per model is served")
         if dtype is not None and found.probe.dtype != dtype:
             raise UnsupportedModel(f"attention layers store K/V of different dtypes ({dtype} vs {found.probe.dtype})")
         shape, dtype = this, found.probe.dtype
