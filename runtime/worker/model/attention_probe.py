@@ -105,13 +105,27 @@ def _parameters(module: nn.Module) -> set[str]:
         return set()
 
 
+def _required_extras(module: nn.Module) -> list[str]:
+    """Parameters of the module's call after the input that have no default and are neither
+    the mask nor the cache (Mistral 4's query scale, computed once per forward by its model)."""
+    try:
+        params = list(inspect.signature(type(module).__call__).parameters.values())[2:]
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty
+            and p.name not in ("mask", "attention_mask", "cache")]
+
+
 def call_attention(module: nn.Module, x: mx.array, mask: mx.array | None, cache: object) -> object:
     """``module(x, mask=..., cache=...)``, with the mask under the name the module's call gives
     it (``mask``, or ``attention_mask`` as PLaMo's); never positionally (Ministral 3's second
-    parameter is a query scale)."""
+    parameter is a query scale). A required extra input gets a scalar one: the probes read
+    shapes and what the mask hides, never the scale of the output."""
     names = _parameters(module)
     mask_name = "attention_mask" if "mask" not in names and "attention_mask" in names else "mask"
-    return module(x, cache=cache, **{mask_name: mask})
+    extras = {name: mx.array(1.0, dtype=x.dtype) for name in _required_extras(module)}
+    return module(x, cache=cache, **{mask_name: mask}, **extras)
 
 
 # Tensor-parallel ranks (``worker/ranks.py``) see mlx's sharded linear layers in their place.
