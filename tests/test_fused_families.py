@@ -18,7 +18,8 @@ KERNEL_PATH = ("llama", "qwen3", "phi3", "bailing_moe", "mistral", "qwen2", "qwe
                "qwen", "solar_open", "talkie", "telechat3",
                "olmoe", "granitemoe", "qwen2_moe", "phimoe", "ernie4_5_moe", "glm4_moe", "dots1", "Klear", "minimax",
                "apertus", "cohere", "deepseek", "exaone", "gpt2", "gpt_neox", "gptj", "helium", "minicpm3",
-               "mistral3", "nemotron", "phi", "seed_oss")
+               "mistral3", "nemotron", "phi", "seed_oss",
+               "pixtral", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def _service(folder) -> InProcessService:
