@@ -265,7 +265,10 @@ def test_queue_time_is_the_wait_for_a_row(llama):
     waited = done_at[0] - sent
     assert count == count0 + 2
     assert waited > 0.05, "the long request ended too soon to make the other one wait"
-    assert 0.5 * waited <= queue - queue0 <= e2e - e2e0
+    # ``waited`` is the client's view: its drain thread can lag the service by a good part of it
+    # on a busy 2-CPU machine (0.24 s against a 0.10 s queue once); a queue time not counting
+    # the wait for the row would read about 0.
+    assert 0.25 * waited <= queue - queue0 <= e2e - e2e0
     # Admission comes before the first token (the prefill and a decode step lie between).
     assert queue - queue0 < ttft - ttft0
 
