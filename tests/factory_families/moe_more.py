@@ -37,6 +37,24 @@ def _cfg_phimoe() -> dict:
                  num_experts_per_tok=2, rope_scaling=None, original_max_position_embeddings=MAX_POS)
 
 
+def _cfg_phixtral() -> dict:
+    # Phi-2 blocks (parallel attention and MLP, fused Wqkv, partial RoPE, LayerNorms) with a
+    # routed MLP of fc1/fc2 experts; its own config spelling (model_dim, num_vocab).
+    return {
+        "model_type": "phixtral",
+        "architectures": ["PhiForCausalLM"],
+        "model_dim": HIDDEN,
+        "num_heads": HEADS,
+        "num_layers": 2,
+        "rotary_dim": HEAD_DIM // 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_vocab": VOCAB,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": False,
+    }
+
+
 def _cfg_ernie4_5_moe() -> dict:
     # Layer 0 dense, layer 1 routed (softmax gate with an aux-free correction bias) plus one
     # shared expert.
@@ -370,6 +388,7 @@ CONFIGS = {
     "granitemoe": _cfg_granitemoe,
     "qwen2_moe": _cfg_qwen2_moe,
     "phimoe": _cfg_phimoe,
+    "phixtral": _cfg_phixtral,
     "ernie4_5_moe": _cfg_ernie4_5_moe,
     "glm4_moe": _cfg_glm4_moe,
     "dots1": _cfg_dots1,
