@@ -64,6 +64,8 @@ from factory_shapes import (
     MAX_POS,
     VOCAB,
     dense,
+    linear_attn_fields,
+    qwen3_5_text,
 )
 from mlx.utils import tree_flatten, tree_unflatten
 
@@ -277,16 +279,6 @@ def _cfg_qwen3() -> dict:
     }
 
 
-def _linear_attn_fields() -> dict:
-    return {
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-    }
-
-
 def _cfg_qwen3_next() -> dict:
     return {
         "model_type": "qwen3_next",
@@ -297,7 +289,7 @@ def _cfg_qwen3_next() -> dict:
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
-        **_linear_attn_fields(),
+        **linear_attn_fields(),
         # dense MLP everywhere
         "num_experts": 0,
         "num_experts_per_tok": 0,
@@ -319,34 +311,10 @@ def _cfg_qwen3_next() -> dict:
 
 
 def _cfg_qwen3_5() -> dict:
-    text_config = {
-        "model_type": "qwen3_5_text",
-        "hidden_size": HIDDEN,
-        "num_hidden_layers": 4,
-        "intermediate_size": INTERMEDIATE,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM,
-        **_linear_attn_fields(),
-        "num_experts": 0,  # dense MLP
-        "full_attention_interval": 2,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": MAX_POS,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.5,
-            "mrope_section": [2, 1, 1],
-            "mrope_interleaved": True,
-        },
-    }
     return {
         "model_type": "qwen3_5",
         "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "text_config": text_config,
+        "text_config": qwen3_5_text(),
         "tie_word_embeddings": False,
         "vocab_size": VOCAB,
     }

@@ -4,7 +4,7 @@ LongCat-Flash, MiMo-V2-Flash, Ling 2 (bailing_moe_v3), DeepSeek-V3.2, GLM-5 (glm
 Four experts, two per token, unless said otherwise."""
 from __future__ import annotations
 
-from factory_shapes import HEAD_DIM, HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, MAX_POS, VOCAB, dense
+from factory_shapes import HEAD_DIM, HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, MAX_POS, VOCAB, dense, qwen3_5_text
 
 MOE_WIDTH = 32  # each expert's intermediate width
 
@@ -157,36 +157,11 @@ def _cfg_dbrx() -> dict:
 
 
 def _cfg_qwen3_5_moe() -> dict:
-    # Qwen3.5 MoE text model: gated delta-net layers (0, 2) and gated full attention (1, 3),
-    # every MLP routed plus a sigmoid-gated shared expert; interleaved mRoPE on half the head.
-    text_config = {
-        "model_type": "qwen3_5_moe_text",
-        "hidden_size": HIDDEN,
-        "num_hidden_layers": 4,
-        "intermediate_size": INTERMEDIATE,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "decoder_sparse_step": 1,
-        "moe_intermediate_size": MOE_WIDTH,
-        "shared_expert_intermediate_size": MOE_WIDTH,
-        "norm_topk_prob": True,
-        "full_attention_interval": 2,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": MAX_POS,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                            "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-    }
+    # Qwen3.5 MoE text model: Qwen3.5's layers with every MLP routed plus a sigmoid-gated
+    # shared expert.
+    text_config = qwen3_5_text(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+                               decoder_sparse_step=1, moe_intermediate_size=MOE_WIDTH,
+                               shared_expert_intermediate_size=MOE_WIDTH, norm_topk_prob=True)
     return {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
             "text_config": text_config, "tie_word_embeddings": False, "vocab_size": VOCAB}
 
