@@ -320,8 +320,7 @@ def discover(model: nn.Module) -> CacheLayout:
         found = owners[i][1]
         this = found.shape
         if shape is not None and this != shape:
-            what = "query head counts" if this.n_heads != shape.n_heads and \
-                this == dataclasses.replace(shape, n_heads=this.n_heads) else "K/V shapes"
+            what = "query head counts" if this == dataclasses.replace(shape, n_heads=this.n_heads) else "K/V shapes"
             raise UnsupportedModel(f"attention layers have different {what} ({shape} vs {this}); "
                                    "one attention shape per model is served")
         if dtype is not None and found.probe.dtype != dtype:

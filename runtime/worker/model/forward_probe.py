@@ -1,7 +1,8 @@
-"""One graph-only forward of the whole model at load, on KV caches that offer only what the
-runtime's stand-ins offer, to refuse what the per-module attention probe cannot see.
+"""Forwards of the whole model at load (built or traced, never evaluated), on KV caches that
+offer only what the runtime's stand-ins offer, to refuse what the per-module attention probe
+cannot see.
 
-Two things only show in the model's own forward: a layer that reads another layer's K/V back
+Some things only show in the model's own forward: a layer that reads another layer's K/V back
 through a cache method (the KV-shared layers of AFM and Gemma 3n call
 ``cache.keys_and_values()``), and a model that asks a sliding-window layer's mask for a wider
 window than its ``RotatingKVCache`` keeps (PLaMo 3's prefill mask spans window + 1, its decode
