@@ -51,7 +51,7 @@ def warm_decode(engine: Engine, progress: Callable[[str], None] | None = None) -
         classes = row_classes(engine.paths.max_rows, smallest=2)
         variants += stage(f"first decode steps of {len(classes)} row classes",
                           engine.compiled_paged.warm_rows(classes, engine.paths.device_table, launches, ROW_WARM_S))
-    steps = (engine.paths.tail.steps.max_steps if engine.paths.tail is not None else 0) + 2
+    steps = (engine.paths.tail.capacity_for(1) if engine.paths.tail is not None else 0) + 2  # through a flush
     n = min(64, engine.max_context - steps, engine.pool.num_slots - 1 - steps)
     if engine.aux_pool is not None or n < 1:
         return variants  # a hybrid model's aux slots belong to the scheduler

@@ -38,7 +38,7 @@ for item in "$@"; do
     *@nographs) item=${item%@*}; tag=-nographs; export MLX_USE_CUDA_GRAPHS=0 ;;
     *@graphs) item=${item%@*}; tag=-graphs; export MLX_USE_CUDA_GRAPHS=1 ;;
   esac
-  tag=$tag${fuse_tag:-}${tail_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-N: -tailN
+  tag=$tag${fuse_tag:-}${tail_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN
   case $item in
     kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
     gemv-ab) run "$item" 150 python3 scripts/gemv_ab.py ;;
@@ -60,9 +60,10 @@ for item in "$@"; do
     no-fuse-prefill)  # and back
       sed -i 's/^FUSE_PREFILL = True/FUSE_PREFILL = False/' runtime/worker/engine.py; fuse_tag=-apart
       echo "== no-fuse-prefill: $(grep -E '^FUSE_PREFILL =' runtime/worker/engine.py)" ;;
-    tail-[0-9]*)  # on this device copy only: the items after it flush the decode tail every N steps
-      sed -i "s/^TAIL_STEPS = [0-9]*/TAIL_STEPS = ${item#tail-}/" runtime/worker/paths/attention_paths.py; tail_tag=-tail${item#tail-}
-      echo "== $item: $(grep -E '^TAIL_STEPS =' runtime/worker/paths/attention_paths.py)" ;;
+    tail-x[0-9]*)  # on this device copy only: the items after it hold N times TAIL_STEPS in a small batch's
+                   # decode tail (FEW_ROWS_FACTOR; tail-x1: every batch flushes every TAIL_STEPS steps, as before session 26)
+      sed -i "s/^FEW_ROWS_FACTOR = [0-9]*/FEW_ROWS_FACTOR = ${item#tail-x}/" runtime/worker/paths/cuda/decode_tail.py; tail_tag=-tail${item#tail-}
+      echo "== $item: $(grep -E '^FEW_ROWS_FACTOR =' runtime/worker/paths/cuda/decode_tail.py)" ;;
     kernel-gpu) run "$item" 120 bash -c "python3 scripts/kernel_bench.py --rows 1,8,64 --context 32768 --calls 20 &&
                                           python3 scripts/kernel_bench.py --rows 1,8 --context 32768 --calls 20 --scatter &&
                                           python3 scripts/kernel_bench.py --rows 1,64 --context 2048 --calls 20 &&
@@ -103,7 +104,7 @@ for item in "$@"; do
     1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item$tag.json" ;;
     1b-first) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads first --pairs 3 --json "$OUT/$item$tag.json" ;;
     pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py ;;
-    *) echo "== $item: unknown (tail-N kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
+    *) echo "== $item: unknown (tail-xN kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then

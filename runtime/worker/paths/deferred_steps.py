@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import numpy as np
 
@@ -12,13 +14,15 @@ class DeferredSteps:
     """Where the K/V of the last few decode steps of one unchanged batch belong in the pool.
 
     A batch continues the record only when it has the same rows (and padding) and advances
-    every row by one chained token; any other batch, or ``max_steps`` recorded steps, means
-    the owner must move the K/V into the pool (``take``) first. The pool is read only by
-    prefill and by batches that changed, so it is always complete when read.
+    every row by one chained token; any other batch, or ``max_steps`` recorded steps (set by a
+    batch's first step where ``steps_for`` is given), means the owner must move the K/V into
+    the pool (``take``) first. The pool is read only by prefill and by batches that changed,
+    so it is always complete when read.
     """
 
-    def __init__(self, max_steps: int) -> None:
+    def __init__(self, max_steps: int, steps_for: Callable[[int], int] | None = None) -> None:
         self.max_steps = max_steps
+        self.steps_for = steps_for  # a batch's ``max_steps`` from its row count (padding included)
         self._key: tuple | None = None
         self._steps: list[tuple[np.ndarray, np.ndarray, list[int]]] = []  # (rows, positions, slots)
 
@@ -37,6 +41,8 @@ class DeferredSteps:
         """Record one step (padded ``rows``/``positions``/``slots``); flush before a batch change."""
         key = (tuple(decode.rows), pad)
         assert not self._steps or key == self._key, "take the recorded steps before changing the batch"
+        if not self._steps and self.steps_for is not None:
+            self.max_steps = self.steps_for(len(rows))
         self._key = key
         self._steps.append((rows, positions, slots))
 
