@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
 
 from runtime.worker.model.attention_probe import (
     ProbedAttention,
@@ -16,6 +17,7 @@ from runtime.worker.model.attention_probe import (
 from runtime.worker.model.cache_entries import EntryGroups, NestedCacheError
 from runtime.worker.model.forward_probe import ForwardRefusal, check_forward
 from runtime.worker.model.mask_probe import MaskRefusal, behaviour_key, query_mask_rank
+from runtime.worker.model.shared_kv import shares_kv
 
 
 class UnsupportedModel(ValueError):
@@ -74,6 +76,10 @@ class CacheLayout:
     # expands its latent in prefill and adds rotary scores as a float mask), are served on the
     # paths whose cache returns every position's K/V (``AttentionPaths``).
     routed: bool = True
+    # Some layer attends to K/V another layer's cache returned, with no cache entry of its own
+    # (Gemma 4's KV-shared layers, handed them through the forward): its attention call never
+    # reaches a cache, so only paths whose cache returns every position's K/V serve it.
+    shares_kv: bool = False
     groups: EntryGroups = EntryGroups()
 
     def flatten(self, caches: list) -> list:
@@ -288,7 +294,8 @@ def discover(model: nn.Module) -> CacheLayout:
     whose cache list skips MLP-only blocks), else one KV entry per layer. A KV entry's
     attention is the module that stores K/V through it (``attention_probe``); one forward of
     the whole model on stand-in caches checks what only the model's own call shows
-    (``forward_probe``).
+    (``forward_probe``), another on its own fresh caches finds layers attending to K/V another
+    layer's cache returned (``shared_kv``).
     """
     layers = model_layers(model)
     caches = model.make_cache() if hasattr(model, "make_cache") else None
@@ -342,6 +349,7 @@ def discover(model: nn.Module) -> CacheLayout:
                       groups.nest)
     except ForwardRefusal as e:
         raise UnsupportedModel(str(e)) from None
+    fresh = groups.flatten(model.make_cache()) if caches is not None else [KVCache() for _ in kinds]
     return CacheLayout(
         num_layers=len(kinds),
         attention_layers=tuple(attention),
@@ -353,5 +361,6 @@ def discover(model: nn.Module) -> CacheLayout:
         mask_rank=known.pop() if known else 4,
         windows=windows,
         routed=all(owners[i][1].probe.routed for i in attention),
+        shares_kv=bool(attention) and shares_kv(model, layers, fresh, attention, groups.nest),
         groups=groups,
     )

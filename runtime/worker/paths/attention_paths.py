@@ -38,6 +38,14 @@ PENDING_STEPS = 64  # row-cache decode steps not yet copied into the pool, at mo
 class AttentionPaths:
     """The host slot table, and the path-specific state: kernel + tail, row cache, or neither.
 
+    The paged decode (the CUDA kernel, or its gathered fallback) answers a module's attention
+    call from the pool, so it is taken only where that call is what attends: every attention
+    module attends through it to the K/V its cache returned (``layout.routed``), no layer
+    attends to K/V another layer's cache returned (``layout.shares_kv``: such a call reaches no
+    cache, and would see the step's new K/V alone), no layer has a sliding window, and keys
+    and values have one width. Every other model (latent or windowed attention, Gemma 4's
+    KV-shared layers) takes the row cache or the pool gather.
+
     ``row_cache``: None picks the row cache where the kernel does not apply and it fits in
     ``MAX_BYTES``; True forces it, False forbids it. ``hybrid`` models keep writing the
     pool every decode step (their recurrent state is updated in place anyway).
@@ -60,11 +68,8 @@ class AttentionPaths:
         self.slot_table = np.zeros((max_rows, max_context), dtype=np.int32)
         routed = layout.kv_shape is not None and attention_patch.install(model, layout.attn_attr)
         self.windowed = layout.windowed
-        # A paged decode answers the module's attention call from the pool: only for modules
-        # that attend through that call to the K/V their cache returned (``layout.routed``), to
-        # every valid position (not a sliding window), with keys and values of one width
-        # (latent attention takes the generic paths).
-        paged = routed and layout.routed and not self.windowed and layout.kv_shape.same_widths
+        paged = (routed and layout.routed and not layout.shares_kv and not self.windowed
+                 and layout.kv_shape.same_widths)
         self.attention = PagedAttention(PagedAttention.kernel_available()) if paged else None
         kernel = self.attention is not None and self.attention.supports(pool.shape.head_dim)
         if kernel and (problem := self._check_kernel(length_bucket, tail=not hybrid)):
