@@ -83,7 +83,7 @@ class Engine:
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
         # CPU only: on Metal the row-cache path is not yet measured or checked token-exact compiled.
         if compile_decode and on_cpu and self.paths.row_cache is not None and CompiledDecode.supports(layout):
-            self.compiled = CompiledDecode.with_exact_folding(model, layout, self.paths.row_cache, pool.shape,
+            self.compiled = CompiledDecode.with_exact_folding(model, layout, self.paths.row_cache,
                                                               self.COMPILED_LENGTH_BUCKET, max_context, aux_pool,
                                                               attention_streams)
         self.compiled_paged: CompiledPagedDecode | None = None

@@ -12,12 +12,7 @@ import mlx.nn as nn
 from runtime.config import Config
 from runtime.worker import defaults
 from runtime.worker.cpu_blas import reference_blas
-from runtime.worker.model.discovery import (
-    AttentionShape,
-    CacheLayout,
-    UnsupportedModel,
-    discover,
-)
+from runtime.worker.model.discovery import CacheLayout, UnsupportedModel, discover
 from runtime.worker.model.flat_quantized import flatten_quantized
 from runtime.worker.model.fused_projections import (
     fuse_projections,
@@ -57,14 +52,10 @@ class LoadedModel:
         return self.limits.num_slots
 
     def make_pools(self) -> tuple[KVPool, AuxPool | None]:
-        kv = KVPool(len(self.layout.attention_layers), self.num_slots, _kv_shape(self.layout), self.layout.kv_dtype)
+        layout = self.layout
+        kv = KVPool(len(layout.attention_layers), self.num_slots, layout.kv_shapes, layout.kv_dtype)
         aux = AuxPool.allocate(self.aux_templates, self.aux_slots) if self.aux_templates is not None else None
         return kv, aux
-
-
-def _kv_shape(layout: CacheLayout) -> AttentionShape:
-    """K/V geometry; a placeholder for models without attention (the pool then has no layers)."""
-    return layout.kv_shape or AttentionShape(1, 1, 1)
 
 
 def device() -> defaults.Device:
@@ -116,7 +107,7 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
 
         shard_model(model, str(model_config.get("model_type", "unknown")), group)
     layout = discover(model)
-    if layout.kv_shape is None and not layout.has_aux:
+    if not layout.attention_layers and not layout.has_aux:
         raise UnsupportedModel("model has neither attention layers nor recurrent-state layers")
     flatten_quantized(model)  # many-row quantized products as one matrix product each
     fused_groups = transposed = 0
@@ -136,8 +127,9 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
     aux_templates = AuxPool.probe(model, layout) if layout.has_aux else None
     text_config = model_config.get("text_config", model_config)
     model_context = int(text_config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT)
-    per_slot = KVPool.bytes_per_slot(len(layout.attention_layers), _kv_shape(layout), layout.kv_dtype)
-    limits = defaults.choose(config, device(), model_context, per_slot if layout.kv_shape is not None else 0)
+    # Each layer's K/V at its own shape (Gemma 4's global layers are wider than its sliding ones).
+    per_slot = KVPool.bytes_per_slot(len(layout.attention_layers), layout.kv_shapes, layout.kv_dtype)
+    limits = defaults.choose(config, device(), model_context, per_slot)
     if group is not None:
         from runtime.worker.ranks import agree_limits
 

@@ -302,8 +302,6 @@ REFUSED = {
     # step, not per row.
     "internlm2": "fails on rows at different positions",
     "internlm3": "fails on rows at different positions",
-    # Its layers' query and KV head counts grow with depth: the KV pool has one width.
-    "openelm": "attention layers have different K/V shapes",
     # Chunked attention (ChunkedKVCache) on its RoPE layers.
     "llama4": "ChunkedKVCache: chunked attention is not served",
 }

@@ -401,8 +401,6 @@ FINAL_NORMS = ("model.language_model.norm.weight", "model.output_norm.weight")  
 # them like matrices, and naming them in QK_NORMS would give tree_unflatten the key twice.)
 # Refused at load (a clear refusal is allowed, a wrong token is not):
 REFUSED = {
-    # Global layers store K/V twice as wide as the sliding ones: the KV pool has one width.
-    "gemma4_text": "attention layers have different K/V shapes",
     # mlx-lm's prefill mask spans window + 1 while its RotatingKVCache keeps (and decode sees)
     # the window: the runtime windows both by the cache, so one of them would differ.
     "plamo3": "sliding-window mask spans 9 positions in prefill, but its cache keeps 8",

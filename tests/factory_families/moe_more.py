@@ -388,11 +388,6 @@ REFUSED = {
     # Its experts run one token at a time, picked through `inds.tolist()`: the forward cannot
     # be traced by mx.compile, which the runtime's decode step needs.
     "dbrx": "forward cannot be traced by mx.compile",
-    # Sliding layers have twice the query heads of full ones (same K/V): one attention shape
-    # serves every layer.
-    "step3p5": r"different query head counts .*n_heads=4.* vs .*n_heads=8",
-    # Sliding layers store twice the K/V heads of full ones (as the real model: 8 against 4).
-    "mimo_v2_flash": r"different K/V shapes .*n_kv_heads=1.* vs .*n_kv_heads=2",
     # Two attention blocks per layer, each with its own KV cache (CacheList of two).
     "longcat_flash": "CacheList of several KV caches",
     # The lightning indexer caches its own keys beside the latent (CacheList of two).

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -59,6 +58,9 @@ class CacheLayout:
     ``windows[entry]`` is how many of the latest positions a sliding-window layer attends to
     (mlx-lm's ``RotatingKVCache(max_size=window)``), or None for a full layer. The pool keeps
     every position of every layer; a windowed layer's masks hide the older ones.
+    ``kv_shapes[k]`` is KV-pool layer k's geometry: layers may differ (Gemma 4's global layers
+    store wider heads than its sliding ones, OpenELM's head counts grow with depth); ``kv_shape``
+    is the one shape of a model whose layers all have it, what the paths that need one read.
     """
 
     num_layers: int
@@ -66,7 +68,7 @@ class CacheLayout:
     aux_layers: tuple[int, ...]
     kv_index: tuple[int, ...]
     attn_attr: tuple[str | None, ...]
-    kv_shape: AttentionShape | None
+    kv_shapes: tuple[AttentionShape, ...]
     kv_dtype: mx.Dtype
     mask_rank: int = 4  # rank of the attention scores a decode mask is added to (``query_mask_rank``)
     windows: tuple[int | None, ...] = ()
@@ -89,6 +91,12 @@ class CacheLayout:
     def nest(self, flat: list) -> list:
         """The model's cache list from one cache object per flat entry."""
         return self.groups.nest(flat)
+
+    @property
+    def kv_shape(self) -> AttentionShape | None:
+        """The one shape of every attention layer, or None (no attention, or layers that differ)."""
+        shapes = set(self.kv_shapes)
+        return self.kv_shapes[0] if len(shapes) == 1 else None
 
     @property
     def has_aux(self) -> bool:
@@ -295,7 +303,8 @@ def discover(model: nn.Module) -> CacheLayout:
     attention is the module that stores K/V through it (``attention_probe``); one forward of
     the whole model on stand-in caches checks what only the model's own call shows
     (``forward_probe``), another on its own fresh caches finds layers attending to K/V another
-    layer's cache returned (``shared_kv``).
+    layer's cache returned (``shared_kv``). Attention layers may differ in shape (each is
+    recorded in ``kv_shapes``), not in K/V dtype.
     """
     layers = model_layers(model)
     caches = model.make_cache() if hasattr(model, "make_cache") else None
@@ -316,7 +325,7 @@ def discover(model: nn.Module) -> CacheLayout:
     for j, found in owners.values():
         attn_attr[j] = found.attr
     attention, aux, kv_index = [], [], []
-    shape: AttentionShape | None = None
+    shapes: list[AttentionShape] = []
     dtype: mx.Dtype | None = None
     ranks: dict[tuple, int | None] = {}  # one decode mask must serve every layer: probed per behaviour_key
     for i, kind in enumerate(kinds):
@@ -325,14 +334,11 @@ def discover(model: nn.Module) -> CacheLayout:
             aux.append(i)
             continue
         found = owners[i][1]
-        this = found.shape
-        if shape is not None and this != shape:
-            what = "query head counts" if this == dataclasses.replace(shape, n_heads=this.n_heads) else "K/V shapes"
-            raise UnsupportedModel(f"attention layers have different {what} ({shape} vs {this}); "
-                                   "one attention shape per model is served")
+        this = found.shape  # layers may differ: the pool stores each at its own shape
         if dtype is not None and found.probe.dtype != dtype:
             raise UnsupportedModel(f"attention layers store K/V of different dtypes ({dtype} vs {found.probe.dtype})")
-        shape, dtype = this, found.probe.dtype
+        dtype = found.probe.dtype
+        shapes.append(this)
         key = behaviour_key(found.module)  # also once for a module shared by layers (looped models)
         if key not in ranks:
             try:
@@ -356,7 +362,7 @@ def discover(model: nn.Module) -> CacheLayout:
         aux_layers=tuple(aux),
         kv_index=tuple(kv_index),
         attn_attr=tuple(attn_attr),
-        kv_shape=shape,
+        kv_shapes=tuple(shapes),
         kv_dtype=dtype or mx.float32,
         mask_rank=known.pop() if known else 4,
         windows=windows,

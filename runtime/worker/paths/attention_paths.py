@@ -42,9 +42,10 @@ class AttentionPaths:
     call from the pool, so it is taken only where that call is what attends: every attention
     module attends through it to the K/V its cache returned (``layout.routed``), no layer
     attends to K/V another layer's cache returned (``layout.shares_kv``: such a call reaches no
-    cache, and would see the step's new K/V alone), no layer has a sliding window, and keys
-    and values have one width. Every other model (latent or windowed attention, Gemma 4's
-    KV-shared layers) takes the row cache or the pool gather.
+    cache, and would see the step's new K/V alone), no layer has a sliding window, and every
+    layer has one shape (``layout.kv_shape``) with keys and values of one width. Every other
+    model (latent or windowed attention, layers of several shapes, Gemma 4's KV-shared layers)
+    takes the row cache, whose layers each have their own shape, or the pool gather.
 
     ``row_cache``: None picks the row cache where the kernel does not apply and it fits in
     ``MAX_BYTES``; True forces it, False forbids it. ``hybrid`` models keep writing the
@@ -66,22 +67,23 @@ class AttentionPaths:
         self.mask_rank = layout.mask_rank
         self.max_rows, self.max_context = max_rows, max_context
         self.slot_table = np.zeros((max_rows, max_context), dtype=np.int32)
-        routed = layout.kv_shape is not None and attention_patch.install(model, layout.attn_attr)
+        routed = bool(layout.attention_layers) and attention_patch.install(model, layout.attn_attr)
         self.windowed = layout.windowed
-        paged = (routed and layout.routed and not layout.shares_kv and not self.windowed
-                 and layout.kv_shape.same_widths)
+        shape = layout.kv_shape
+        paged = (routed and layout.routed and not layout.shares_kv and not self.windowed and shape is not None
+                 and shape.same_widths)
         self.attention = PagedAttention(PagedAttention.kernel_available()) if paged else None
-        kernel = self.attention is not None and self.attention.supports(pool.shape.head_dim)
+        kernel = self.attention is not None and shape is not None and self.attention.supports(shape.head_dim)
         if kernel and (problem := self._check_kernel(length_bucket, tail=not hybrid)):
             print(f"runtime worker: the paged attention kernel failed its start-up check ({problem}); "
                   "decode attends through gathered K/V instead", file=sys.stderr, flush=True)
             self.attention, kernel = PagedAttention(False), False
         self.row_cache: RowCache | None = None
-        if (not kernel if row_cache is None else row_cache) and layout.kv_shape is not None:
+        if (not kernel if row_cache is None else row_cache) and layout.attention_layers:
             n_layers = len(layout.attention_layers)
-            size = RowCache.nbytes_for(n_layers, max_rows, max_context, layout.kv_shape, layout.kv_dtype)
+            size = RowCache.nbytes_for(n_layers, max_rows, max_context, layout.kv_shapes, layout.kv_dtype)
             if size <= MAX_BYTES or row_cache:
-                self.row_cache = RowCache(n_layers, max_rows, max_context, layout.kv_shape, layout.kv_dtype)
+                self.row_cache = RowCache(n_layers, max_rows, max_context, layout.kv_shapes, layout.kv_dtype)
                 self.attention, kernel = None, False  # decode attends with mlx-lm's own call
         self.masked = not kernel
         # The kernel reads slots from a device copy of the table (one extra all-padding row for

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from runtime.worker.model.discovery import AttentionShape, CacheLayout
+from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.paths.decode_plan import bucket_lengths, round_length
 from runtime.worker.paths.pool_cache import (
     CacheStandIn,
@@ -38,8 +38,9 @@ class _RowView(CacheStandIn):
     """Stands in for mlx-lm's KVCache (RotatingKVCache with a ``window``) in one attention
     layer inside the traced forward."""
 
-    def __init__(self, keys: mx.array, values: mx.array, step: _StepArrays, window: int | None = None) -> None:
-        self.keys, self.values, self.step, self.window = keys, values, step, window
+    def __init__(self, keys: mx.array, values: mx.array, heads: mx.array, step: _StepArrays,
+                 window: int | None = None) -> None:
+        self.keys, self.values, self.heads, self.step, self.window = keys, values, heads, step, window
 
     @property
     def offset(self) -> mx.array:
@@ -47,8 +48,8 @@ class _RowView(CacheStandIn):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         s = self.step
-        self.keys[s.row_index, s.heads, s.position_index] = keys[:, :, 0, :]
-        self.values[s.row_index, s.heads, s.position_index] = values[:, :, 0, :]
+        self.keys[s.row_index, self.heads, s.position_index] = keys[:, :, 0, :]
+        self.values[s.row_index, self.heads, s.position_index] = values[:, :, 0, :]
         if s.compact:
             b = keys.shape[0]
             return self.keys[:b, :, : s.length, :], self.values[:b, :, : s.length, :]
@@ -80,9 +81,9 @@ class _RowView(CacheStandIn):
 class _StepArrays:
     """What every layer of one traced step shares: rows, positions, attended length, mask."""
 
-    def __init__(self, rows: mx.array, positions: mx.array, heads: mx.array, compact: bool, length: int,
+    def __init__(self, rows: mx.array, positions: mx.array, compact: bool, length: int,
                  fold: bool, split: RowSplit | None, mask_rank: int = 4) -> None:
-        self.rows, self.positions, self.heads = rows, positions, heads
+        self.rows, self.positions = rows, positions
         self.compact, self.length, self.fold = compact, length, fold
         self.split = split
         self.parts = split.parts(rows.shape[0]) if split is not None else 1
@@ -175,12 +176,14 @@ class CompiledDecode:
         self.traces = TraceCache(self._forward, MAX_TRACES)
 
     @classmethod
-    def with_exact_folding(cls, model: nn.Module, layout: CacheLayout, row_cache: RowCache, shape: AttentionShape,
-                           length_bucket: int, max_context: int, aux_pool: AuxPool | None,
-                           attention_streams: int = 1) -> CompiledDecode:
-        """The compiled decode, attention heads folded where that is bit-exact on this machine."""
+    def with_exact_folding(cls, model: nn.Module, layout: CacheLayout, row_cache: RowCache, length_bucket: int,
+                           max_context: int, aux_pool: AuxPool | None, attention_streams: int = 1) -> CompiledDecode:
+        """The compiled decode, attention heads folded where that is bit-exact on this machine
+        for every layer shape of one width (``decode_attend`` folds only those)."""
         lengths = bucket_lengths(length_bucket, max_context)
-        fold = shape.same_widths and folded_attention_is_exact(shape.n_heads, shape.n_kv_heads, shape.head_dim, layout.kv_dtype, lengths)
+        shapes = [s for s in dict.fromkeys(layout.kv_shapes) if s.same_widths]
+        fold = bool(shapes) and all(folded_attention_is_exact(s.n_heads, s.n_kv_heads, s.head_dim, layout.kv_dtype,
+                                                              lengths) for s in shapes)
         return cls(model, layout, row_cache, length_bucket, max_context, fold_heads=fold, aux_pool=aux_pool,
                    attention_streams=attention_streams)
 
@@ -197,9 +200,8 @@ class CompiledDecode:
     def _forward(self, tokens: mx.array, rows: mx.array, positions: mx.array, keys: list[mx.array],
                  values: list[mx.array], compact: bool, length: int, aux_slots: mx.array | None = None,
                  aux_states: list[list[mx.array]] | None = None):
-        step = _StepArrays(rows, positions, self.row_cache.heads, compact, length, self.fold_heads, self.split,
-                           self.mask_rank)
-        views = [_RowView(k, v, step, w) for k, v, w in zip(keys, values, self.windows)]
+        step = _StepArrays(rows, positions, compact, length, self.fold_heads, self.split, self.mask_rank)
+        views = [_RowView(k, v, h, step, w) for k, v, h, w in zip(keys, values, self.row_cache.heads, self.windows)]
         # A hybrid model's per-row states come from the traced aux-pool arrays and go back there.
         aux_pool = AuxPool(aux_states) if aux_states is not None else None
         aux = aux_pool.caches(aux_slots) if aux_pool is not None else []

@@ -10,37 +10,44 @@ head_dim), so a decode batch whose rows are exactly ``0..B-1`` attends to a slic
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from runtime.worker.model.discovery import AttentionShape
-from runtime.worker.pools.kv_pool import KVPool
+from runtime.worker.pools.kv_pool import KVPool, layer_shapes
 
 MAX_BYTES = 2 * 2**30
 
 
 class RowCache:
-    """``keys[i]``/``values[i]``: (rows, n_kv_heads, max_context, width) for KV layer i (keys and
-    values of their own widths, see ``AttentionShape``).
+    """``keys[i]``/``values[i]``: (rows, n_kv_heads, max_context, width) for KV layer i, at that
+    layer's own shape (``KVPool``'s per-layer shapes; keys and values of their own widths, see
+    ``AttentionShape``); ``heads[i]``: (1, n_kv_heads) head indices of layer i, one array per
+    distinct head count.
 
     A row's positions past its current length hold stale data; decode masks them out.
     """
 
     SCRATCH = 1  # positions past max_context: where a decode step's padding rows write (never attended)
 
-    def __init__(self, num_layers: int, rows: int, max_context: int, shape: AttentionShape, dtype: mx.Dtype) -> None:
+    def __init__(self, num_layers: int, rows: int, max_context: int,
+                 shape: AttentionShape | Sequence[AttentionShape], dtype: mx.Dtype) -> None:
         self.rows, self.max_context = rows, max_context
-        dims = (rows, shape.n_kv_heads, max_context + self.SCRATCH)
-        self.keys = [mx.zeros(dims + (shape.head_dim,), dtype=dtype) for _ in range(num_layers)]
-        self.values = [mx.zeros(dims + (shape.value_width,), dtype=dtype) for _ in range(num_layers)]
-        self.heads = mx.arange(shape.n_kv_heads)[None, :]
-        mx.eval(self.keys, self.values)
+        shapes = layer_shapes(num_layers, shape)
+        dims = [(rows, s.n_kv_heads, max_context + self.SCRATCH) for s in shapes]
+        self.keys = [mx.zeros(d + (s.head_dim,), dtype=dtype) for d, s in zip(dims, shapes)]
+        self.values = [mx.zeros(d + (s.value_width,), dtype=dtype) for d, s in zip(dims, shapes)]
+        by_count = {n: mx.arange(n)[None, :] for n in sorted({s.n_kv_heads for s in shapes})}
+        self.heads = [by_count[s.n_kv_heads] for s in shapes]
+        mx.eval(self.keys, self.values, self.heads)
 
     @staticmethod
-    def nbytes_for(num_layers: int, rows: int, max_context: int, shape: AttentionShape, dtype: mx.Dtype) -> int:
+    def nbytes_for(num_layers: int, rows: int, max_context: int, shape: AttentionShape | Sequence[AttentionShape],
+                   dtype: mx.Dtype) -> int:
         positions = max_context + RowCache.SCRATCH
-        return num_layers * rows * positions * shape.n_kv_heads * (shape.head_dim + shape.value_width) * dtype.size
+        return rows * positions * KVPool.bytes_per_slot(num_layers, shape, dtype)
 
     def arrays(self) -> list[mx.array]:
         return self.keys + self.values
@@ -49,7 +56,8 @@ class RowCache:
         """Copy the K/V at (``rows[i]``, ``positions[i]``) into pool slot ``slots[i]``."""
         r, p = rows[:, None], positions[:, None]
         for layer in range(len(self.keys)):
-            pool.write(layer, slots, self.keys[layer][r, self.heads, p], self.values[layer][r, self.heads, p])
+            heads = self.heads[layer]
+            pool.write(layer, slots, self.keys[layer][r, heads, p], self.values[layer][r, heads, p])
 
     def fill_prefix(self, pool: KVPool, row: int, slots: mx.array) -> None:
         """Copy a cached prefix's K/V (pool ``slots``, positions 0..) into ``row``."""
@@ -110,8 +118,8 @@ class RowSpan:
             c.keys[layer][:b, :, pos : pos + 1, :] = keys
             c.values[layer][:b, :, pos : pos + 1, :] = values
         else:
-            c.keys[layer][self._r, c.heads, self._p] = keys[:, :, 0, :]
-            c.values[layer][self._r, c.heads, self._p] = values[:, :, 0, :]
+            c.keys[layer][self._r, c.heads[layer], self._p] = keys[:, :, 0, :]
+            c.values[layer][self._r, c.heads[layer], self._p] = values[:, :, 0, :]
         if self.compact:
             return c.keys[layer][:b, :, : self.length, :], c.values[layer][:b, :, : self.length, :]
         return c.keys[layer][:, :, : self.length, :][self.rows_array], c.values[layer][:, :, : self.length, :][self.rows_array]
