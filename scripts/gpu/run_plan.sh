@@ -68,6 +68,10 @@ for item in "$@"; do
                                           python3 scripts/kernel_bench.py --rows 1,8 --context 32768 --calls 20 --scatter &&
                                           python3 scripts/kernel_bench.py --rows 1,64 --context 2048 --calls 20 &&
                                           python3 scripts/kernel_bench.py --rows 1 --context 32768 --calls 20 --sweep 8,16,32,64,128x4,8,16" ;;
+    kernel-scale)  # one row: does the kernel's time grow with the context from a fixed cost, or per position?
+                   # and does a big pool with scattered slots cost more (the service's pool, not the bench's)?
+      run "$item" 150 bash -c "for c in 8192 16384 32768 65536 131072; do python3 scripts/kernel_bench.py --rows 1 --context \$c --calls 20; done &&
+                               python3 scripts/kernel_bench.py --rows 1 --context 32768 --slots 1048576 --scatter --calls 20" ;;
     kernel-regs)  # the split kernels' loop and register cap, one row x 32k (the base, the worker's own, first)
       run "$item" 200 bash -c "for v in mma_ahead:0 mma:0 mma:168 mma:128 mma_ahead:168 mma:96; do
                                  python3 scripts/kernel_bench.py --loop \${v%:*} --split-registers \${v#*:} --rows 1,1,8 --context 32768 --calls 30; done" ;;
@@ -104,7 +108,7 @@ for item in "$@"; do
     1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item$tag.json" ;;
     1b-first) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads first --pairs 3 --json "$OUT/$item$tag.json" ;;
     pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py ;;
-    *) echo "== $item: unknown (tail-xN kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
+    *) echo "== $item: unknown (tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then
