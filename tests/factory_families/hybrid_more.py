@@ -404,8 +404,8 @@ REFUSED = {
     # mlx-lm's prefill mask spans window + 1 while its RotatingKVCache keeps (and decode sees)
     # the window: the runtime windows both by the cache, so one of them would differ.
     "plamo3": "sliding-window mask spans 9 positions in prefill, but its cache keeps 8",
-    # The KV-reuse layers read the last cached layer's K/V back through keys_and_values(),
-    # which the runtime's caches do not offer; so do Gemma 3n's KV-shared layers.
-    "afm7": "reads `keys_and_values` from its KV cache",
-    "gemma3n": "reads `keys_and_values` from its KV cache",
+    # The KV-reuse layers rotate their queries by keys.shape[2] - L, the length of the K/V they
+    # read back: one host number for every row, where batched decode attends to K/V padded to a
+    # common (bucketed) length with rows at their own positions.
+    "afm7": "gives RoPE one position for rows at different positions",
 }

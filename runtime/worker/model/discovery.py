@@ -79,8 +79,9 @@ class CacheLayout:
     # paths whose cache returns every position's K/V (``AttentionPaths``).
     routed: bool = True
     # Some layer attends to K/V another layer's cache returned, with no cache entry of its own
-    # (Gemma 4's KV-shared layers, handed them through the forward): its attention call never
-    # reaches a cache, so only paths whose cache returns every position's K/V serve it.
+    # (Gemma 4's KV-shared layers, handed them through the forward; Gemma 3n's, reading them back
+    # through the other layer's cache with ``keys_and_values()``): only paths whose cache returns
+    # every position's K/V serve it.
     shares_kv: bool = False
     groups: EntryGroups = EntryGroups()
 

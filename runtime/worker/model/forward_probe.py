@@ -2,9 +2,8 @@
 offer only what the runtime's stand-ins offer, to refuse what the per-module attention probe
 cannot see.
 
-Some things only show in the model's own forward: a layer that reads another layer's K/V back
-through a cache method (the KV-shared layers of AFM and Gemma 3n call
-``cache.keys_and_values()``), and a model that asks a sliding-window layer's mask for a wider
+Some things only show in the model's own forward: a layer that needs a cache method the
+runtime's caches lack, and a model that asks a sliding-window layer's mask for a wider
 window than its ``RotatingKVCache`` keeps (PLaMo 3's prefill mask spans window + 1, its decode
 sees the cache's window): the runtime's caches window every mask by the cache, so mlx-lm's
 prefill and its decode cannot both be matched. The forward builds the graph of two tokens and
@@ -12,12 +11,15 @@ evaluates nothing; then one decode token's forward is traced under ``mx.compile`
 runtime's compiled decode step traces it: a model that reads arrays back to the host inside its
 forward (DBRX picks each token's experts through ``.tolist()``) cannot be traced so. A model
 with only KV caches also builds one decode step of two rows at different positions, as batched
-decode hands it one offset per row.
+decode hands it one offset per row: it must not fail there, nor rotate by one position for both
+rows (AFM's KV-reuse layers take their queries' position from the length of the K/V they read
+back, ``keys.shape[2] - L``, where batched decode attends to K/V padded to a common length).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,15 +30,24 @@ PROBE_TOKENS = 2
 
 class _KVStandIn:
     """A KV cache with the interface the worker's stand-ins (``paths/pool_cache.py``) offer:
-    ``offset``, ``update_and_fetch``, ``make_mask``, ``state``, ``is_trimmable``, ``empty``.
-    Records the mask windows asked of it."""
+    ``offset``, ``update_and_fetch``, ``keys_and_values`` (what ``update_and_fetch`` returned),
+    ``make_mask``, ``state``, ``is_trimmable``, ``empty``. Records the mask windows asked of it."""
 
     def __init__(self, offset: int | mx.array = 0) -> None:
         self.offset = offset
         self.asked_windows: list[int] = []
+        self.fetched: tuple[mx.array, mx.array] | None = None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.fetched = (keys, values)
         return keys, values
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        if self.fetched is None:
+            raise ForwardRefusal("a layer reads K/V back through `keys_and_values()` before any layer stored them "
+                                 "this forward; the runtime's caches return only what this forward fetched, so "
+                                 "this model is not served")
+        return self.fetched
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array | str | None:
         if window_size is not None:
@@ -63,18 +74,44 @@ class ForwardRefusal(ValueError):
     """What the forward showed that cannot be served; the message says why."""
 
 
+@contextmanager
+def _rope_offsets(offsets: list[object]) -> Iterator[None]:
+    """Record the ``offset`` of every ``mx.fast.rope`` call while inside (``nn.RoPE`` and
+    mlx-lm's scaled RoPE variants call it)."""
+    original = mx.fast.rope
+
+    def rope(*args, **kwargs):
+        offsets.append(kwargs.get("offset"))  # keyword-only in mx.fast.rope
+        return original(*args, **kwargs)
+
+    mx.fast.rope = rope
+    try:
+        yield
+    finally:
+        mx.fast.rope = original
+
+
 def _check_row_positions(model: nn.Module, entries: int, nest: Callable[[list], list]) -> None:
     """Build one decode step of two rows at positions 2 and 3 (``offset`` a (2,) array, as
     batched decode passes it to a model with only KV caches); a model that reads the offset as
-    one host number (GPTBigCode's ``np.arange``, dynamic-NTK RoPE's ``max``) fails there."""
+    one host number (GPTBigCode's ``np.arange``, dynamic-NTK RoPE's ``max``) fails there, and one
+    that rotates by a host number (AFM's KV-reuse layers: ``keys.shape[2] - L``) rotates both
+    rows by one position."""
     offset = mx.array([PROBE_TOKENS, PROBE_TOKENS + 1])
+    offsets: list[object] = []
     try:
-        model(mx.zeros((2, 1), dtype=mx.int32), cache=nest([_KVStandIn(offset) for _ in range(entries)]))
+        with _rope_offsets(offsets):
+            model(mx.zeros((2, 1), dtype=mx.int32), cache=nest([_KVStandIn(offset) for _ in range(entries)]))
     except Exception as e:  # noqa: BLE001 - whatever it raises, it cannot decode rows together
         reason = str(e).splitlines()[0] if str(e) else ""
         raise ForwardRefusal(
             f"its forward fails on rows at different positions ({type(e).__name__}: {reason}): it reads the "
             "cache offset as one number, while batched decode gives one per row; not served") from None
+    if any(not isinstance(o, mx.array) for o in offsets):
+        raise ForwardRefusal(
+            "its forward gives RoPE one position for rows at different positions (a host number, not the "
+            "cache's per-row offsets: e.g. the length of the K/V a layer reads back, which batched decode pads "
+            "to a common length); not served")
 
 
 def check_forward(model: nn.Module, caches: list, kv_entries: list[int], windows: tuple[int | None, ...],
@@ -90,9 +127,11 @@ def check_forward(model: nn.Module, caches: list, kv_entries: list[int], windows
     except AttributeError as e:
         if isinstance(getattr(e, "obj", None), _KVStandIn):
             raise ForwardRefusal(
-                f"a layer reads `{e.name}` from its KV cache (a layer sharing another layer's K/V reads "
-                "them back so); the runtime's caches do not offer it, so this model is not served") from None
+                f"a layer reads `{e.name}` from its KV cache; the runtime's caches do not offer it, so this "
+                "model is not served") from None
         return
+    except ForwardRefusal:
+        raise
     except Exception:  # noqa: BLE001 - a model that cannot run on two zero tokens alone
         return
     if len(stand_ins) == len(caches):

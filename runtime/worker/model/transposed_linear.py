@@ -19,7 +19,10 @@ import mlx.nn as nn
 
 
 class TransposedLinear(nn.Module):
-    """A bias-free linear layer over ``weight_t`` ((input, output)), a view or its own copy."""
+    """A bias-free linear layer over ``weight_t`` ((input, output)), a view or its own copy.
+
+    A model that assigns the layer's ``weight`` in its forward (Gemma 3n's AltUp casts and clips
+    its coefficient layers every call) turns it back into ``nn.Linear``'s product over that weight."""
 
     def __init__(self, weight_t: mx.array) -> None:
         super().__init__()
@@ -28,9 +31,17 @@ class TransposedLinear(nn.Module):
     @property
     def weight(self) -> mx.array:
         """The (output, input) weight ``nn.Linear`` would hold, as a view (code that reads shapes)."""
-        return self["weight_t"].T
+        return self["weight"] if "weight" in self else self["weight_t"].T
+
+    @weight.deleter
+    def weight(self) -> None:
+        # mlx's Module.__setattr__ deletes an attribute it does not hold before storing the new
+        # array under that key; the transposed copy goes with it.
+        self.pop("weight_t", None)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if "weight" in self:
+            return x @ self["weight"].T
         return x @ self["weight_t"]
 
 

@@ -41,11 +41,13 @@ class AttentionPaths:
     The paged decode (the CUDA kernel, or its gathered fallback) answers a module's attention
     call from the pool, so it is taken only where that call is what attends: every attention
     module attends through it to the K/V its cache returned (``layout.routed``), no layer
-    attends to K/V another layer's cache returned (``layout.shares_kv``: such a call reaches no
-    cache, and would see the step's new K/V alone), no layer has a sliding window, and every
-    layer has one shape (``layout.kv_shape``) with keys and values of one width. Every other
-    model (latent or windowed attention, layers of several shapes, Gemma 4's KV-shared layers)
-    takes the row cache, whose layers each have their own shape, or the pool gather.
+    attends to K/V another layer's cache returned (``layout.shares_kv``: handed through the
+    forward, such a call reaches no cache; read back with ``keys_and_values()``, it would get the
+    step's new K/V alone, all a paged view's ``update_and_fetch`` returns), no layer has a sliding
+    window, and every layer has one shape (``layout.kv_shape``) with keys and values of one
+    width. Every other model (latent or windowed attention, layers of several shapes, the
+    KV-shared layers of Gemma 4 and Gemma 3n) takes the row cache, whose layers each have their
+    own shape, or the pool gather.
 
     ``row_cache``: None picks the row cache where the kernel does not apply and it fits in
     ``MAX_BYTES``; True forces it, False forbids it. ``hybrid`` models keep writing the

@@ -79,7 +79,17 @@ class ForwardBatch:
 
 
 class CacheStandIn:
-    """What mlx-lm asks of any layer cache beyond K/V (prompt-cache bookkeeping): nothing here."""
+    """What mlx-lm asks of any layer cache beyond storing K/V: prompt-cache bookkeeping (nothing
+    here), and ``keys_and_values()``, the K/V this forward's ``update_and_fetch`` returned (every
+    position the layer attends to), which a layer reading another layer's K/V back through its
+    cache calls after that layer stored them (Gemma 3n's KV-shared layers). A view that returns
+    only the step's new K/V (the paged decode) leaves ``fetched`` unset: reading it fails there."""
+
+    fetched: tuple[mx.array, mx.array] | None = None
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        assert self.fetched is not None, "keys_and_values() of a cache that returned no full K/V this forward"
+        return self.fetched
 
     @property
     def state(self):
@@ -108,6 +118,12 @@ class PoolLayerCache(CacheStandIn):
         return self.batch.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        fetched = self._store(keys, values)
+        # A paged decode returns the step's new K/V alone: nothing a later reader may take as all.
+        self.fetched = None if self.paged or self.batch.tail is not None else fetched
+        return fetched
+
+    def _store(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b, h, length, _ = keys.shape
         self.new = (keys, values)  # paged_attend's kernel reads this step's K/V from here
         if self.batch.tail is not None:

@@ -52,8 +52,10 @@ class _RowView(CacheStandIn):
         self.values[s.row_index, self.heads, s.position_index] = values[:, :, 0, :]
         if s.compact:
             b = keys.shape[0]
-            return self.keys[:b, :, : s.length, :], self.values[:b, :, : s.length, :]
-        return self.keys[s.rows, :, : s.length, :], self.values[s.rows, :, : s.length, :]
+            self.fetched = self.keys[:b, :, : s.length, :], self.values[:b, :, : s.length, :]
+        else:
+            self.fetched = self.keys[s.rows, :, : s.length, :], self.values[s.rows, :, : s.length, :]
+        return self.fetched
 
     @property
     def attends_decode(self) -> bool:
