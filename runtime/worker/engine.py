@@ -79,6 +79,9 @@ class Engine:
         self.max_context = max_context
         self.paths = AttentionPaths(model, layout, pool, max_rows, max_context, row_cache, aux_pool is not None,
                                     self.LENGTH_BUCKET)
+        # The one place a model's forward is kept uncompiled: one that cannot be traced (it reads
+        # arrays back mid-forward) gets no compiled decode, hence no fused prefill + decode step.
+        compile_decode = compile_decode and layout.traceable
         self.compiled: CompiledDecode | None = None
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
         # CPU only: on Metal the row-cache path is not yet measured or checked token-exact compiled.

@@ -94,6 +94,9 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
               f" ({load_started - begun:.1f} s of imports and device set-up before: imports"
               f" {imported - begun:.1f} s, device set-up {load_started - imported:.1f} s)", flush=True)
         layout = loaded.layout
+        if not layout.traceable:
+            print("runtime worker: this model's forward reads arrays back mid-forward (mx.compile cannot trace "
+                  "it); decode runs uncompiled", flush=True)
         if loaded.fused_groups:
             print(f"runtime worker: fused {loaded.fused_groups} projection groups; {stacked_line(loaded.stacked_rows)}",
                   flush=True)

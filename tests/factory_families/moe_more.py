@@ -385,9 +385,6 @@ NESTED = {"qwen3_5_moe"}
 QK_WEIGHTS = ("Wqkv.weight",)  # DBRX's fused projection
 # Refused at load (a clear refusal is allowed, a wrong token is not):
 REFUSED = {
-    # Its experts run one token at a time, picked through `inds.tolist()`: the forward cannot
-    # be traced by mx.compile, which the runtime's decode step needs.
-    "dbrx": "forward cannot be traced by mx.compile",
     # Two attention blocks per layer, each with its own KV cache (CacheList of two).
     "longcat_flash": "CacheList of several KV caches",
     # The lightning indexer caches its own keys beside the latent (CacheList of two).

@@ -83,6 +83,10 @@ class CacheLayout:
     # through the other layer's cache with ``keys_and_values()``): only paths whose cache returns
     # every position's K/V serve it.
     shares_kv: bool = False
+    # One decode token's forward traces under mx.compile (``forward_probe``). False for a model
+    # that reads arrays back mid-forward (DBRX's ``.tolist()`` expert choice): the engine then
+    # compiles none of its forward, every step runs eager.
+    traceable: bool = True
     groups: EntryGroups = EntryGroups()
 
     def flatten(self, caches: list) -> list:
@@ -352,8 +356,8 @@ def discover(model: nn.Module) -> CacheLayout:
     if len(known) > 1:
         raise UnsupportedModel(f"attention layers group their queries differently (score ranks {sorted(known)})")
     try:
-        check_forward(model, caches if caches is not None else [None] * len(kinds), attention, windows,
-                      groups.nest)
+        traceable = check_forward(model, caches if caches is not None else [None] * len(kinds), attention,
+                                  windows, groups.nest)
     except ForwardRefusal as e:
         raise UnsupportedModel(str(e)) from None
     fresh = groups.flatten(model.make_cache()) if caches is not None else [KVCache() for _ in kinds]
@@ -369,5 +373,6 @@ def discover(model: nn.Module) -> CacheLayout:
         windows=windows,
         routed=all(owners[i][1].probe.routed for i in attention),
         shares_kv=bool(attention) and shares_kv(model, layers, fresh, attention, groups.nest),
+        traceable=traceable,
         groups=groups,
     )

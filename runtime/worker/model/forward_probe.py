@@ -9,7 +9,8 @@ sees the cache's window): the runtime's caches window every mask by the cache, s
 prefill and its decode cannot both be matched. The forward builds the graph of two tokens and
 evaluates nothing; then one decode token's forward is traced under ``mx.compile``, as the
 runtime's compiled decode step traces it: a model that reads arrays back to the host inside its
-forward (DBRX picks each token's experts through ``.tolist()``) cannot be traced so. A model
+forward (DBRX picks each token's experts through ``.tolist()``) cannot be traced so, and is
+served with every compiled path off (``CacheLayout.traceable``). A model
 with only KV caches also builds one decode step of two rows at different positions, as batched
 decode hands it one offset per row: it must not fail there, nor rotate by one position for both
 rows (AFM's KV-reuse layers take their queries' position from the length of the K/V they read
@@ -115,11 +116,13 @@ def _check_row_positions(model: nn.Module, entries: int, nest: Callable[[list], 
 
 
 def check_forward(model: nn.Module, caches: list, kv_entries: list[int], windows: tuple[int | None, ...],
-                  nest: Callable[[list], list]) -> None:
+                  nest: Callable[[list], list]) -> bool:
     """Run ``model`` on two tokens with a ``_KVStandIn`` for each flat KV entry (``caches``: the
     model's fresh flat cache list, ``nest`` its ``CacheLayout.nest``); raise ``ForwardRefusal``
     where a layer needs a cache method the runtime lacks, a mask is wider than its cache's
-    window or rows at different positions cannot decode together. A forward that fails otherwise (a model that cannot run so) is left to the probes."""
+    window or rows at different positions cannot decode together. A forward that fails otherwise
+    (a model that cannot run so) is left to the probes. Returns whether one decode token's
+    forward traces under ``mx.compile`` (True where the forward could not run here)."""
     stand_ins = {i: _KVStandIn() for i in kv_entries}
     flat = [stand_ins.get(i, cache) for i, cache in enumerate(caches)]
     try:
@@ -129,11 +132,11 @@ def check_forward(model: nn.Module, caches: list, kv_entries: list[int], windows
             raise ForwardRefusal(
                 f"a layer reads `{e.name}` from its KV cache; the runtime's caches do not offer it, so this "
                 "model is not served") from None
-        return
+        return True
     except ForwardRefusal:
         raise
     except Exception:  # noqa: BLE001 - a model that cannot run on two zero tokens alone
-        return
+        return True
     if len(stand_ins) == len(caches):
         _check_row_positions(model, len(caches), nest)
     for i, stand_in in stand_ins.items():
@@ -143,20 +146,18 @@ def check_forward(model: nn.Module, caches: list, kv_entries: list[int], windows
             raise ForwardRefusal(
                 f"its sliding-window mask spans {wider[0]} positions in prefill, but its cache keeps {window} "
                 "(mlx-lm's prefill and decode attend to different windows); not served")
-    _check_compiles(model, [_KVStandIn() if i in stand_ins else cache for i, cache in enumerate(flat)], nest)
+    return traces(model, [_KVStandIn() if i in stand_ins else cache for i, cache in enumerate(flat)], nest)
 
 
-def _check_compiles(model: nn.Module, flat: list, nest: Callable[[list], list]) -> None:
-    """Trace (not run) one decode token's forward under ``mx.compile``; a model whose plain forward
-    runs but whose traced one fails (it evaluates arrays mid-forward) cannot decode compiled."""
+def traces(model: nn.Module, flat: list, nest: Callable[[list], list]) -> bool:
+    """Trace (not run) one decode token's forward under ``mx.compile``: False where the plain
+    forward runs but the traced one fails (it evaluates arrays mid-forward, e.g. ``.tolist()`` to
+    pick experts), so the model decodes uncompiled."""
     def step(tokens: mx.array) -> mx.array:
         return model(tokens, cache=nest(flat))
 
     try:
         mx.compile(step)(mx.zeros((1, 1), dtype=mx.int32))
-    except Exception as e:  # noqa: BLE001 - whatever stops the trace refuses the model
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ForwardRefusal(
-            f"its forward cannot be traced by mx.compile ({reason}); it reads arrays back mid-forward "
-            "(e.g. `.tolist()` to pick experts), and the runtime decodes through a compiled step, so "
-            "this model is not served") from None
+    except Exception:  # noqa: BLE001 - whatever stops the trace keeps the forward uncompiled
+        return False
+    return True
