@@ -115,7 +115,7 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
     slow_blas = not on_gpu and reference_blas()
     # Not on a sharded model: its projections are sharded layers the fusion does not know.
     if group is None and fusion_wanted(config.worker.fuse_projections, on_gpu,
-                                       config.worker.compile_decode and not layout.has_aux,
+                                       config.worker.compile_decode and layout.traceable and not layout.has_aux,
                                        reference_blas=slow_blas):
         # From the lazily loaded weights: each group's parts are read, stacked and freed before
         # the next group's are read, so the freed buffers are reused instead of staying
