@@ -13,6 +13,7 @@ from runtime.config import Config
 from runtime.worker import defaults
 from runtime.worker.cpu_blas import reference_blas
 from runtime.worker.model.discovery import CacheLayout, UnsupportedModel, discover
+from runtime.worker.model.fixed_ntk_rope import fix_dynamic_ntk_rope
 from runtime.worker.model.flat_quantized import flatten_quantized
 from runtime.worker.model.fused_projections import (
     fuse_projections,
@@ -106,6 +107,12 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
         from runtime.worker.ranks import shard_model
 
         shard_model(model, str(model_config.get("model_type", "unknown")), group)
+    # Dynamic-NTK RoPE is served as a fixed base, exact only below its trained context.
+    rope_limit = fix_dynamic_ntk_rope(model)
+    if rope_limit is not None and config.scheduler.max_context > rope_limit:
+        raise ValueError(f"scheduler.max_context {config.scheduler.max_context} exceeds this model's "
+                         f"dynamic-NTK RoPE limit of {rope_limit} positions (max_position_embeddings); "
+                         f"set it to {rope_limit} or less")
     layout = discover(model)
     if not layout.attention_layers and not layout.has_aux:
         raise UnsupportedModel("model has neither attention layers nor recurrent-state layers")
@@ -127,6 +134,8 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
     aux_templates = AuxPool.probe(model, layout) if layout.has_aux else None
     text_config = model_config.get("text_config", model_config)
     model_context = int(text_config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT)
+    if rope_limit is not None:
+        model_context = min(model_context, rope_limit)
     # Each layer's K/V at its own shape (Gemma 4's global layers are wider than its sliding ones).
     per_slot = KVPool.bytes_per_slot(len(layout.attention_layers), layout.kv_shapes, layout.kv_dtype)
     limits = defaults.choose(config, device(), model_context, per_slot)

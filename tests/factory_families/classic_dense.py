@@ -298,10 +298,6 @@ NESTED = {"gemma3", "mistral3", "llama4"}
 REFUSED = {
     # Positions through np.arange(cache.offset, ...): batched decode's per-row offsets cannot.
     "gpt_bigcode": "fails on rows at different positions",
-    # Dynamic-NTK RoPE picks its base from max(length + offset, max positions): one base per
-    # step, not per row.
-    "internlm2": "fails on rows at different positions",
-    "internlm3": "fails on rows at different positions",
     # Chunked attention (ChunkedKVCache) on its RoPE layers.
     "llama4": "ChunkedKVCache: chunked attention is not served",
 }
