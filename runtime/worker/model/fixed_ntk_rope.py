@@ -10,26 +10,18 @@ constant base; ``FixedBaseRoPE`` rotates with that base, computed by mlx-lm's ow
 
 from __future__ import annotations
 
-import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import internlm3, rope_utils
 
 
-class FixedBaseRoPE(nn.Module):
-    """``mx.fast.rope`` with one base and scale, exact for positions below ``max_position_embeddings``."""
+class FixedBaseRoPE(nn.RoPE):
+    """MLX's ``nn.RoPE`` with one base and scale, and the context it is exact for: positions below
+    ``max_position_embeddings``."""
 
     def __init__(self, dims: int, traditional: bool, base: float, scale: float,
                  max_position_embeddings: int) -> None:
-        super().__init__()
-        self.dims = dims
-        self.traditional = traditional
-        self.base = base
-        self.scale = scale
+        super().__init__(dims, traditional=traditional, base=base, scale=scale)
         self.max_position_embeddings = max_position_embeddings
-
-    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base,
-                            scale=self.scale, offset=offset)
 
 
 def _fixed(rope: nn.Module, owner: nn.Module) -> FixedBaseRoPE | None:
