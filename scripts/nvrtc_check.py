@@ -37,7 +37,8 @@ from runtime.worker.paths.cuda.kernel_launch import (  # noqa: E402
     warps_for,
 )
 
-_INT_INPUTS = {"table", "rows", "lengths", "tail_len"}
+_INT_INPUTS = {"table", "rows", "lengths", "tail_len", "positions"}
+_FLOAT_INPUTS = {"scale", "rope_consts", "rope_freqs"}
 SASS_KINDS = ("LDG", "LDS", "STS", "LDSM", "HMMA", "SHFL", "PRMT", "FFMA", "FMUL", "FADD", "MUFU", "F2F", "BRA")
 _DEFAULT_HEADER = '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
 # Without MLX's device headers (``--stub``, the CI test): the two things of theirs the kernels use.
@@ -55,14 +56,16 @@ struct Shape {
 
 
 def kernel_source(name: str, appending: bool, split: bool, loop: str, d: int, n_rep: int, n_kv: int,
-                  warps: int, header: str = _DEFAULT_HEADER, registers: int = 0) -> str:
-    """The full translation unit MLX's ``cuda_kernel`` makes of the decode kernel's source."""
-    body = pk.body(appending, loop) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
-    inputs = pk.APPEND_INPUTS if appending else pk.INPUTS
+                  warps: int, header: str = _DEFAULT_HEADER, registers: int = 0,
+                  rope: tuple[int, int, bool] | None = None) -> str:
+    """The full translation unit MLX's ``cuda_kernel`` makes of the decode kernel's source;
+    ``rope`` (mode, dims, traditional): the appending kernel that rotates."""
+    body = pk.body(appending, loop, rope is not None) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
+    inputs = pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS
     outputs = (["part_acc", "part_m", "part_l"] if split else ["out"]) + (pk.APPEND_OUTPUTS if appending else [])
     params = []
     for arg in inputs:
-        kind = "int" if arg in _INT_INPUTS else "float" if arg == "scale" else "__nv_bfloat16"
+        kind = "int" if arg in _INT_INPUTS else "float" if arg in _FLOAT_INPUTS else "__nv_bfloat16"
         params.append(f"    const {kind}* {arg}")
         if re.search(rf"\b{arg}_shape\b", body):
             params.append(f"    const __grid_constant__ Shape {arg}_shape")
@@ -70,6 +73,9 @@ def kernel_source(name: str, appending: bool, split: bool, loop: str, d: int, n_
     constants = (f"  using T = __nv_bfloat16;\n  constexpr int D = {d};\n  constexpr int NREP = {n_rep};\n"
                  f"  constexpr int HKV = {n_kv};\n  constexpr int NWARPS = {warps};\n  constexpr int UNROLL = 1;\n"
                  f"  constexpr int GL = {lanes_per_position(d)};\n")
+    if rope is not None:
+        constants += (f"  constexpr int ROPE = {rope[0]};\n  constexpr int ROPE_DIMS = {rope[1]};\n"
+                      f"  constexpr bool ROPE_TRAD = {str(rope[2]).lower()};\n")
     return (header + pk.register_cap(registers) + pk.HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             f"__global__ void {name}(\n" + ",\n".join(params) + ") {\n" + constants + "\n" + body
             + "\n}\n\n} // namespace mlx::core::cu\n")

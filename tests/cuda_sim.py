@@ -48,6 +48,7 @@ using std::min;
 #define __device__
 #define __global__
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
@@ -166,7 +167,8 @@ void launch(int blocks, int threads, F kernel) {
 }
 """
 
-_INT_INPUTS = {"table", "rows", "lengths", "tail_len"}
+_INT_INPUTS = {"table", "rows", "lengths", "tail_len", "positions"}
+_FLOAT_INPUTS = {"scale", "rope_consts", "rope_freqs"}
 
 
 def unavailable() -> str | None:
@@ -185,21 +187,25 @@ def unavailable() -> str | None:
 
 
 def _input_type(name: str, elem: str) -> str:
-    return "int" if name in _INT_INPUTS else "float" if name == "scale" else elem
+    return "int" if name in _INT_INPUTS else "float" if name in _FLOAT_INPUTS else elem
 
 
 def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n_rep: int, n_kv: int,
-            warps: int, unroll: int, edit: Callable[[str], str] | None = None) -> str:
+            warps: int, unroll: int, edit: Callable[[str], str] | None = None,
+            rope: tuple[int, int, bool] | None = None) -> str:
     """A C++ program running one decode step (inputs on stdin, outputs as float32 on stdout);
-    ``edit`` rewrites the decode kernel's body first."""
-    inputs = pk.APPEND_INPUTS if appending else pk.INPUTS
+    ``edit`` rewrites the decode kernel's body first; ``rope`` (mode, dims, traditional): the
+    kernel that rotates the queries and new keys."""
+    inputs = pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS
     outputs = (["part_acc", "part_m", "part_l"] if split else ["out"]) + (pk.APPEND_OUTPUTS if appending else [])
     params = [f"const {_input_type(name, 'T')}* {name}" for name in inputs]
     params += ["const int* queries_shape", "const int* table_shape", "const int* tail_keys_shape"]
     params += [f"{'float' if name.startswith('part') else 'T'}* {name}" for name in outputs]
-    source = pk.body(appending, loop) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
+    source = pk.body(appending, loop, rope is not None) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
     if edit is not None:
         source = edit(source)
+    if rope is not None:
+        source = f"constexpr int ROPE = {rope[0]}, ROPE_DIMS = {rope[1]};\nconstexpr bool ROPE_TRAD = {str(rope[2]).lower()};\n" + source
     decode = (f"template <typename T, int D, int NREP, int HKV, int NWARPS, int UNROLL, int GL>\n"
               f"void decode({', '.join(params)}) {{\n{source}\n}}\n")
     combine = ("template <typename T, int D, int NREP>\nvoid combine(const float* part_acc, const float* part_m,"
@@ -266,14 +272,18 @@ def _from_bf16(bits: np.ndarray) -> np.ndarray:
 def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "float", head_dim: int = 128,
                      n_rep: int = 2, n_kv: int = 2, warps: int = 4, unroll: int = 1, rows: int = 2,
                      context: int = 70, tail: int = 3, capacity: int = 6, seed: int = 0,
-                     edit: Callable[[str], str] | None = None, full: bool = False) -> tuple[float, bool]:
+                     edit: Callable[[str], str] | None = None, full: bool = False,
+                     rope: tuple[int, int, bool] | None = None) -> tuple[float, bool]:
     """One simulated decode step of ``rows`` rows, each with up to ``context`` pool positions
     (``tail`` more in a tail of ``capacity``; appending: ``tail - 1`` old ones and the new
     K/V): the largest absolute difference from the reference, and whether the appended tail
     (``keys_out``/``values_out[:, :, :tail]``) is exactly old tail + new row (True when not
     appending). ``dtype`` is the K/V and query type, ``"float"`` or ``"bf16"``; ``full``: every
-    row has all ``context`` pool positions (no row shorter, so every split holds some)."""
-    assert dtype in ("float", "bf16") and 1 <= tail <= capacity
+    row has all ``context`` pool positions (no row shorter, so every split holds some);
+    ``rope`` (mode 1 base or 2 frequencies, dims, traditional): the kernel rotates the queries
+    and new keys (each row at a random position), against a float64 rotation (the appended
+    new row then within a bf16 rounding of it, not exact)."""
+    assert dtype in ("float", "bf16") and 1 <= tail <= capacity and (appending or rope is None)
     rng = np.random.default_rng(seed)
     cast = (lambda x: _from_bf16(_bf16(x))) if dtype == "bf16" else (lambda x: x.astype(np.float32))
     n_q, slots = n_kv * n_rep, rows * context + 5
@@ -290,8 +300,16 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
         table[order[b], : n_pool[b]] = rng.choice(np.arange(1, slots), n_pool[b], replace=False)
     tail_k, tail_v = normal(rows, n_kv, capacity, head_dim), normal(rows, n_kv, capacity, head_dim)
     new_k, new_v = normal(rows, n_kv, 1, head_dim), normal(rows, n_kv, 1, head_dim)
+    positions = rng.integers(0, 5000, rows).astype(np.int32)
+    consts = np.array([0.5, np.log2(10000.0)], np.float32)
+    freqs = (1.0 + 100.0 * rng.random(head_dim)).astype(np.float32)
+    if rope is not None:  # what the kernel attends with: rotated queries and new keys
+        queries_used = cast(_rotated(queries, positions, consts, freqs, *rope))
+        new_k_used = cast(_rotated(new_k, positions, consts, freqs, *rope))
+    else:
+        queries_used, new_k_used = queries, new_k
     if appending:  # the step's tail: old tail[:tail - 1] and the new row
-        step_k = np.concatenate([tail_k[:, :, : tail - 1], new_k], axis=2)
+        step_k = np.concatenate([tail_k[:, :, : tail - 1], new_k_used], axis=2)
         step_v = np.concatenate([tail_v[:, :, : tail - 1], new_v], axis=2)
     else:
         step_k, step_v = tail_k[:, :, :tail], tail_v[:, :, :tail]
@@ -299,11 +317,12 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
     arrays = {"queries": queries, "keys": keys, "values": values, "table": table, "rows": order,
               "lengths": (n_pool + tail).astype(np.int32), "tail_keys": tail_k, "tail_values": tail_v,
               "tail_len": np.array([tail - 1 if appending else tail], np.int32), "new_keys": new_k,
-              "new_values": new_v, "scale": np.array([scale], np.float32)}
+              "new_values": new_v, "scale": np.array([scale], np.float32), "positions": positions,
+              "rope_consts": consts, "rope_freqs": freqs}
 
-    source = program(appending, splits > 1, loop, dtype, head_dim, n_rep, n_kv, warps, unroll, edit)
+    source = program(appending, splits > 1, loop, dtype, head_dim, n_rep, n_kv, warps, unroll, edit, rope)
     stdin = [np.array([rows, rows + 1, table.shape[1], capacity, splits], np.int32).tobytes()]
-    for name in pk.APPEND_INPUTS if appending else pk.INPUTS:
+    for name in pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS:
         a = arrays[name]
         data = _bf16(a) if _input_type(name, dtype) == "bf16" else a
         stdin += [np.array([a.size], np.int64).tobytes(), np.ascontiguousarray(data).tobytes()]
@@ -318,12 +337,35 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
         for h in range(n_kv):
             k = np.concatenate([keys[slot_ids, h], step_k[b, h]]).astype(np.float64)
             v = np.concatenate([values[slot_ids, h], step_v[b, h]]).astype(np.float64)
-            scores = queries[b, h * n_rep : (h + 1) * n_rep, 0].astype(np.float64) @ k.T * scale
+            scores = queries_used[b, h * n_rep : (h + 1) * n_rep, 0].astype(np.float64) @ k.T * scale
             p = np.exp(scores - scores.max(axis=1, keepdims=True))
             expected[b, h * n_rep : (h + 1) * n_rep] = (p / p.sum(axis=1, keepdims=True)) @ v
     tail_exact = True
     if appending:
         keys_out, values_out = result[queries.size :].reshape(2, rows, n_kv, capacity, head_dim)
-        tail_exact = bool(np.array_equal(keys_out[:, :, :tail], step_k)
+        tail_exact = bool(np.array_equal(keys_out[:, :, : tail - 1], step_k[:, :, : tail - 1])
                           and np.array_equal(values_out[:, :, :tail], step_v))
+        new_row = keys_out[:, :, tail - 1]
+        if rope is None:
+            tail_exact = tail_exact and bool(np.array_equal(new_row, step_k[:, :, tail - 1]))
+        else:  # the sim's cosf / sinf are glibc's, the reference's numpy's: a rounding apart at most
+            tail_exact = tail_exact and bool(np.allclose(new_row, step_k[:, :, tail - 1], rtol=1e-2, atol=1e-2))
     return float(np.abs(out - expected).max()), tail_exact
+
+
+def _rotated(x: np.ndarray, positions: np.ndarray, consts: np.ndarray, freqs: np.ndarray, mode: int, dims: int,
+             traditional: bool) -> np.ndarray:
+    """``x`` (rows, heads, 1, D) rotated as mx.fast.rope does, row b at ``positions[b]``, in float64."""
+    half = dims // 2
+    j = np.arange(half)
+    inv = 1.0 / freqs[:half].astype(np.float64) if mode == 2 else 2.0 ** (-(j / half) * float(consts[1]))
+    theta = float(consts[0]) * positions.astype(np.float64)[:, None, None, None] * inv
+    c, s = np.cos(theta), np.sin(theta)
+    out = x.astype(np.float64).copy()
+    if traditional:
+        x1, x2 = out[..., 0:dims:2].copy(), out[..., 1:dims:2].copy()
+        out[..., 0:dims:2], out[..., 1:dims:2] = x1 * c - x2 * s, x1 * s + x2 * c
+    else:
+        x1, x2 = out[..., :half].copy(), out[..., half:dims].copy()
+        out[..., :half], out[..., half:dims] = x1 * c - x2 * s, x1 * s + x2 * c
+    return out.astype(np.float32)

@@ -84,13 +84,17 @@ def _table_reference(self, queries, keys_pool, values_pool, table, table_rows, l
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask[:, None, None, :])
 
 
-def _append_reference(self, inputs, scale, launch):
+def _append_reference(self, inputs, scale, launch, rope=None):
     """What the appending CUDA kernel computes: the tail with the step's K/V written after its
-    ``tail_len[0]`` positions (same capacity), and the attention over the pool and that tail."""
+    ``tail_len[0]`` positions (same capacity), and the attention over the pool and that tail;
+    with ``rope`` (spec, positions), the queries and new keys rotated first, as ``mx.fast.rope``."""
     import mlx.core as mx
 
     (queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values, tail_len, new_keys,
      new_values) = inputs
+    if rope is not None:
+        spec, positions = rope
+        queries, new_keys = spec.rotate(queries, positions), spec.rotate(new_keys, positions)
     capacity = tail_keys.shape[2]
     at = (mx.arange(capacity) == tail_len)[None, None, :, None]
     keys = mx.where(at, new_keys, tail_keys)
@@ -131,9 +135,9 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
     flushed = []
     flush = DecodeTail.flush
     monkeypatch.setattr(DecodeTail, "flush", lambda self, *a: flushed.append(len(self.steps)) or flush(self, *a))
-    warmed, tails = [], []
-    monkeypatch.setattr(PagedAttention, "warm_up",
-                        lambda self, *args, tail: warmed.append(args[-1]) or tails.append(tail))
+    warmed, tails, ropes = [], [], []
+    monkeypatch.setattr(PagedAttention, "warm_up", lambda self, *args, tail=True, rope=None:
+                        warmed.append(args[-1]) or tails.append(tail) or ropes.append(rope))
     folder = model_dir(arch)
     steps = []
     forward = CompiledPagedDecode.forward
@@ -141,6 +145,9 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
     svc = InProcessService(folder, max_running=8, row_cache=False, compile_decode=compiled)
     assert svc.engine.paths.device_table is not None and svc.engine.paths.tail is not None
     assert (svc.engine.compiled_paged is not None) == compiled
+    # The compiled step's kernel rotates the queries and keys (``kernel_rope``): the model's
+    # rotary modules leave them to it, and its rotating kernels are built at start-up too.
+    assert (svc.engine.paths.rope is not None) == compiled
     # The service's start-up warm-up (a short request through prefill, decode and a tail
     # flush, and the kernel variants) leaves nothing behind that changes later requests.
     shape = svc.engine.pool.shape
@@ -155,8 +162,10 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
     row_classes = {rows: {svc.engine.paths.launch(rows, min(n, svc.engine.max_context)) for n in lengths}
                    for rows in (2, 4, 8)}
     traces = len(one_row_launches) + sum(map(len, row_classes.values())) if compiled else 0
-    assert warm_decode(svc.engine) == len(warmed[0]) + traces and len(warmed[0]) > 0 and first in warmed[0]
-    assert tails == [True]  # a decode tail: only the appending kernels are built
+    assert warm_decode(svc.engine) == len(warmed[0]) * len(warmed) + traces and len(warmed[0]) > 0
+    assert first in warmed[0] and all(w == warmed[0] for w in warmed)
+    assert tails == [True] * len(warmed)  # a decode tail: only the appending kernels are built
+    assert ropes[0] is None and [r is not None for r in ropes[1:]] == ([True] if compiled else [])
     if compiled:
         kept = set(svc.engine.compiled_paged.traces._compiled)
         assert all((rows, launch) in kept for rows, launches in row_classes.items() for launch in launches)
@@ -310,8 +319,8 @@ def test_a_kernel_that_fails_its_start_up_check_is_not_used(model_dir, monkeypat
     _reference_kernels(monkeypatch)
     assert kernel_check.check_paged_kernel(PagedAttention(True), mx.float32, 2, 2, 32) is None  # the reference passes
 
-    def off_by_a_bit(self, inputs, scale, launch):
-        out, keys, values = _append_reference(self, inputs, scale, launch)
+    def off_by_a_bit(self, inputs, scale, launch, rope=None):
+        out, keys, values = _append_reference(self, inputs, scale, launch, rope)
         return out + 0.1, keys, values
 
     monkeypatch.setattr(PagedAttention, "_append_attend", off_by_a_bit)

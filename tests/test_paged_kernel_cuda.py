@@ -80,3 +80,33 @@ def test_the_first_step_after_a_flush_appends_to_an_empty_tail():
     # Without a tail at all (a model without a DecodeTail) the step's K/V are returned as it.
     out, out_k, out_v = attention.attend_appending(*pool_args, None, None, None, new_k, new_v, 0.125, launch)
     assert out_k is new_k and out_v is new_v and mx.array_equal(out, alone)
+
+
+ROPE_SPECS = {  # (dims, traditional, scale, base or None, frequencies or None) at head dim 128
+    "base": (128, False, 1.0, 500000.0, None),
+    "base-scaled": (128, False, 0.25, 10000.0, None),
+    "partial-traditional": (64, True, 1.0, 10000.0, None),
+    "freqs": (128, False, 1.0, None, "llama3"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROPE_SPECS))
+@pytest.mark.parametrize("loop", ["mma", "mma_ahead", "pipelined"])
+def test_the_rotating_kernel_matches_mlx_rope_bit_for_bit(name, loop):
+    """The kernel's own RoPE (``kernel_rope``) against ``mx.fast.rope``: the rotating kernel's
+    output and appended tail equal the plain kernel's fed MLX's rotations, bit for bit, for
+    one row and a batch, unsplit and split, at positions up to 128k (``check_kernel_rope``)."""
+    from runtime.worker.model.kernel_rope import BASE, FREQS, RopeSpec
+    from runtime.worker.paths.cuda.kernel_check import check_kernel_rope
+
+    dims, traditional, scale, base, freqs = ROPE_SPECS[name]
+    if freqs is not None:
+        from mlx_lm.models.rope_utils import Llama3RoPE
+
+        module = Llama3RoPE(dims, 131072, False, 500000.0, scaling_config={
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+        freqs = mx.contiguous(module._freqs.astype(mx.float32))
+    spec = RopeSpec(FREQS if freqs is not None else BASE, dims, traditional, scale, base, freqs)
+    attention = PagedAttention(True, loop=loop)
+    problem = check_kernel_rope(attention, mx.bfloat16, 8, 4, 128, (spec,), [(1, 4), (4, 4)], 131072)
+    assert problem is None, problem

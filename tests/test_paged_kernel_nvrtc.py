@@ -52,6 +52,22 @@ def test_the_kernel_builds_without_spills_and_launches(nvrtc, loop, n_rep, head_
     assert nvrtc_check.launches(regs, warps), f"{warps} warps of {regs} registers a lane cannot launch"
 
 
+@pytest.mark.parametrize(("loop", "split", "n_rep", "head_dim", "rope"), [
+    ("mma", False, 4, 64, (1, 64, False)), ("mma", True, 4, 128, (2, 128, False)),
+    ("mma_ahead", True, 4, 128, (1, 128, False)), ("pipelined", False, 7, 128, (1, 64, True))])
+def test_the_rotating_kernel_builds_without_spills_and_launches(nvrtc, loop, split, n_rep, head_dim, rope):
+    """The appending kernel with its RoPE stage (``kernel_rope``): the same build checks."""
+    warps = loop_warps(loop, warps_for(n_rep, head_dim), head_dim, split=split)
+    source = nvrtc_check.kernel_source("paged", True, split, loop, head_dim, n_rep, 8, warps, nvrtc_check.STUB_HEADER,
+                                       rope=rope)
+    assert "rope_consts" in source and "cosf" in source
+    built, log, cubin = nvrtc.compile(source, nvrtc_check.build_options(CUDA, []))
+    assert built, log[:3000]
+    regs, spilled = nvrtc_check.registers(log)
+    assert regs > 0 and spilled == 0, f"{spilled} bytes of spill stores at {regs} registers"
+    assert nvrtc_check.launches(regs, warps), f"{warps} warps of {regs} registers a lane cannot launch"
+
+
 @pytest.mark.parametrize("cap", [168, 128])
 def test_a_register_cap_holds_the_split_kernel_to_it(nvrtc, cap):
     """``register_cap`` (``PagedAttention(split_registers=...)``): the build keeps to the cap,

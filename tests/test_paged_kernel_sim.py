@@ -108,3 +108,36 @@ def test_the_mma_loop_without_aligned_pointers_matches_the_reference() -> None:
 
     err, _ = run_paged_kernel("mma", True, 3, dtype="bf16", n_rep=4, head_dim=96, context=200, edit=unaligned)
     assert err < TOLERANCE["bf16"]
+
+
+# (loop, splits, dtype, head dim, query heads per KV head, RoPE mode (1 base, 2 frequencies), its dims, traditional)
+ROPE_CASES = [
+    ("mma", 1, "bf16", 128, 4, 1, 128, False),
+    ("mma_ahead", 3, "bf16", 64, 8, 2, 64, False),
+    ("mma", 3, "bf16", 128, 2, 1, 64, True),  # partial and traditional: the last 64 dims pass unchanged
+    ("pipelined", 1, "float", 96, 2, 2, 96, False),
+    ("classic", 3, "bf16", 128, 2, 1, 32, False),
+]
+
+
+@pytest.mark.parametrize(("loop", "splits", "dtype", "head_dim", "n_rep", "mode", "dims", "traditional"), ROPE_CASES)
+def test_the_kernel_rotates_queries_and_new_keys(loop: str, splits: int, dtype: str, head_dim: int, n_rep: int,
+                                                 mode: int, dims: int, traditional: bool) -> None:
+    for context, tail, seed in ((200, 3, 0), (2, 1, 1)):
+        err, tail_ok = run_paged_kernel(loop, True, splits, dtype=dtype, head_dim=head_dim, n_rep=n_rep, warps=2,
+                                        context=context, tail=tail, seed=seed, rope=(mode, dims, traditional))
+        assert err < TOLERANCE[dtype], f"context {context}, tail {tail}: error {err:.3g}"
+        assert tail_ok, f"context {context}, tail {tail}: the appended tail differs"
+
+
+def test_a_kernel_that_does_not_rotate_is_caught() -> None:
+    # The same inputs without the rotation: the output and the appended key are far from the reference.
+    def unrotated(source: str) -> str:
+        line = "x = second ? x1 * sintheta + x2 * costheta : x1 * costheta - x2 * sintheta;"
+        assert line in source
+        return source.replace(line, "(void)costheta; (void)sintheta;")
+
+    err, tail_ok = run_paged_kernel("mma", True, 1, dtype="bf16", head_dim=128, n_rep=4, warps=2, context=200,
+                                    tail=3, rope=(1, 128, False), edit=unrotated)
+    assert err > TOLERANCE["bf16"] or not tail_ok
+    assert not tail_ok

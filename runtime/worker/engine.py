@@ -39,6 +39,10 @@ from runtime.worker.token_chain import TokenChain
 # on since session 22's A/B on an H200 (both run orders, 8B mixed at 10 requests/s: TPOT p50
 # 15.5 / 11.5 ms fused against 15.7 / 15.7 apart; docs/BENCHMARKS.md).
 FUSE_PREFILL = True
+# The compiled decode step's kernel rotates the queries and new keys (``kernel_rope``) where the
+# model allows it and the rotating kernel matches MLX's rope bit for bit at start-up: two MLX
+# kernel launches fewer per layer and step on a host-bound one-row step.
+KERNEL_ROPE = True
 # ... for steps of at most this many prefill tokens: a fused forward also runs the last layer's
 # attention and MLP over the prefill rows (a layer's worth more prefill work; the LM head takes
 # the decode rows only, ``OutputHead``), which pays where a step's fixed host cost dominates:
@@ -92,7 +96,8 @@ class Engine:
         self.compiled_paged: CompiledPagedDecode | None = None
         if compile_decode and self.paths.tail is not None and aux_pool is None and CompiledDecode.supports(layout):
             assert self.paths.attention is not None
-            self.compiled_paged = CompiledPagedDecode(model, layout, pool, self.paths.attention, self.paths.tail)
+            rope = self.paths.kernel_rope(model, layout) if KERNEL_ROPE else None
+            self.compiled_paged = CompiledPagedDecode(model, layout, pool, self.paths.attention, self.paths.tail, rope)
         self.chain = TokenChain()  # chained decode: the previous batch's lazy tokens
         # Fusing needs the paged kernel's tail (every layer attention, no window) and plain 4-D queries.
         self.fuse_prefill = FUSE_PREFILL and self.compiled_paged is not None and layout.mask_rank == 4

@@ -112,7 +112,8 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
                         compile_decode=config.worker.compile_decode,
                         attention_streams=config.worker.attention_threads or default_streams(os.cpu_count()))
         # The pools' allocation and, on a GPU, the paged kernels' builds and start-up check.
-        print(f"runtime worker: pools and attention paths ready in {time.perf_counter() - paths_started:.1f} s",
+        rope = "; the decode kernel rotates queries and keys (RoPE)" if engine.paths.rope else ""
+        print(f"runtime worker: pools and attention paths ready in {time.perf_counter() - paths_started:.1f} s{rope}",
               flush=True)
         started = time.perf_counter()
         variants = warm_decode(engine, lambda line: print(f"runtime worker: warm-up: {line}", flush=True))

@@ -20,8 +20,9 @@ import numpy as np
 from runtime.protocol.worker import DecodeBatch, PrefillChunk
 from runtime.worker.model import attention_patch
 from runtime.worker.model.discovery import CacheLayout
+from runtime.worker.model.kernel_rope import RopeSpec, defer_rope
 from runtime.worker.paths.cuda.decode_tail import DecodeTail
-from runtime.worker.paths.cuda.kernel_check import check_paged_kernel
+from runtime.worker.paths.cuda.kernel_check import check_kernel_rope, check_paged_kernel
 from runtime.worker.paths.cuda.kernel_launch import launch_shape
 from runtime.worker.paths.decode_plan import DecodePlan, row_bucket
 from runtime.worker.paths.deferred_steps import DeferredSteps
@@ -93,6 +94,8 @@ class AttentionPaths:
         self.device_table = mx.zeros((max_rows + 1, max_context), dtype=mx.int32) if kernel else None
         self.tail = DecodeTail(len(layout.attention_layers), TAIL_STEPS) if kernel and not hybrid else None
         self.pending = DeferredSteps(PENDING_STEPS)  # row-cache decode steps not in the pool yet
+        self.length_bucket = length_bucket
+        self.rope: tuple[RopeSpec, ...] | None = None  # set by kernel_rope: the kernel rotates
 
     def _check_kernel(self, length_bucket: int, tail: bool) -> str | None:
         """The paged kernel's start-up check (``check_paged_kernel``) of the kernel kind decode
@@ -102,14 +105,39 @@ class AttentionPaths:
         assert self.attention is not None
         shape = self.pool.shape
         n_rep = shape.n_heads // shape.n_kv_heads
+        return check_paged_kernel(self.attention, self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim,
+                                  self._kernel_launches(length_bucket), tail)
+
+    def _kernel_launches(self, length_bucket: int) -> list[tuple[int, int]]:
+        """One launch of every kernel decode builds (one per warps count, unsplit and split)."""
+        shape = self.pool.shape
+        n_rep = shape.n_heads // shape.n_kv_heads
         variants = PagedAttention.variants(shape.n_kv_heads, n_rep, shape.head_dim, self.max_rows, self.max_context,
                                            row_bucket, length_bucket)
         kernels: dict[tuple[bool, int], tuple[int, int]] = {}
         for splits, warps in sorted(variants):  # the most split launch of each kernel last, so kept
             kernels[(splits > 1, warps)] = (splits, warps)
-        launches = sorted(kernels.values())
-        return check_paged_kernel(self.attention, self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, launches,
-                                  tail)
+        return sorted(kernels.values())
+
+    def kernel_rope(self, model: nn.Module, layout: CacheLayout) -> tuple[RopeSpec, ...] | None:
+        """Let the appending kernel rotate the queries and new keys of a compiled decode step
+        (``kernel_rope``) where the model allows it and the rotating kernel passes its start-up
+        check (``check_kernel_rope``); each KV layer's spec, else None (the model rotates)."""
+        if self.tail is None or self.device_table is None or self.attention is None:
+            return None
+        specs = defer_rope(model, layout)
+        if specs is None:
+            return None
+        shape = self.pool.shape
+        problem = check_kernel_rope(self.attention, self.pool.dtype, shape.n_kv_heads,
+                                    shape.n_heads // shape.n_kv_heads, shape.head_dim, specs,
+                                    self._kernel_launches(self.length_bucket), self.max_context)
+        if problem is not None:
+            print(f"runtime worker: the paged kernel's RoPE failed its start-up check ({problem}); "
+                  "the model rotates its queries and keys itself", file=sys.stderr, flush=True)
+            return None
+        self.rope = specs
+        return specs
 
     @property
     def dense(self) -> bool:
@@ -249,7 +277,10 @@ class AttentionPaths:
                                            row_bucket, length_bucket)
         self.attention.warm_up(self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, variants,
                                tail=self.tail is not None)
-        return len(variants)
+        kinds = {(s.mode, s.dims, s.traditional): s for s in self.rope or ()}  # each rotating kernel built
+        for spec in kinds.values():
+            self.attention.warm_up(self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, variants, rope=spec)
+        return len(variants) * (1 + len(kinds))
 
     def state_arrays(self) -> list[mx.array]:
         """Arrays a step updates in place besides the pools."""

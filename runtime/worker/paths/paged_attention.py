@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from runtime.worker.model.kernel_rope import RopeSpec
 from runtime.worker.paths.cuda.kernel_launch import (
     MMA_SMALL_DIMS,
     UNROLL,
@@ -27,6 +28,7 @@ from runtime.worker.paths.cuda.paged_kernels import (
     COMBINE_MAX_SPLITS,
     HEADER,
     INPUTS,
+    ROPE_INPUTS,
     WRITE_OUT,
     WRITE_PARTIAL,
     body,
@@ -134,25 +136,33 @@ class PagedAttention:
         new_values: mx.array,
         scale: float,
         launch: tuple[int, int] | None,
+        rope: tuple[RopeSpec, mx.array] | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """Decode attention whose last position is this step's ``new_keys``/``new_values``
         ((B, Hkv, 1, D)), after the pool and the ``tail_len[0]`` positions of
         ``tail_keys``/``tail_values`` ((B, Hkv, capacity, D)); returns the output and the tail
         of the same capacity with the new K/V appended, which one kernel writes while it attends
         (no separate concatenation per layer and step). Without a tail (None: a model without
-        a ``DecodeTail``) the step's K/V are the whole tail and are returned as it."""
+        a ``DecodeTail``) the step's K/V are the whole tail and are returned as it. ``rope``
+        (the layer's spec, each row's position; a tail present): the queries and new keys come
+        unrotated, and the kernel rotates them as ``mx.fast.rope`` would (``kernel_rope``)."""
         if tail_keys is None or tail_values is None or tail_len is None:
+            assert rope is None, "only the appending kernel rotates"
             out = self._kernel_attend(queries, keys_pool, values_pool, table, table_rows, lengths, new_keys,
                                       new_values, self._one, scale, launch)
             return out, new_keys, new_values
         return self._append_attend([queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys,
-                                    tail_values, tail_len, new_keys, new_values], scale, launch)
+                                    tail_values, tail_len, new_keys, new_values], scale, launch, rope)
 
-    def _append_attend(self, inputs: list[mx.array], scale: float,
-                       launch: tuple[int, int] | None) -> tuple[mx.array, mx.array, mx.array]:
+    def _append_attend(self, inputs: list[mx.array], scale: float, launch: tuple[int, int] | None,
+                       rope: tuple[RopeSpec, mx.array] | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """The appending kernel on ``attend_appending``'s arrays, in its order (a tail present)."""
-        out, keys, values = self._launch(inputs + [self._scale(scale)], inputs[1].shape[1], launch,
-                                         tail_shape=tuple(inputs[6].shape))
+        extra = [self._scale(scale)]
+        if rope is not None:
+            spec, positions = rope
+            extra += [positions, spec.consts, spec.freqs_input]
+        out, keys, values = self._launch(inputs + extra, inputs[1].shape[1], launch,
+                                         tail_shape=tuple(inputs[6].shape), rope=rope[0] if rope else None)
         return out, keys, values
 
     def _scale(self, scale: float) -> mx.array:
@@ -171,10 +181,11 @@ class PagedAttention:
             return loop
         return "pipelined"
 
-    def _kernel(self, kind: str, appending: bool, loop: str = ""):
-        """The compiled-on-demand kernel object: ``single``, ``split`` or ``combine``."""
+    def _kernel(self, kind: str, appending: bool, loop: str = "", rope: bool = False):
+        """The compiled-on-demand kernel object: ``single``, ``split`` or ``combine``; ``rope``:
+        the appending one that rotates its queries and new keys."""
         loop = loop or self.loop
-        key = (kind, appending, loop)
+        key = (kind, appending, loop, rope)
         if key not in self._kernels:
             if kind == "combine":
                 kernel = mx.fast.cuda_kernel(name="runtime_paged_decode_combine",
@@ -184,17 +195,19 @@ class PagedAttention:
                 outputs = ["out"] if kind == "single" else ["part_acc", "part_m", "part_l"]
                 cap = self.split_registers if kind == "split" else 0
                 kernel = mx.fast.cuda_kernel(  # a capped build has a name of its own (MLX caches by name)
-                    name=f"runtime_paged_decode_{kind}{'_append' if appending else ''}_{loop}{f'_r{cap}' if cap else ''}",
-                    input_names=APPEND_INPUTS if appending else INPUTS,
+                    name=(f"runtime_paged_decode_{kind}{'_append' if appending else ''}{'_rope' if rope else ''}"
+                          f"_{loop}{f'_r{cap}' if cap else ''}"),
+                    input_names=ROPE_INPUTS if rope else APPEND_INPUTS if appending else INPUTS,
                     output_names=outputs + (APPEND_OUTPUTS if appending else []),
-                    source=body(appending, loop) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL),
+                    source=body(appending, loop, rope) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL),
                     header=register_cap(cap) + HEADER)
             self._kernels[key] = kernel
         return self._kernels[key]
 
     def _launch(self, inputs: list[mx.array], n_kv: int, launch: tuple[int, int] | None,
-                tail_shape: tuple[int, int, int, int] | None = None) -> list[mx.array]:
-        """The output (and, given the appended ``tail_shape``, the new tail K and V)."""
+                tail_shape: tuple[int, int, int, int] | None = None, rope: RopeSpec | None = None) -> list[mx.array]:
+        """The output (and, given the appended ``tail_shape``, the new tail K and V); ``rope``:
+        the kernel rotates (``inputs`` end with ``ROPE_INPUTS``' three)."""
         queries = inputs[0]
         b, n_q, _, d = queries.shape
         n_rep = n_q // n_kv
@@ -206,14 +219,16 @@ class PagedAttention:
         tails = [tail_shape, tail_shape] if tail_shape is not None else []
         template = [("T", queries.dtype), ("D", d), ("NREP", n_rep), ("HKV", n_kv), ("NWARPS", warps),
                     ("UNROLL", self.unroll), ("GL", lanes_per_position(d))]  # the splits come from the grid
+        if rope is not None:
+            template += [("ROPE", rope.mode), ("ROPE_DIMS", rope.dims), ("ROPE_TRAD", rope.traditional)]
         grid = (blocks * splits * warps * 32, 1, 1)
         if splits == 1:
-            return self._kernel("single", appending, loop)(
+            return self._kernel("single", appending, loop, rope is not None)(
                 inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
                 output_shapes=[queries.shape] + tails, output_dtypes=[queries.dtype] * (1 + len(tails)))
         assert splits <= COMBINE_MAX_SPLITS, f"{splits} splits: the combine kernel merges {COMBINE_MAX_SPLITS} at most"
         parts = blocks * splits * n_rep
-        part_acc, part_m, part_l, *tail = self._kernel("split", appending, loop)(
+        part_acc, part_m, part_l, *tail = self._kernel("split", appending, loop, rope is not None)(
             inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
             output_shapes=[(parts * d,), (parts,), (parts,)] + tails,
             output_dtypes=[mx.float32] * 3 + [queries.dtype] * len(tails))
@@ -237,10 +252,10 @@ class PagedAttention:
         }
 
     def warm_up(self, dtype: mx.Dtype, n_kv: int, n_rep: int, head_dim: int,
-                variants: set[tuple[int, int]], tail: bool = True) -> None:
+                variants: set[tuple[int, int]], tail: bool = True, rope: RopeSpec | None = None) -> None:
         """Compile every kernel variant decode can use now (tiny inputs), not in the middle of
-        a request: each launch shape appending to a decode ``tail``, or (without one, hybrid
-        models) reading the step's own K/V as the tail."""
+        a request: each launch shape appending to a decode ``tail`` (rotating as ``rope`` says,
+        if given), or (without one, hybrid models) reading the step's own K/V as the tail."""
         table = mx.zeros((1, 64), dtype=mx.int32)
         pool = mx.zeros((2, n_kv, head_dim), dtype=dtype)
         old_kv = mx.zeros((1, n_kv, 2, head_dim), dtype=dtype)
@@ -251,7 +266,7 @@ class PagedAttention:
         for launch in sorted(variants):
             args = (queries, pool, pool, table, rows, lengths, old_kv, old_kv, self._one)
             if tail:
-                mx.eval(*self._append_attend([*args, new, new], 1.0, launch))
+                mx.eval(*self._append_attend([*args, new, new], 1.0, launch, (rope, rows) if rope else None))
             else:
                 mx.eval(self._kernel_attend(*args, 1.0, launch))
 

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from runtime.worker.model.discovery import CacheLayout
+from runtime.worker.model.kernel_rope import DeferredOffset, RopeSpec
 from runtime.worker.paths.cuda.decode_tail import DecodeTail
 from runtime.worker.paths.paged_attention import PagedAttention
 from runtime.worker.paths.pool_cache import CacheStandIn, ForwardBatch
@@ -35,8 +36,8 @@ class _Step:
     def __init__(self, attention: PagedAttention, positions: mx.array, lengths: mx.array, table: mx.array,
                  table_rows: mx.array, pool_keys: list[mx.array], pool_values: list[mx.array],
                  tail_keys: list[mx.array], tail_values: list[mx.array], tail_len: mx.array,
-                 launch: tuple[int, int]) -> None:
-        self.attention, self.positions, self.lengths = attention, positions, lengths
+                 launch: tuple[int, int], rope: tuple[RopeSpec, ...] | None) -> None:
+        self.attention, self.positions, self.lengths, self.rope = attention, positions, lengths, rope
         self.table, self.table_rows, self.launch = table, table_rows, launch
         self.pool_keys, self.pool_values = pool_keys, pool_values
         self.tail_keys, self.tail_values, self.tail_len = tail_keys, tail_values, tail_len
@@ -53,10 +54,12 @@ class _TailView(CacheStandIn):
     def __init__(self, kv_layer: int, step: _Step) -> None:
         self.kv_layer, self.step = kv_layer, step
         self.new: tuple[mx.array, mx.array] | None = None  # this step's K/V
+        # The kernel rotates: the layer's rotary module sees this and leaves its input as it is.
+        self.deferred = DeferredOffset(step.positions) if step.rope is not None else None
 
     @property
-    def offset(self) -> mx.array:
-        return self.step.positions
+    def offset(self) -> mx.array | DeferredOffset:
+        return self.deferred if self.deferred is not None else self.step.positions
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.new = (keys, values)
@@ -65,9 +68,15 @@ class _TailView(CacheStandIn):
     def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
         s, i = self.step, self.kv_layer
         assert self.new is not None
+        rope = None
+        if self.deferred is not None and s.rope is not None:
+            if self.deferred.calls != 2:  # kernel_rope's load-time probe rules this out
+                raise RuntimeError(f"KV layer {i}: its rotary module ran {self.deferred.calls} times in a decode "
+                                   "step whose kernel rotates (2 expected: queries and keys)")
+            rope = (s.rope[i], s.positions)
         out, s.new_keys[i], s.new_values[i] = s.attention.attend_appending(
             queries, s.pool_keys[i], s.pool_values[i], s.table, s.table_rows, s.lengths, s.tail_keys[i],
-            s.tail_values[i], s.tail_len, *self.new, scale, s.launch)
+            s.tail_values[i], s.tail_len, *self.new, scale, s.launch, rope)
         return out
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> None:
@@ -77,12 +86,14 @@ class _TailView(CacheStandIn):
 class CompiledPagedDecode:
     """``forward(tokens, batch)``: logits of a kernel-path decode step whose bookkeeping
     (``AttentionPaths.decode_batch``: table, tail flush, lengths, launch shape) is done; the
-    step's K/V become the tail's new arrays. Only for models whose every layer is attention."""
+    step's K/V become the tail's new arrays. Only for models whose every layer is attention.
+    ``rope`` (each KV layer's spec, from ``kernel_rope.defer_rope``): the kernel rotates the
+    queries and new keys, the layers' rotary modules do not."""
 
     def __init__(self, model: nn.Module, layout: CacheLayout, pool: KVPool, attention: PagedAttention,
-                 tail: DecodeTail) -> None:
+                 tail: DecodeTail, rope: tuple[RopeSpec, ...] | None = None) -> None:
         assert all(i >= 0 for i in layout.kv_index), "compiled decode needs every layer to be attention"
-        self.model, self.kv_index = model, list(layout.kv_index)
+        self.model, self.kv_index, self.rope = model, list(layout.kv_index), rope
         self.pool, self.attention, self.tail = pool, attention, tail
         self.traces = TraceCache(self._forward, MAX_TRACES)
 
@@ -91,7 +102,7 @@ class CompiledPagedDecode:
                  tail_keys: list[mx.array], tail_values: list[mx.array], tail_len: mx.array,
                  launch: tuple[int, int]):
         step = _Step(self.attention, positions, lengths, table, table_rows, pool_keys, pool_values, tail_keys,
-                     tail_values, tail_len, launch)
+                     tail_values, tail_len, launch, self.rope)
         views = [_TailView(i, step) for i in range(len(pool_keys))]
         logits = self.model(tokens[:, None], cache=[views[i] for i in self.kv_index])[:, -1, :]
         return logits, step.new_keys, step.new_values

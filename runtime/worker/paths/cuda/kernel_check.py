@@ -13,6 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from runtime.worker.model.kernel_rope import RopeSpec
 from runtime.worker.paths.cuda.kernel_launch import launch_shape
 from runtime.worker.paths.paged_attention import PagedAttention
 
@@ -105,4 +106,59 @@ def _check_without_tail(attention: PagedAttention, queries, keys_pool, values_po
     err = mx.abs(alone.astype(mx.float32) - expected).max().item()
     if not err <= TOLERANCE:
         return f"attention without a tail differs from MLX's by {err:.3g} (at most {TOLERANCE} expected)"
+    return None
+
+
+ROPE_ROWS = (1, 16)  # one row (MLX's one-row rope kernel) and a batch (its per-row offsets kernel)
+
+
+def check_kernel_rope(attention: PagedAttention, dtype: mx.Dtype, n_kv: int, n_rep: int, head_dim: int,
+                      specs: tuple[RopeSpec, ...], launches: list[tuple[int, int]], max_position: int) -> str | None:
+    """None when the rotating appending kernel (``kernel_rope``) gives the same bits as the
+    plain one fed with ``mx.fast.rope``'s rotations of its queries and new keys: the output and
+    the appended tail, at each of ``launches``, for each distinct spec of ``specs``, rows at
+    positions spread up to ``max_position``; else what differed. The plain kernel passed
+    ``check_paged_kernel`` already, so the two agreeing bit for bit is the rotation agreeing."""
+    distinct = {(s.mode, s.dims, s.traditional, s.scale, s.base, id(s.freqs) if s.freqs is not None else None): s
+                for s in specs}
+    for spec in distinct.values():
+        for rows in ROPE_ROWS:
+            for launch in launches:
+                problem = _check_rope_launch(attention, dtype, n_kv, n_rep, head_dim, spec, rows, launch, max_position)
+                if problem is not None:
+                    return f"{rows} rows, launch {launch}: {problem}"
+    return None
+
+
+def _check_rope_launch(attention: PagedAttention, dtype: mx.Dtype, n_kv: int, n_rep: int, head_dim: int,
+                       spec: RopeSpec, rows: int, launch: tuple[int, int], max_position: int) -> str | None:
+    k1, k2, k3, k4, k5, k6 = mx.random.split(mx.random.key(rows), 6)
+    context = 24
+    slots = rows * context + 1
+    keys_pool = mx.random.normal((slots, n_kv, head_dim), key=k1).astype(dtype)
+    values_pool = mx.random.normal((slots, n_kv, head_dim), key=k2).astype(dtype)
+    table = mx.array(np.arange(1, slots, dtype=np.int32).reshape(rows, context))
+    queries = mx.random.normal((rows, n_kv * n_rep, 1, head_dim), key=k3).astype(dtype)
+    tail_k = mx.random.normal((rows, n_kv, CAPACITY, head_dim), key=k4).astype(dtype)
+    tail_v = mx.random.normal((rows, n_kv, CAPACITY, head_dim), key=k5).astype(dtype)
+    new_k, new_v = mx.split(mx.random.normal((rows, n_kv, 2, head_dim), key=k6).astype(dtype), 2, axis=2)
+    positions = mx.array(np.linspace(0, max(max_position - 1, 0), rows).astype(np.int32) if rows > 1
+                         else np.array([max(max_position - 1, 0) // 3], dtype=np.int32))
+    lengths = mx.full((rows,), context + TAIL + 1, dtype=mx.int32)
+    row_ids = mx.arange(rows, dtype=mx.int32)
+    tail_len = mx.array([TAIL], dtype=mx.int32)
+    scale = head_dim**-0.5
+    pool_args = (keys_pool, values_pool, table, row_ids, lengths, tail_k, tail_v, tail_len)
+    try:
+        rotated = attention.attend_appending(queries, *pool_args, new_k, new_v, scale, launch, (spec, positions))
+        plain = attention.attend_appending(spec.rotate(queries, positions), *pool_args, spec.rotate(new_k, positions),
+                                           new_v, scale, launch)
+        mx.eval(*rotated, *plain)
+    except Exception as exc:  # a kernel that does not build or launch
+        return f"{type(exc).__name__}: {exc}"
+    written = [slice(None)] * 2 + [slice(0, TAIL + 1)]  # the tail's positions past these are not written
+    for name, a, b, part in zip(("output", "appended keys", "appended values"), rotated, plain,
+                                ([...], written, written)):
+        if not mx.array_equal(a[tuple(part)], b[tuple(part)]).item():
+            return f"the rotating kernel's {name} differ from MLX's rope and the plain kernel's"
     return None

@@ -115,7 +115,8 @@ _PROLOGUE = """
     const int group = lane / GL;
     const int gl = lane % GL;
     const int tcap = table_shape[1];
-{TAIL_LENGTH}    const int n = lengths[b] - R;  // positions in the pool; the last R are in the tail
+    const T* qblock = queries + (size_t)bh * NREP * D;  // the block's query heads, D apart
+{NEW_ROWS}{TAIL_LENGTH}    const int n = lengths[b] - R;  // positions in the pool; the last R are in the tail
     const int total = n + R;
     const int chunk = (total + SPLITS - 1) / SPLITS;
     const int tbegin = split * chunk;
@@ -127,10 +128,10 @@ _PROLOGUE = """
     float l[NREP];
 #pragma unroll
     for (int r = 0; r < NREP; ++r) {
-        const size_t qbase = ((size_t)bh * NREP + r) * D + gl * PER;
+        const size_t qbase = (size_t)r * D + gl * PER;
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
-            qr[r][i] = static_cast<float>(queries[qbase + i]) * sc;
+            qr[r][i] = static_cast<float>(qblock[qbase + i]) * sc;
             acc[r][i] = 0.f;
         }
         m[r] = -INFINITY;
@@ -281,6 +282,9 @@ COMBINE = f"""
 INPUTS = ["queries", "keys", "values", "table", "rows", "lengths", "tail_keys", "tail_values", "tail_len", "scale"]
 APPEND_INPUTS = INPUTS[:-1] + ["new_keys", "new_values", "scale"]
 APPEND_OUTPUTS = ["keys_out", "values_out"]
+# The appending kernel that also rotates this step's queries and new keys (``ROPE_STAGE``): each
+# row's position, [RoPE scale, log2(base)] as float32, and the frequencies (ROPE 2; else unused).
+ROPE_INPUTS = APPEND_INPUTS + ["positions", "rope_consts", "rope_freqs"]
 
 # The tail (B, HKV, RCAP, D), of capacity RCAP, holds a row's last R = tail_len[0] positions (the
 # rest of it is unused): its length is a run-time value, so one compiled step serves every
@@ -291,23 +295,69 @@ _TAIL_LENGTH = "    const int RCAP = tail_keys_shape[2];\n    const int R = tail
 # row to the first R positions of keys_out / values_out (B, HKV, RCAP, D), the step's tail, so no
 # separate concatenation is launched.
 _APPEND_LENGTH = "    const int RCAP = tail_keys_shape[2];\n    const int R = tail_len[0] + 1;\n"
+# This step's K/V rows of the block's (row, KV head); ROPE_STAGE points the key row (and the
+# queries) at their rotated copies.
+_NEW_ROWS = """    const T* new_keys_row = new_keys + (size_t)bh * D;
+    const T* new_values_row = new_values + (size_t)bh * D;
+"""
+# RoPE of the step's queries and new key, done here rather than by two MLX rope kernels a layer
+# (on a one-row step those launches are host time that the GPU waits for). The float operations
+# are MLX's CUDA rope kernel's, in its order: L = scale * offset, inv_freq = exp2(-d * log2(base))
+# with d = j / (dims / 2) (or 1.0 / freqs[j] in double), theta = L * inv_freq, x1 cos - x2 sin and
+# x1 sin + x2 cos, rounded to T; dims past ROPE_DIMS pass unchanged. The worker's start-up check
+# compares the rotated keys with mx.fast.rope's bit for bit and keeps MLX's rope if they differ.
+# The rotated rows are staged in shared memory for the loops and the tail copy.
+ROPE_STAGE = """    __shared__ __align__(16) T rope_q[NREP * D];
+    __shared__ __align__(16) T rope_k[D];
+    {
+        constexpr int HALF = ROPE_DIMS / 2;
+        const float at = rope_consts[0] * static_cast<float>(positions[b]);
+        for (int e = threadIdx.x; e < (NREP + 1) * D; e += NWARPS * 32) {
+            const int r = e / D;
+            const int i = e % D;
+            const T* src = r < NREP ? qblock + (size_t)r * D : new_keys_row;
+            float x = static_cast<float>(src[i]);
+            if (i < ROPE_DIMS) {
+                const int j = ROPE_TRAD ? i / 2 : i % HALF;  // the pair's frequency
+                const bool second = ROPE_TRAD ? i % 2 == 1 : i >= HALF;
+                const int i1 = ROPE_TRAD ? 2 * j : j;
+                const float x1 = static_cast<float>(src[i1]);
+                const float x2 = static_cast<float>(src[i1 + (ROPE_TRAD ? 1 : HALF)]);
+                float inv_freq;
+                if (ROPE == 2) {
+                    inv_freq = 1.0 / rope_freqs[j];
+                } else {
+                    const float d = static_cast<float>(j) / static_cast<float>(HALF);
+                    inv_freq = exp2f(-d * rope_consts[1]);
+                }
+                const float theta = at * inv_freq;
+                const float costheta = cosf(theta);
+                const float sintheta = sinf(theta);
+                x = second ? x1 * sintheta + x2 * costheta : x1 * costheta - x2 * sintheta;
+            }
+            (r < NREP ? rope_q + r * D : rope_k)[i] = static_cast<T>(x);
+        }
+        __syncthreads();
+        qblock = rope_q;
+        new_keys_row = rope_k;
+    }
+"""
 _APPEND_COPY = """
     {
         // Every block of the (row, KV head) copies a share, 16 bytes per thread and load where
         // aligned; a thread issues both loads before its stores (one memory wait, not R * 2).
         const size_t old_base = (size_t)bh * RCAP * D;
-        const size_t new_base = (size_t)bh * D;
         const size_t out_base = (size_t)bh * RCAP * D;
         constexpr int V = 16 / sizeof(T);
         const bool vec = D % V == 0 && ((reinterpret_cast<size_t>(tail_keys + old_base) |
-            reinterpret_cast<size_t>(tail_values + old_base) | reinterpret_cast<size_t>(new_keys + new_base) |
-            reinterpret_cast<size_t>(new_values + new_base) | reinterpret_cast<size_t>(keys_out + out_base) |
+            reinterpret_cast<size_t>(tail_values + old_base) | reinterpret_cast<size_t>(new_keys_row) |
+            reinterpret_cast<size_t>(new_values_row) | reinterpret_cast<size_t>(keys_out + out_base) |
             reinterpret_cast<size_t>(values_out + out_base)) & 15) == 0;
         const int step = vec ? V : 1;
         const int old_n = (R - 1) * D;
         for (int e = (split * NWARPS * 32 + threadIdx.x) * step; e < R * D; e += SPLITS * NWARPS * 32 * step) {
-            const T* ks = e < old_n ? tail_keys + old_base + e : new_keys + new_base + (e - old_n);
-            const T* vs = e < old_n ? tail_values + old_base + e : new_values + new_base + (e - old_n);
+            const T* ks = e < old_n ? tail_keys + old_base + e : new_keys_row + (e - old_n);
+            const T* vs = e < old_n ? tail_values + old_base + e : new_values_row + (e - old_n);
             if (vec) {
                 const uint4 kv = *reinterpret_cast<const uint4*>(ks);
                 const uint4 vv = *reinterpret_cast<const uint4*>(vs);
@@ -324,13 +374,17 @@ _APPEND_COPY = """
 """
 
 
-def body(appending: bool, loop: str = "pipelined") -> str:
+def body(appending: bool, loop: str = "pipelined", rope: bool = False) -> str:
     """The kernel body up to its write-out, reading a separate tail or appending to it, with
-    ``loop`` (``paged_loops.loop_source``: classic, pipelined, mma or mma_ahead)."""
+    ``loop`` (``paged_loops.loop_source``: classic, pipelined, mma or mma_ahead); ``rope``
+    (appending only): the queries and new keys come unrotated and the kernel rotates them
+    (``ROPE_STAGE``, template parameters ROPE, ROPE_DIMS, ROPE_TRAD; inputs ``ROPE_INPUTS``)."""
+    assert appending or not rope, "only the appending kernel rotates"
     if appending:
-        parts = {"{TAIL_LENGTH}": _APPEND_LENGTH, "{TAIL_COPY}": _APPEND_COPY}
+        parts = {"{NEW_ROWS}": _NEW_ROWS + (ROPE_STAGE if rope else ""), "{TAIL_LENGTH}": _APPEND_LENGTH,
+                 "{TAIL_COPY}": _APPEND_COPY}
     else:
-        parts = {"{TAIL_LENGTH}": _TAIL_LENGTH, "{TAIL_COPY}": ""}
+        parts = {"{NEW_ROWS}": "", "{TAIL_LENGTH}": _TAIL_LENGTH, "{TAIL_COPY}": ""}
     warp_out = "\n" + WARP_SHARED + MMA_WARP_OUT if loop in MMA_LOOPS else _GROUP_MERGE + WARP_SHARED + _GROUP_OUT
     source = _PROLOGUE + loop_source(loop, appending) + warp_out + _BLOCK_MERGE
     for marker, text in parts.items():

@@ -148,8 +148,8 @@ _TAIL_ROW = ("""
 """, "tail_keys + base", "tail_values + base")
 _APPEND_ROW = ("""
                 const bool old = t - n < R - 1;
-                const size_t base = (old ? ((size_t)bh * RCAP + (t - n)) * D : (size_t)bh * D) + gl * PER;
-""", "(old ? tail_keys : new_keys) + base", "(old ? tail_values : new_values) + base")
+                const size_t base = (old ? ((size_t)bh * RCAP + (t - n)) * D : 0) + gl * PER;
+""", "(old ? tail_keys : new_keys_row) + base", "(old ? tail_values : new_values_row) + base")
 
 
 def _tail_load(appending: bool, load: str) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 _MMA_ROW = {
     False: "(t < n ? {KV} + ((size_t)trow[t] * HKV + h) * D : tail_{KV} + ((size_t)bh * RCAP + (t - n)) * D)",
     True: "(t < n ? {KV} + ((size_t)trow[t] * HKV + h) * D : t - n < R - 1 ? tail_{KV} + ((size_t)bh * RCAP + (t - n)) * D"
-          " : new_{KV} + (size_t)bh * D)",
+          " : new_{KV}_row)",
 }
 
 _MMA_PROLOGUE = """
@@ -47,7 +47,7 @@ _MMA_PROLOGUE = """
                            reinterpret_cast<size_t>(tail_keys) | reinterpret_cast<size_t>(tail_values){NEW_PTRS}) & 15) == 0;
     unsigned qa[KW];  // Q's A fragments, row (query head) g
     {
-        const T* qrow = queries + ((size_t)bh * NREP + (g < NREP ? g : 0)) * D;
+        const T* qrow = qblock + (size_t)(g < NREP ? g : 0) * D;
 #pragma unroll
         for (int w = 0; w < KW; ++w) qa[w] = g < NREP ? raw2(qrow[KDIM(w)], qrow[KDIM(w) + 1]) : 0u;
     }
@@ -212,7 +212,7 @@ def mma_loop_source(appending: bool, loop: str = "mma") -> str:
     past the end) otherwise.
     """
     row = _MMA_ROW[appending]
-    new = " | reinterpret_cast<size_t>(new_keys) | reinterpret_cast<size_t>(new_values)" if appending else ""
+    new = " | reinterpret_cast<size_t>(new_keys_row) | reinterpret_cast<size_t>(new_values_row)" if appending else ""
     general = (_MMA_LOAD.replace("{K_T}", "            const int t = T0 + j * 8 + g;\n")
                .replace("{V_T}", "            const int t = T0 + (p / 2) * 8 + 2 * q4 + p % 2;\n")
                .replace("{K_ROW}", f"t < tend ? {row} : kpad".replace("{KV}", "keys"))

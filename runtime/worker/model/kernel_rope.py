@@ -1,0 +1,151 @@
+"""RoPE done by the paged decode kernel instead of two MLX rope kernels per layer.
+
+A one-row decode step on a GPU is host-bound: each kernel MLX launches costs host time the
+GPU then waits for, and the rotations of the queries and the new keys are two of a layer's
+dozen launches. Where every attention layer's rotary module is one whose arithmetic is known
+(``nn.RoPE``: a base; mlx-lm's ``Llama3RoPE``: frequencies), the compiled paged decode step
+hands the layers a ``DeferredOffset`` as their cache offset; the rotary modules, wrapped in
+``DeferrableRoPE``, then return their input unrotated, and the kernel rotates the queries and
+the new keys as MLX's rope kernel does (``paged_kernels.ROPE_STAGE``).
+
+That is only right where the attention module rotates exactly its queries and keys with that
+module and does nothing else with the offset or the rotated arrays before the attention call.
+``defer_rope`` runs each kind of attention module once both ways at load and keeps the
+deferral only where the two agree bit for bit (``rope_probe``); every other model keeps its
+own rotation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from runtime.worker.model.discovery import CacheLayout, model_layers, submodule
+
+ROPE_ATTR = "rope"  # the rotary module's attribute on mlx-lm's attention modules
+BASE, FREQS = 1, 2  # the kernel's ROPE modes
+
+
+@dataclass(frozen=True, eq=False)
+class RopeSpec:
+    """One rotary module's ``mx.fast.rope`` arguments, and the kernel's inputs for them."""
+
+    mode: int  # BASE or FREQS
+    dims: int
+    traditional: bool
+    scale: float
+    base: float | None  # BASE: the rope base
+    freqs: mx.array | None  # FREQS: the frequencies (dims / 2,), float32
+
+    @property
+    def consts(self) -> mx.array:
+        """[scale, log2(base)] as MLX's rope kernel gets them (0 for log2(base) under FREQS)."""
+        return _consts(self.scale, self.base)
+
+    @property
+    def freqs_input(self) -> mx.array:
+        return self.freqs if self.freqs is not None else _no_freqs()
+
+    def rotate(self, x: mx.array, offset: mx.array) -> mx.array:
+        """What the module itself computes: ``mx.fast.rope`` with these arguments."""
+        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale,
+                            offset=offset, freqs=self.freqs)
+
+
+@functools.cache
+def _consts(scale: float, base: float | None) -> mx.array:
+    return mx.array([scale, _log2f(base) if base is not None else 0.0], dtype=mx.float32)
+
+
+@functools.cache
+def _no_freqs() -> mx.array:
+    return mx.zeros((1,), dtype=mx.float32)
+
+
+def _log2f(base: float) -> float:
+    """``std::log2`` of ``base`` as a float32, as MLX's host code computes it for its kernel
+    (libm's ``log2f``; numpy's float64 log2 rounded to float32 where there is no libm)."""
+    name = ctypes.util.find_library("m")
+    if name:
+        log2f = ctypes.CDLL(name).log2f
+        log2f.restype, log2f.argtypes = ctypes.c_float, [ctypes.c_float]
+        return float(log2f(base))
+    import numpy as np
+
+    return float(np.float32(np.log2(np.float64(np.float32(base)))))
+
+
+def rope_spec(module: object) -> RopeSpec | None:
+    """The spec of a rotary module the kernel can stand in for, else None."""
+    kind = type(module)
+    if kind is nn.RoPE:
+        return RopeSpec(BASE, int(module.dims), bool(module.traditional), float(module.scale), float(module.base), None)
+    if kind.__name__ == "Llama3RoPE" and kind.__module__ == "mlx_lm.models.rope_utils":
+        freqs = module._freqs.astype(mx.float32)
+        if freqs.shape != (module.dims // 2,):
+            return None
+        return RopeSpec(FREQS, int(module.dims), bool(module.traditional), 1.0, None, mx.contiguous(freqs))
+    return None
+
+
+class DeferredOffset:
+    """A layer's cache offset in a step whose kernel rotates: the positions, and how many
+    times the layer's ``DeferrableRoPE`` was asked to rotate with it (two: queries and keys)."""
+
+    def __init__(self, positions: mx.array) -> None:
+        self.positions = positions
+        self.calls = 0
+
+
+class DeferrableRoPE(nn.Module):
+    """A rotary module that leaves its input as it is when handed a ``DeferredOffset``."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        if isinstance(offset, DeferredOffset):
+            offset.calls += 1
+            return x
+        return self.inner(x, offset=offset)
+
+
+def defer_rope(model: nn.Module, layout: CacheLayout) -> tuple[RopeSpec, ...] | None:
+    """Wrap every attention layer's rotary module in ``DeferrableRoPE`` and return the spec of
+    each KV-pool layer's, where every layer's rotation can be deferred and ``rope_probe``
+    agrees for each kind of attention module; else change nothing and return None.
+    (``attention_patch`` must be installed: the probe's attention call reaches its cache so.)"""
+    from runtime.worker.model.rope_probe import agrees  # it imports this module
+
+    layers = model_layers(model)
+    if len(layout.kv_index) != len(layers) or not layout.attention_layers:
+        return None
+    modules: dict[int, nn.Module] = {}  # KV-pool layer -> attention module
+    for entry, (layer, name) in enumerate(zip(layers, layout.attn_attr)):
+        if name is not None and layout.kv_index[entry] >= 0:
+            modules[layout.kv_index[entry]] = submodule(layer, name)
+    if sorted(modules) != list(range(len(layout.attention_layers))):
+        return None
+    own = {kv: getattr(m, ROPE_ATTR, None) for kv, m in modules.items()}
+    own = {kv: r.inner if isinstance(r, DeferrableRoPE) else r for kv, r in own.items()}
+    specs = {kv: rope_spec(r) for kv, r in own.items()}
+    if any(s is None for s in specs.values()):
+        return None
+    for kv, module in modules.items():
+        setattr(module, ROPE_ATTR, DeferrableRoPE(own[kv]))
+    probed: set[type] = set()
+    for kv, module in modules.items():
+        if type(module) in probed:
+            continue
+        probed.add(type(module))
+        if not agrees(module, specs[kv]):
+            for k, m in modules.items():
+                setattr(m, ROPE_ATTR, own[k])
+            return None
+    return tuple(specs[kv] for kv in range(len(modules)))  # type: ignore[misc]
