@@ -58,6 +58,10 @@ struct bf16 {  // CUDA's __nv_bfloat16 conversions: round to nearest even (input
     bf16(float f) { unsigned u; std::memcpy(&u, &f, 4); bits = (u + 0x7fff + ((u >> 16) & 1)) >> 16; }
     explicit operator float() const { unsigned u = unsigned(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 };
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
 struct Dim3 { int x, y, z; };
 Dim3 gridDim, blockIdx;
 thread_local Dim3 threadIdx;
@@ -205,7 +209,8 @@ def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n
     if edit is not None:
         source = edit(source)
     if rope is not None:
-        source = f"constexpr int ROPE = {rope[0]}, ROPE_DIMS = {rope[1]};\nconstexpr bool ROPE_TRAD = {str(rope[2]).lower()};\n" + source
+        source = (f"constexpr int ROPE = {rope[0]}, ROPE_DIMS = {rope[1]};\n"
+                  f"constexpr bool ROPE_TRAD = {str(rope[2]).lower()};\n" + source)
     decode = (f"template <typename T, int D, int NREP, int HKV, int NWARPS, int UNROLL, int GL>\n"
               f"void decode({', '.join(params)}) {{\n{source}\n}}\n")
     combine = ("template <typename T, int D, int NREP>\nvoid combine(const float* part_acc, const float* part_m,"

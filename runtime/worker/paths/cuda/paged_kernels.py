@@ -333,7 +333,12 @@ ROPE_STAGE = """    __shared__ __align__(16) T rope_q[NREP * D];
                 const float theta = at * inv_freq;
                 const float costheta = cosf(theta);
                 const float sintheta = sinf(theta);
-                x = second ? x1 * sintheta + x2 * costheta : x1 * costheta - x2 * sintheta;
+                // MLX writes x1 cos - x2 sin and x1 sin + x2 cos; its build fuses each first product
+                // with the sum (found on an H100 with MLX 0.32.4: this form matched all of 650k
+                // elements, the other roundings, NVRTC's own choice for the plain expression
+                // included, parted in a few; docs/runs/h100-s27-w4-rope-bits-forms.log).
+                x = second ? __fmaf_rn(x1, sintheta, __fmul_rn(x2, costheta))
+                           : __fmaf_rn(x1, costheta, -__fmul_rn(x2, sintheta));
             }
             (r < NREP ? rope_q + r * D : rope_k)[i] = static_cast<T>(x);
         }
