@@ -133,9 +133,11 @@ def test_the_kernel_rotates_queries_and_new_keys(loop: str, splits: int, dtype: 
 def test_a_kernel_that_does_not_rotate_is_caught() -> None:
     # The same inputs without the rotation: the output and the appended key are far from the reference.
     def unrotated(source: str) -> str:
-        start = source.index("                x = second ? __fmaf_rn(")
-        end = source.index(";", source.index("__fmaf_rn(x1, costheta", start)) + 1
-        return source[:start] + "                (void)costheta; (void)sintheta;" + source[end:]
+        for line in ("dst[i1] = static_cast<T>(__fmaf_rn(x1, costheta, -__fmul_rn(x2, sintheta)));",
+                     "dst[i2] = static_cast<T>(__fmaf_rn(x1, sintheta, __fmul_rn(x2, costheta)));"):
+            assert line in source
+            source = source.replace(line, "dst[i1] = src[i1]; dst[i2] = src[i2];")
+        return source
 
     err, tail_ok = run_paged_kernel("mma", True, 1, dtype="bf16", head_dim=128, n_rep=4, warps=2, context=200,
                                     tail=3, rope=(1, 128, False), edit=unrotated)

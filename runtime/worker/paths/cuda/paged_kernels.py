@@ -312,35 +312,37 @@ ROPE_STAGE = """    __shared__ __align__(16) T rope_q[NREP * D];
     {
         constexpr int HALF = ROPE_DIMS / 2;
         const float at = rope_consts[0] * static_cast<float>(positions[b]);
-        for (int e = threadIdx.x; e < (NREP + 1) * D; e += NWARPS * 32) {
-            const int r = e / D;
-            const int i = e % D;
-            const T* src = r < NREP ? qblock + (size_t)r * D : new_keys_row;
-            float x = static_cast<float>(src[i]);
-            if (i < ROPE_DIMS) {
-                const int j = ROPE_TRAD ? i / 2 : i % HALF;  // the pair's frequency
-                const bool second = ROPE_TRAD ? i % 2 == 1 : i >= HALF;
-                const int i1 = ROPE_TRAD ? 2 * j : j;
+        // One thread per rotated pair: its angle once, for the group's query heads and the key.
+        for (int j = threadIdx.x; j < HALF; j += NWARPS * 32) {
+            float inv_freq;
+            if (ROPE == 2) {
+                inv_freq = 1.0 / rope_freqs[j];
+            } else {
+                const float d = static_cast<float>(j) / static_cast<float>(HALF);
+                inv_freq = exp2f(-d * rope_consts[1]);
+            }
+            const float theta = at * inv_freq;
+            const float costheta = cosf(theta);
+            const float sintheta = sinf(theta);
+            const int i1 = ROPE_TRAD ? 2 * j : j;
+            const int i2 = i1 + (ROPE_TRAD ? 1 : HALF);
+            for (int r = 0; r <= NREP; ++r) {
+                const T* src = r < NREP ? qblock + (size_t)r * D : new_keys_row;
+                T* dst = r < NREP ? rope_q + r * D : rope_k;
                 const float x1 = static_cast<float>(src[i1]);
-                const float x2 = static_cast<float>(src[i1 + (ROPE_TRAD ? 1 : HALF)]);
-                float inv_freq;
-                if (ROPE == 2) {
-                    inv_freq = 1.0 / rope_freqs[j];
-                } else {
-                    const float d = static_cast<float>(j) / static_cast<float>(HALF);
-                    inv_freq = exp2f(-d * rope_consts[1]);
-                }
-                const float theta = at * inv_freq;
-                const float costheta = cosf(theta);
-                const float sintheta = sinf(theta);
+                const float x2 = static_cast<float>(src[i2]);
                 // MLX writes x1 cos - x2 sin and x1 sin + x2 cos; its build fuses each first product
                 // with the sum (found on an H100 with MLX 0.32.4: this form matched all of 650k
                 // elements, the other roundings, NVRTC's own choice for the plain expression
                 // included, parted in a few; docs/runs/h100-s27-w4-rope-bits-forms.log).
-                x = second ? __fmaf_rn(x1, sintheta, __fmul_rn(x2, costheta))
-                           : __fmaf_rn(x1, costheta, -__fmul_rn(x2, sintheta));
+                dst[i1] = static_cast<T>(__fmaf_rn(x1, costheta, -__fmul_rn(x2, sintheta)));
+                dst[i2] = static_cast<T>(__fmaf_rn(x1, sintheta, __fmul_rn(x2, costheta)));
             }
-            (r < NREP ? rope_q + r * D : rope_k)[i] = static_cast<T>(x);
+        }
+        for (int e = threadIdx.x; e < (NREP + 1) * (D - ROPE_DIMS); e += NWARPS * 32) {  // dims past the rotated ones
+            const int r = e / (D - ROPE_DIMS);
+            const int i = ROPE_DIMS + e % (D - ROPE_DIMS);
+            (r < NREP ? rope_q + r * D : rope_k)[i] = (r < NREP ? qblock + (size_t)r * D : new_keys_row)[i];
         }
         __syncthreads();
         qblock = rope_q;
