@@ -169,3 +169,55 @@ def test_a_model_whose_rotation_the_kernel_cannot_do_keeps_its_own(tmp_path, mon
     r = svc.request("r", [5, 17, 33, 40] * 5, 8)
     svc.run({0: [r]})
     assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)
+
+
+# Kernel-path families (test_fused_families.KERNEL_PATH) whose layers keep their own rotation.
+ROPE_KEPT = {
+    "smollm3": "NoPE layers beside RoPE ones",
+    "llama4_text": "NoPE layers (no rotary module) beside RoPE ones",
+    "hunyuan": "DynamicNTKAlphaRoPE", "hunyuan_v1_dense": "DynamicNTKAlphaRoPE",
+    "minicpm3": "SuScaledRoPE (LongRoPE)",
+    "nanbeige": "a looped stack: one module for several pool layers",
+    "nemotron-nas": "attention-free blocks among the layers",
+    "nanochat": "its own rotation, no rotary module", "qwen": "its own rotation, no rotary module",
+    "talkie": "its own rotation, no rotary module", "gpt2": "learned positions",
+}
+
+
+def test_which_kernel_path_families_leave_rope_to_the_kernel(model_dir, monkeypatch):
+    from test_fused_families import KERNEL_PATH, _service
+
+    _reference_kernels(monkeypatch)
+    kept = {arch for arch in KERNEL_PATH if _service(model_dir(arch)).engine.paths.rope is None}
+    assert kept == set(ROPE_KEPT), " ".join(sorted(kept ^ set(ROPE_KEPT)))
+
+
+def test_a_layer_that_rotates_nothing_in_a_step_gets_the_kernel_that_does_not_rotate(model_dir, monkeypatch):
+    """A layer whose rotary module was not asked to rotate in a step (no RoPE in that layer;
+    here the second layer rotates by itself, out of the wrapper's count) attends through the
+    plain kernel: rotating again would change its tokens."""
+    from harness import InProcessService
+
+    from runtime.worker.model.kernel_rope import DeferredOffset
+
+    _reference_kernels(monkeypatch)
+    made: list[DeferrableRoPE] = []
+    init, call = DeferrableRoPE.__init__, DeferrableRoPE.__call__
+
+    def tagged(self, inner):
+        init(self, inner)
+        made.append(self)
+
+    def second_rotates_itself(self, x, offset=0):
+        if isinstance(offset, DeferredOffset) and len(made) > 1 and made[1] is self:
+            return self.inner(x, offset=offset.positions)
+        return call(self, x, offset)
+
+    monkeypatch.setattr(DeferrableRoPE, "__init__", tagged)
+    monkeypatch.setattr(DeferrableRoPE, "__call__", second_rotates_itself)
+    folder = model_dir("llama")
+    svc = InProcessService(folder, max_running=4, row_cache=False)
+    assert svc.engine.paths.rope is not None and len(made) == 2
+    r = svc.request("r", [5, 17, 33, 40] * 6, 12)
+    svc.run({0: [r]})
+    assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)

@@ -3,7 +3,8 @@
 A one-row decode step on a GPU is host-bound: each kernel MLX launches costs host time the
 GPU then waits for, and the rotations of the queries and the new keys are two of a layer's
 dozen launches. Where every attention layer's rotary module is one whose arithmetic is known
-(``nn.RoPE``: a base; mlx-lm's ``Llama3RoPE``: frequencies), the compiled paged decode step
+(``nn.RoPE`` and subclasses that keep its call: a base; mlx-lm's ``Llama3RoPE``:
+frequencies), the compiled paged decode step
 hands the layers a ``DeferredOffset`` as their cache offset; the rotary modules, wrapped in
 ``DeferrableRoPE``, then return their input unrotated, and the kernel rotates the queries and
 the new keys as MLX's rope kernel does (``paged_kernels.ROPE_STAGE``).
@@ -12,7 +13,8 @@ That is only right where the attention module rotates exactly its queries and ke
 module and does nothing else with the offset or the rotated arrays before the attention call.
 ``defer_rope`` runs each kind of attention module once both ways at load and keeps the
 deferral only where the two agree bit for bit (``rope_probe``); every other model keeps its
-own rotation.
+own rotation. A layer whose module rotated nothing in a step (no RoPE in that layer) gets the
+kernel that does not rotate (``compiled_paged``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from runtime.worker.model.discovery import CacheLayout, model_layers, submodule
+from runtime.worker.model.mask_probe import behaviour_key
 
 ROPE_ATTR = "rope"  # the rotary module's attribute on mlx-lm's attention modules
 BASE, FREQS = 1, 2  # the kernel's ROPE modes
@@ -83,7 +86,7 @@ def _log2f(base: float) -> float:
 def rope_spec(module: object) -> RopeSpec | None:
     """The spec of a rotary module the kernel can stand in for, else None."""
     kind = type(module)
-    if kind is nn.RoPE:
+    if isinstance(module, nn.RoPE) and kind.__call__ is nn.RoPE.__call__:  # FixedBaseRoPE (InternLM) too
         return RopeSpec(BASE, int(module.dims), bool(module.traditional), float(module.scale), float(module.base), None)
     if kind.__name__ == "Llama3RoPE" and kind.__module__ == "mlx_lm.models.rope_utils":
         freqs = module._freqs.astype(mx.float32)
@@ -119,7 +122,8 @@ class DeferrableRoPE(nn.Module):
 def defer_rope(model: nn.Module, layout: CacheLayout) -> tuple[RopeSpec, ...] | None:
     """Wrap every attention layer's rotary module in ``DeferrableRoPE`` and return the spec of
     each KV-pool layer's, where every layer's rotation can be deferred and ``rope_probe``
-    agrees for each kind of attention module; else change nothing and return None.
+    agrees for each kind of attention module (``behaviour_key``: a layer whose flags differ,
+    one without RoPE say, is a kind of its own); else change nothing and return None.
     (``attention_patch`` must be installed: the probe's attention call reaches its cache so.)"""
     from runtime.worker.model.rope_probe import agrees  # it imports this module
 
@@ -139,11 +143,12 @@ def defer_rope(model: nn.Module, layout: CacheLayout) -> tuple[RopeSpec, ...] | 
         return None
     for kv, module in modules.items():
         setattr(module, ROPE_ATTR, DeferrableRoPE(own[kv]))
-    probed: set[type] = set()
+    probed: set[tuple] = set()
     for kv, module in modules.items():
-        if type(module) in probed:
+        key = behaviour_key(module)  # the same classes and plain attributes: the same code path
+        if key in probed:
             continue
-        probed.add(type(module))
+        probed.add(key)
         if not agrees(module, specs[kv]):
             for k, m in modules.items():
                 setattr(m, ROPE_ATTR, own[k])
