@@ -62,47 +62,42 @@ def _deferrable(attention: nn.Module) -> nn.Module:
     return attention
 
 
-class _RotatedQueriesSquashed(llama.Attention):
+class _Variant(llama.Attention):
+    """mlx-lm's llama attention with its rotation step (``rotate``) replaced."""
+
+    def rotate(self, q: mx.array, k: mx.array, offset) -> tuple[mx.array, mx.array]:
+        raise NotImplementedError
+
+    def __call__(self, x, mask=None, cache=None):
+        b, n, _ = x.shape
+        q = self.q_proj(x).reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = self.rotate(q, k, cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+class _RotatedQueriesSquashed(_Variant):
     """Does something to the rotated queries: deferring the rotation past it changes the output."""
 
-    def __call__(self, x, mask=None, cache=None):
-        b, n, _ = x.shape
-        q = self.q_proj(x).reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q = mx.tanh(self.rope(q, offset=cache.offset))
-        k = self.rope(k, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+    def rotate(self, q, k, offset):
+        return mx.tanh(self.rope(q, offset=offset)), self.rope(k, offset=offset)
 
 
-class _OffsetShifted(llama.Attention):
+class _OffsetShifted(_Variant):
     """Computes with its cache offset: a deferred offset is no number."""
 
-    def __call__(self, x, mask=None, cache=None):
-        b, n, _ = x.shape
-        q = self.q_proj(x).reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = self.rope(q, offset=cache.offset + 1), self.rope(k, offset=cache.offset + 1)
-        k, v = cache.update_and_fetch(k, v)
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+    def rotate(self, q, k, offset):
+        return self.rope(q, offset=offset + 1), self.rope(k, offset=offset + 1)
 
 
-class _KeysOnly(llama.Attention):
+class _KeysOnly(_Variant):
     """Rotates its keys alone."""
 
-    def __call__(self, x, mask=None, cache=None):
-        b, n, _ = x.shape
-        q = self.q_proj(x).reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        k = self.rope(k, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+    def rotate(self, q, k, offset):
+        return q, self.rope(k, offset=offset)
 
 
 def test_the_probe_defers_only_where_the_step_stays_the_same():
