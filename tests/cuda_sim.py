@@ -59,6 +59,9 @@ struct bf16 {  // CUDA's __nv_bfloat16 conversions: round to nearest even (input
     explicit operator float() const { unsigned u = unsigned(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 };
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline int atomicAdd(int* p, int v) { const int old = *p; *p += v; return old; }  // blocks run one at a time
+inline void __threadfence() {}
+inline float __ldcg(const float* p) { return *p; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
@@ -171,7 +174,7 @@ void launch(int blocks, int threads, F kernel) {
 }
 """
 
-_INT_INPUTS = {"table", "rows", "lengths", "tail_len", "positions"}
+_INT_INPUTS = {"table", "rows", "lengths", "tail_len", "positions", "counters"}
 _FLOAT_INPUTS = {"scale", "rope_consts", "rope_freqs"}
 
 
@@ -196,16 +199,21 @@ def _input_type(name: str, elem: str) -> str:
 
 def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n_rep: int, n_kv: int,
             warps: int, unroll: int, edit: Callable[[str], str] | None = None,
-            rope: tuple[int, int, bool] | None = None) -> str:
+            rope: tuple[int, int, bool] | None = None, fold: bool = False) -> str:
     """A C++ program running one decode step (inputs on stdin, outputs as float32 on stdout);
     ``edit`` rewrites the decode kernel's body first; ``rope`` (mode, dims, traditional): the
-    kernel that rotates the queries and new keys."""
-    inputs = pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS
-    outputs = (["part_acc", "part_m", "part_l"] if split else ["out"]) + (pk.APPEND_OUTPUTS if appending else [])
+    kernel that rotates the queries and new keys; ``fold`` (split): the split kernel merges its
+    splits itself (``paged_kernels.FOLD``), no combine kernel, and the block counters follow
+    the outputs."""
+    assert split or not fold
+    inputs = (pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS) + (["counters"] if fold else [])
+    outputs = ((["out"] if fold else []) + (["part_acc", "part_m", "part_l"] if split else ["out"])
+               + (pk.APPEND_OUTPUTS if appending else []))
     params = [f"const {_input_type(name, 'T')}* {name}" for name in inputs]
     params += ["const int* queries_shape", "const int* table_shape", "const int* tail_keys_shape"]
     params += [f"{'float' if name.startswith('part') else 'T'}* {name}" for name in outputs]
-    source = pk.body(appending, loop, rope is not None) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
+    source = (pk.body(appending, loop, rope is not None) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
+              + (pk.FOLD if fold else ""))
     if edit is not None:
         source = edit(source)
     if rope is not None:
@@ -230,16 +238,17 @@ def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n
             "    const int tail_keys_shape[4] = {B, HKV, RCAP, D};"]
     main += [f"    const auto {name} = read_array<{_input_type(name, 'T')}>();" for name in inputs]
     main += [f"    std::vector<{'float' if name.startswith('part') else 'T'}> {name}({sizes[name]});"
-             for name in outputs + (["out"] if split else [])]
+             for name in outputs + (["out"] if split and not fold else [])]
     args = [f"{name}.data()" for name in inputs] + ["queries_shape", "table_shape", "tail_keys_shape"]
     args += [f"{name}.data()" for name in outputs]
     main.append(f"    launch(B * HKV * SPLITS, NWARPS * 32, [&] {{ decode<T, D, NREP, HKV, NWARPS, UNROLL, GL>"
                 f"({', '.join(args)}); }});")
-    if split:
+    if split and not fold:
         main.append("    const int part_m_shape[1] = {B * HKV * SPLITS * NREP};")
         main.append("    launch(B * HKV * NREP, D, [&] { combine<T, D, NREP>(part_acc.data(), part_m.data(),"
                     " part_l.data(), part_m_shape, out.data()); });")
     main += ["    write_array(out);"] + [f"    write_array({name});" for name in pk.APPEND_OUTPUTS if appending]
+    main += ["    write_array(counters);"] if fold else []
     main += ["    return 0;", "}"]
     assert pk.MMA in pk.HEADER
     return _STUBS + pk.HEADER.replace(pk.MMA, _MMA) + decode + combine + _RUNNER + "\n".join(main) + "\n"
@@ -278,7 +287,8 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
                      n_rep: int = 2, n_kv: int = 2, warps: int = 4, unroll: int = 1, rows: int = 2,
                      context: int = 70, tail: int = 3, capacity: int = 6, seed: int = 0,
                      edit: Callable[[str], str] | None = None, full: bool = False,
-                     rope: tuple[int, int, bool] | None = None) -> tuple[float, bool]:
+                     rope: tuple[int, int, bool] | None = None, fold: bool = False,
+                     outputs: list[np.ndarray] | None = None) -> tuple[float, bool]:
     """One simulated decode step of ``rows`` rows, each with up to ``context`` pool positions
     (``tail`` more in a tail of ``capacity``; appending: ``tail - 1`` old ones and the new
     K/V): the largest absolute difference from the reference, and whether the appended tail
@@ -287,7 +297,9 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
     row has all ``context`` pool positions (no row shorter, so every split holds some);
     ``rope`` (mode 1 base or 2 frequencies, dims, traditional): the kernel rotates the queries
     and new keys (each row at a random position), against a float64 rotation (the appended
-    new row then within a bf16 rounding of it, not exact)."""
+    new row then within a bf16 rounding of it, not exact); ``fold``: the split kernel merges its
+    splits itself (``paged_kernels.FOLD``), and its block counters must come back zeroed;
+    ``outputs``: a list the step's output array is appended to."""
     assert dtype in ("float", "bf16") and 1 <= tail <= capacity and (appending or rope is None)
     rng = np.random.default_rng(seed)
     cast = (lambda x: _from_bf16(_bf16(x))) if dtype == "bf16" else (lambda x: x.astype(np.float32))
@@ -325,9 +337,10 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
               "new_values": new_v, "scale": np.array([scale], np.float32), "positions": positions,
               "rope_consts": consts, "rope_freqs": freqs}
 
-    source = program(appending, splits > 1, loop, dtype, head_dim, n_rep, n_kv, warps, unroll, edit, rope)
+    arrays["counters"] = np.zeros(rows * n_kv, np.int32)
+    source = program(appending, splits > 1, loop, dtype, head_dim, n_rep, n_kv, warps, unroll, edit, rope, fold)
     stdin = [np.array([rows, rows + 1, table.shape[1], capacity, splits], np.int32).tobytes()]
-    for name in pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS:
+    for name in (pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS) + (["counters"] if fold else []):
         a = arrays[name]
         data = _bf16(a) if _input_type(name, dtype) == "bf16" else a
         stdin += [np.array([a.size], np.int64).tobytes(), np.ascontiguousarray(data).tobytes()]
@@ -335,6 +348,11 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
     ran = subprocess.run([str(_binary(source))], input=b"".join(stdin), capture_output=True, check=True, timeout=60)
     result = np.frombuffer(ran.stdout, np.float32)
     out = result[: queries.size].reshape(rows, n_q, head_dim)
+    if fold:
+        assert not result[-rows * n_kv :].any(), "the folded launch left its block counters set"
+        result = result[: -rows * n_kv]
+    if outputs is not None:
+        outputs.append(out.copy())
 
     expected = np.zeros(out.shape)
     for b in range(rows):

@@ -89,3 +89,30 @@ def test_a_launch_builds_the_loop_and_warps_it_names(monkeypatch, launch, head_d
     attention._launch([queries], 8, launch)
     expected_loop = attention.loop_for(mx.bfloat16, 4, head_dim, split=kind == "split")
     assert asked[0] == (kind, expected_loop, warps)
+
+
+def test_a_folded_split_launch_is_one_kernel_with_the_block_counters(monkeypatch):
+    """``PagedAttention.fold``: a split launch asks for the ``fold`` kernel alone (no combine),
+    with a zeroed counter per (row, KV head) as its last input; an unsplit launch is as before."""
+    monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: True)
+    asked = []
+
+    def kernel(self, which, appending, loop="", rope=False):
+        def launched(**kwargs):
+            asked.append((which, kwargs["inputs"]))
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(kwargs["output_shapes"], kwargs["output_dtypes"])]
+        return launched
+
+    monkeypatch.setattr(PagedAttention, "_kernel", kernel)
+    attention = PagedAttention(False)
+    attention.fold = True
+    queries = mx.zeros((3, 32, 1, 128), dtype=mx.bfloat16)
+    (out,) = attention._launch([queries], 8, (4, 4))
+    assert out.shape == queries.shape and [a[0] for a in asked] == ["fold"]
+    counters = asked[0][1][-1]
+    assert counters.dtype == mx.int32 and counters.size >= 3 * 8 and not mx.any(counters).item()
+    attention._launch([queries], 8, (1, 4))
+    assert [a[0] for a in asked] == ["fold", "single"]
+    bigger = mx.zeros((5, 32, 1, 128), dtype=mx.bfloat16)
+    attention._launch([bigger], 8, (2, 4))
+    assert asked[-1][1][-1].size >= 5 * 8  # grown for a larger batch
