@@ -43,6 +43,10 @@ def test_the_kernel_builds_without_spills_and_launches(nvrtc, loop, n_rep, head_
     assert PagedAttention(False, loop=loop).loop == loop
     warps = loop_warps(loop, warps_for(n_rep, head_dim), head_dim)  # the most a launch of few blocks takes
     source = nvrtc_check.kernel_source("paged", True, True, loop, head_dim, n_rep, 8, warps, nvrtc_check.STUB_HEADER)
+    _builds_without_spills_and_launches(nvrtc, source, warps)
+
+
+def _builds_without_spills_and_launches(nvrtc, source: str, warps: int) -> None:
     built, log, cubin = nvrtc.compile(source, nvrtc_check.build_options(CUDA, []))
     assert built, log[:3000]
     assert cubin
@@ -61,11 +65,7 @@ def test_the_rotating_kernel_builds_without_spills_and_launches(nvrtc, loop, spl
     source = nvrtc_check.kernel_source("paged", True, split, loop, head_dim, n_rep, 8, warps, nvrtc_check.STUB_HEADER,
                                        rope=rope)
     assert "rope_consts" in source and "cosf" in source
-    built, log, cubin = nvrtc.compile(source, nvrtc_check.build_options(CUDA, []))
-    assert built, log[:3000]
-    regs, spilled = nvrtc_check.registers(log)
-    assert regs > 0 and spilled == 0, f"{spilled} bytes of spill stores at {regs} registers"
-    assert nvrtc_check.launches(regs, warps), f"{warps} warps of {regs} registers a lane cannot launch"
+    _builds_without_spills_and_launches(nvrtc, source, warps)
 
 
 @pytest.mark.parametrize(("loop", "n_rep", "head_dim", "rope"), [
@@ -77,11 +77,7 @@ def test_the_split_kernel_that_merges_its_splits_builds_without_spills(nvrtc, lo
     source = nvrtc_check.kernel_source("paged", True, True, loop, head_dim, n_rep, 8, warps, nvrtc_check.STUB_HEADER,
                                        rope=rope, fold=True)
     assert "atomicAdd" in source and "const int* counters" in source
-    built, log, _ = nvrtc.compile(source, nvrtc_check.build_options(CUDA, []))
-    assert built, log[:3000]
-    regs, spilled = nvrtc_check.registers(log)
-    assert regs > 0 and spilled == 0, f"{spilled} bytes of spill stores at {regs} registers"
-    assert nvrtc_check.launches(regs, warps), f"{warps} warps of {regs} registers a lane cannot launch"
+    _builds_without_spills_and_launches(nvrtc, source, warps)
 
 
 @pytest.mark.parametrize("cap", [168, 128])
