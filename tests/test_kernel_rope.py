@@ -175,7 +175,7 @@ ROPE_KEPT = {
     "nanbeige": "a looped stack: one module for several pool layers",
     "nemotron-nas": "attention-free blocks among the layers",
     "nanochat": "its own rotation, no rotary module", "qwen": "its own rotation, no rotary module",
-    "talkie": "its own rotation, no rotary module", "gpt2": "learned positions",
+    "talkie": "its own rotation, no rotary module", "gpt2": "learned positions", "gpt_bigcode": "learned positions",
 }
 
 

@@ -14,6 +14,7 @@ from runtime.worker import defaults
 from runtime.worker.cpu_blas import reference_blas
 from runtime.worker.model.discovery import CacheLayout, UnsupportedModel, discover
 from runtime.worker.model.fixed_ntk_rope import fix_dynamic_ntk_rope
+from runtime.worker.model.row_positions import serve_row_positions
 from runtime.worker.model.flat_quantized import flatten_quantized
 from runtime.worker.model.fused_projections import (
     fuse_projections,
@@ -113,6 +114,14 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
         raise ValueError(f"scheduler.max_context {config.scheduler.max_context} exceeds this model's "
                          f"dynamic-NTK RoPE limit of {rope_limit} positions (max_position_embeddings); "
                          f"set it to {rope_limit} or less")
+    # GPTBigCode's learned positions, looked up per row; its table ends at n_positions.
+    table_limit = serve_row_positions(model)
+    if table_limit is not None and config.scheduler.max_context > table_limit:
+        raise ValueError(f"scheduler.max_context {config.scheduler.max_context} exceeds this model's "
+                         f"learned-position table of {table_limit} positions (n_positions); "
+                         f"set it to {table_limit} or less")
+    limits = [limit for limit in (rope_limit, table_limit) if limit is not None]
+    position_limit = min(limits) if limits else None  # no position past it is served
     layout = discover(model)
     if not layout.attention_layers and not layout.has_aux:
         raise UnsupportedModel("model has neither attention layers nor recurrent-state layers")
@@ -134,8 +143,8 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
     aux_templates = AuxPool.probe(model, layout) if layout.has_aux else None
     text_config = model_config.get("text_config", model_config)
     model_context = int(text_config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT)
-    if rope_limit is not None:
-        model_context = min(model_context, rope_limit)
+    if position_limit is not None:
+        model_context = min(model_context, position_limit)
     # Each layer's K/V at its own shape (Gemma 4's global layers are wider than its sliding ones).
     per_slot = KVPool.bytes_per_slot(len(layout.attention_layers), layout.kv_shapes, layout.kv_dtype)
     limits = defaults.choose(config, device(), model_context, per_slot)

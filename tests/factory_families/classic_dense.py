@@ -296,8 +296,6 @@ CONFIGS = {
 NESTED = {"gemma3", "mistral3", "llama4"}
 # Refused at load (a clear refusal is allowed, a wrong token is not):
 REFUSED = {
-    # Positions through np.arange(cache.offset, ...): batched decode's per-row offsets cannot.
-    "gpt_bigcode": "fails on rows at different positions",
     # Chunked attention (ChunkedKVCache) on its RoPE layers.
     "llama4": "ChunkedKVCache: chunked attention is not served",
 }
