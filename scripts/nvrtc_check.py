@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.worker.paths.cuda import paged_kernels as pk  # noqa: E402
+from runtime.worker.paths.cuda.paged_stages import FOLD  # noqa: E402
 from runtime.worker.paths.cuda.kernel_launch import (  # noqa: E402
     REGISTERS,
     lanes_per_position,
@@ -60,9 +61,9 @@ def kernel_source(name: str, appending: bool, split: bool, loop: str, d: int, n_
                   rope: tuple[int, int, bool] | None = None, fold: bool = False) -> str:
     """The full translation unit MLX's ``cuda_kernel`` makes of the decode kernel's source;
     ``rope`` (mode, dims, traditional): the appending kernel that rotates; ``fold``: the split
-    kernel that merges its splits itself (``paged_kernels.FOLD``)."""
+    kernel that merges its splits itself (``paged_stages.FOLD``)."""
     body = (pk.body(appending, loop, rope is not None) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
-            + (pk.FOLD if fold else ""))
+            + (FOLD if fold else ""))
     inputs = (pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS) + (["counters"] if fold else [])
     outputs = ((["out"] if fold else []) + (["part_acc", "part_m", "part_l"] if split else ["out"])
                + (pk.APPEND_OUTPUTS if appending else []))

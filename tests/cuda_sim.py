@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.worker.paths.cuda import paged_kernels as pk
+from runtime.worker.paths.cuda.paged_stages import FOLD
 from runtime.worker.paths.cuda.kernel_launch import lanes_per_position
 
 CXX = ["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-pthread"]
@@ -203,7 +204,7 @@ def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n
     """A C++ program running one decode step (inputs on stdin, outputs as float32 on stdout);
     ``edit`` rewrites the decode kernel's body first; ``rope`` (mode, dims, traditional): the
     kernel that rotates the queries and new keys; ``fold`` (split): the split kernel merges its
-    splits itself (``paged_kernels.FOLD``), no combine kernel, and the block counters follow
+    splits itself (``paged_stages.FOLD``), no combine kernel, and the block counters follow
     the outputs."""
     assert split or not fold
     inputs = (pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS) + (["counters"] if fold else [])
@@ -213,7 +214,7 @@ def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n
     params += ["const int* queries_shape", "const int* table_shape", "const int* tail_keys_shape"]
     params += [f"{'float' if name.startswith('part') else 'T'}* {name}" for name in outputs]
     source = (pk.body(appending, loop, rope is not None) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
-              + (pk.FOLD if fold else ""))
+              + (FOLD if fold else ""))
     if edit is not None:
         source = edit(source)
     if rope is not None:
@@ -298,7 +299,7 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
     ``rope`` (mode 1 base or 2 frequencies, dims, traditional): the kernel rotates the queries
     and new keys (each row at a random position), against a float64 rotation (the appended
     new row then within a bf16 rounding of it, not exact); ``fold``: the split kernel merges its
-    splits itself (``paged_kernels.FOLD``), and its block counters must come back zeroed;
+    splits itself (``paged_stages.FOLD``), and its block counters must come back zeroed;
     ``outputs``: a list the step's output array is appended to."""
     assert dtype in ("float", "bf16") and 1 <= tail <= capacity and (appending or rope is None)
     rng = np.random.default_rng(seed)

@@ -7,7 +7,7 @@ dozen launches. Where every attention layer's rotary module is one whose arithme
 frequencies), the compiled paged decode step
 hands the layers a ``DeferredOffset`` as their cache offset; the rotary modules, wrapped in
 ``DeferrableRoPE``, then return their input unrotated, and the kernel rotates the queries and
-the new keys as MLX's rope kernel does (``paged_kernels.ROPE_STAGE``).
+the new keys as MLX's rope kernel does (``paged_stages.ROPE_STAGE``).
 
 That is only right where the attention module rotates exactly its queries and keys with that
 module and does nothing else with the offset or the rotated arrays before the attention call.

@@ -26,7 +26,6 @@ from runtime.worker.paths.cuda.paged_kernels import (
     APPEND_OUTPUTS,
     COMBINE,
     COMBINE_MAX_SPLITS,
-    FOLD,
     HEADER,
     INPUTS,
     ROPE_INPUTS,
@@ -36,6 +35,7 @@ from runtime.worker.paths.cuda.paged_kernels import (
     register_cap,
 )
 from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS
+from runtime.worker.paths.cuda.paged_stages import FOLD
 from runtime.worker.paths.decode_plan import bucket_lengths
 from runtime.worker.pools.kv_pool import KVPool
 
