@@ -18,7 +18,7 @@ KERNEL_PATH = ("llama", "qwen3", "phi3", "bailing_moe", "mistral", "qwen2", "qwe
                "qwen", "solar_open", "talkie", "telechat3", "internlm2", "internlm3",
                "olmoe", "granitemoe", "qwen2_moe", "phimoe", "phixtral", "ernie4_5_moe", "glm4_moe", "dots1", "Klear", "minimax",
                "apertus", "cohere", "deepseek", "exaone", "gpt2", "gpt_neox", "gptj", "helium", "minicpm3",
-               "mistral3", "nemotron", "phi", "seed_oss", "gpt_bigcode",
+               "mistral3", "nemotron", "phi", "seed_oss", "gpt_bigcode", "llama4",
                "pixtral", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
 
 

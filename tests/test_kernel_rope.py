@@ -170,6 +170,7 @@ def test_a_model_whose_rotation_the_kernel_cannot_do_keeps_its_own(tmp_path, mon
 ROPE_KEPT = {
     "smollm3": "NoPE layers beside RoPE ones",
     "llama4_text": "NoPE layers (no rotary module) beside RoPE ones",
+    "llama4": "NoPE layers (no rotary module) beside RoPE ones",
     "hunyuan": "DynamicNTKAlphaRoPE", "hunyuan_v1_dense": "DynamicNTKAlphaRoPE",
     "minicpm3": "SuScaledRoPE (LongRoPE)",
     "nanbeige": "a looped stack: one module for several pool layers",

@@ -14,6 +14,7 @@ from runtime.worker import defaults
 from runtime.worker.cpu_blas import reference_blas
 from runtime.worker.model.discovery import CacheLayout, UnsupportedModel, discover
 from runtime.worker.model.fixed_ntk_rope import fix_dynamic_ntk_rope
+from runtime.worker.model.chunked_attention import serve_within_chunk
 from runtime.worker.model.row_positions import serve_row_positions
 from runtime.worker.model.flat_quantized import flatten_quantized
 from runtime.worker.model.fused_projections import (
@@ -108,20 +109,18 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
         from runtime.worker.ranks import shard_model
 
         shard_model(model, str(model_config.get("model_type", "unknown")), group)
-    # Dynamic-NTK RoPE is served as a fixed base, exact only below its trained context.
-    rope_limit = fix_dynamic_ntk_rope(model)
-    if rope_limit is not None and config.scheduler.max_context > rope_limit:
-        raise ValueError(f"scheduler.max_context {config.scheduler.max_context} exceeds this model's "
-                         f"dynamic-NTK RoPE limit of {rope_limit} positions (max_position_embeddings); "
-                         f"set it to {rope_limit} or less")
-    # GPTBigCode's learned positions, looked up per row; its table ends at n_positions.
-    table_limit = serve_row_positions(model)
-    if table_limit is not None and config.scheduler.max_context > table_limit:
-        raise ValueError(f"scheduler.max_context {config.scheduler.max_context} exceeds this model's "
-                         f"learned-position table of {table_limit} positions (n_positions); "
-                         f"set it to {table_limit} or less")
-    limits = [limit for limit in (rope_limit, table_limit) if limit is not None]
-    position_limit = min(limits) if limits else None  # no position past it is served
+    # Forwards mlx-lm writes with one host number for the batch, served per row in forms exact
+    # only below a limit: no position past the smallest is served.
+    position_limit = None
+    for what, key, limit in (("dynamic-NTK RoPE limit", "max_position_embeddings", fix_dynamic_ntk_rope(model)),
+                             ("learned-position table", "n_positions", serve_row_positions(model)),
+                             ("attention chunk", "attention_chunk_size", serve_within_chunk(model))):
+        if limit is None:
+            continue
+        if config.scheduler.max_context > limit:
+            raise ValueError(f"scheduler.max_context {config.scheduler.max_context} exceeds this model's "
+                             f"{what} of {limit} positions ({key}); set it to {limit} or less")
+        position_limit = limit if position_limit is None else min(position_limit, limit)
     layout = discover(model)
     if not layout.attention_layers and not layout.has_aux:
         raise UnsupportedModel("model has neither attention layers nor recurrent-state layers")

@@ -250,11 +250,11 @@ def _cfg_mistral3() -> dict:
 
 
 def _cfg_llama4() -> dict:
-    # Llama 4 wrapper: chunked attention (ChunkedKVCache, chunk 8) on RoPE layers 0-2, global
-    # NoPE layer 3 with temperature tuning, a top-1 routed expert plus shared MLP every second
-    # layer.
+    # Llama 4 wrapper: chunked attention (ChunkedKVCache) on RoPE layers 0-2, global NoPE layer
+    # 3 with temperature tuning, a top-1 routed expert plus shared MLP every second layer. The
+    # runtime serves it within one chunk (chunked_attention.py): a chunk of MAX_POS positions.
     text_config = dense("llama4_text", "Llama4ForCausalLM", num_hidden_layers=4, attention_bias=False,
-                        attention_chunk_size=8, interleave_moe_layer_step=2,
+                        attention_chunk_size=MAX_POS, interleave_moe_layer_step=2,
                         intermediate_size_mlp=INTERMEDIATE, num_experts_per_tok=1,
                         num_local_experts=4, rope_scaling=None, use_qk_norm=True,
                         attn_temperature_tuning=True, floor_scale=8, attn_scale=0.1,
@@ -295,10 +295,7 @@ CONFIGS = {
 }
 NESTED = {"gemma3", "mistral3", "llama4"}
 # Refused at load (a clear refusal is allowed, a wrong token is not):
-REFUSED = {
-    # Chunked attention (ChunkedKVCache) on its RoPE layers.
-    "llama4": "ChunkedKVCache: chunked attention is not served",
-}
+REFUSED: dict[str, str] = {}
 # GPT-2's fused c_attn (under model.h: Qwen v1's transformer.h.*.attn.c_attn keeps its init);
 # OpenELM's q/k norms; final norms of tied embeddings (GPT-2, OpenELM).
 QK_WEIGHTS = tuple(f"model.h.{i}.attn.c_attn.weight" for i in range(2))
