@@ -245,26 +245,36 @@ def test_queue_time_is_the_wait_for_a_row(llama):
             "time_to_first_token_seconds_sum", "e2e_request_latency_seconds_sum"))
 
     client = llama.openai()
-    count0, queue0, ttft0, e2e0 = histogram()
-    long = client.completions.create(model=llama.folder.name, prompt="a", max_tokens=200, stream=True,
-                                     temperature=0, extra_body={"ignore_eos": True})
-    next(iter(long))  # the first request holds the row now
-    done_at: list[float] = []
 
-    def drain() -> None:
-        for _ in long:
-            pass
-        done_at.append(time.monotonic())
+    def one_wait() -> tuple[float, tuple[float, ...], tuple[float, ...]]:
+        """(how long the second request's client saw the first one still running, the
+        histograms before, after)."""
+        before = histogram()
+        long = client.completions.create(model=llama.folder.name, prompt="a", max_tokens=200, stream=True,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        next(iter(long))  # the first request holds the row now
+        done_at: list[float] = []
 
-    thread = threading.Thread(target=drain)
-    thread.start()
-    sent = time.monotonic()
-    client.completions.create(model=llama.folder.name, prompt="b", max_tokens=2, temperature=0)
-    thread.join(60)
-    count, queue, ttft, e2e = histogram()
-    waited = done_at[0] - sent
+        def drain() -> None:
+            for _ in long:
+                pass
+            done_at.append(time.monotonic())
+
+        thread = threading.Thread(target=drain)
+        thread.start()
+        sent = time.monotonic()
+        client.completions.create(model=llama.folder.name, prompt="b", max_tokens=2, temperature=0)
+        thread.join(60)
+        return done_at[0] - sent, before, histogram()
+
+    # On a busy 2-CPU machine this client can be descheduled until the long request has all but
+    # ended (5.8 ms once): then nothing waited, and the pair is sent again.
+    for _ in range(3):
+        waited, (count0, queue0, ttft0, e2e0), (count, queue, ttft, e2e) = one_wait()
+        if waited > 0.05:
+            break
     assert count == count0 + 2
-    assert waited > 0.05, "the long request ended too soon to make the other one wait"
+    assert waited > 0.05, "the long request ended too soon to make the other one wait, three times"
     # ``waited`` is the client's view: its drain thread can lag the service by a good part of it
     # on a busy 2-CPU machine (0.24 s against a 0.10 s queue once); a queue time not counting
     # the wait for the row would read about 0.
