@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from runtime.worker.model.attention_probe import call_attention, input_widths
+from runtime.worker.model.attention_probe import call_attention, compute_dtype, input_widths
 from runtime.worker.model.kernel_rope import DeferredOffset, RopeSpec
 from runtime.worker.model.transposed_linear import TransposedLinear
 
@@ -58,10 +58,8 @@ def agrees(module: nn.Module, spec: RopeSpec) -> bool:
     positions = mx.array(POSITIONS, dtype=mx.int32)
     transposed = [m.weight_t.shape[0] for _, m in module.named_modules() if isinstance(m, TransposedLinear)]
     for width in dict.fromkeys(input_widths(module) + transposed):
-        x = mx.random.normal((len(POSITIONS), 1, width), key=mx.random.key(0))
+        x = mx.random.normal((len(POSITIONS), 1, width), key=mx.random.key(0)).astype(compute_dtype(module, mx.float32))
         try:
-            dtype = next(p.dtype for p in _floats(module))
-            x = x.astype(dtype)
             own = _PagedProbeCache(positions, None, positions)
             deferred_offset = DeferredOffset(positions)
             deferred = _PagedProbeCache(deferred_offset, spec, positions)
@@ -75,12 +73,6 @@ def agrees(module: nn.Module, spec: RopeSpec) -> bool:
         return (deferred_offset.calls == 2 and _same(own.queries, deferred.queries) and _same(own.keys, deferred.keys)
                 and _same(own.values, deferred.values) and _same(out_own, out_deferred))
     return False
-
-
-def _floats(module: nn.Module) -> list[mx.array]:
-    from mlx.utils import tree_flatten
-
-    return [p for _, p in tree_flatten(module.parameters()) if mx.issubdtype(p.dtype, mx.floating)]
 
 
 def _output(out: object) -> mx.array:
