@@ -217,3 +217,27 @@ def test_a_layer_that_rotates_nothing_in_a_step_gets_the_kernel_that_does_not_ro
     r = svc.request("r", [5, 17, 33, 40] * 6, 12)
     svc.run({0: [r]})
     assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)
+
+
+def test_a_forward_that_reads_the_offset_elsewhere_keeps_its_own_rotation(model_dir, monkeypatch):
+    """Something outside the attention modules computes with the offset (which the probe, one
+    module's run, cannot see): the compiled step fails to trace with the rotation left to the
+    kernel, traces again rotating itself, and the tokens are mlx-lm's."""
+    from harness import InProcessService
+
+    _reference_kernels(monkeypatch)
+    forward = llama.LlamaModel.__call__
+
+    def reads_the_offset(self, inputs, cache=None, *args, **kwargs):
+        if cache is not None and cache[0] is not None:
+            cache[0].offset + 0  # a number (or per-row array) in every cache the runtime hands in
+        return forward(self, inputs, cache, *args, **kwargs)
+
+    monkeypatch.setattr(llama.LlamaModel, "__call__", reads_the_offset)
+    folder = model_dir("llama")
+    svc = InProcessService(folder, max_running=4, row_cache=False)
+    assert svc.engine.paths.rope is not None  # the probe passed ...
+    r = svc.request("r", [5, 17, 33, 40] * 6, 12)
+    svc.run({0: [r]})
+    assert svc.engine.compiled_paged.rope is None  # ... the first trace did not
+    assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)

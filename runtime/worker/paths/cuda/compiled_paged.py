@@ -15,6 +15,7 @@ one is read back.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
@@ -113,11 +114,27 @@ class CompiledPagedDecode:
         assert batch.tail_len is not None
         rows, t, shape = tokens.shape[0], self.tail, self.pool.shape
         tail_keys, tail_values = t.old(rows, shape.n_kv_heads, shape.head_dim, self.pool.dtype)
-        logits, keys, values = self.traces((rows, batch.launch), tokens, batch.offset, batch.lengths, batch.table,
-                                           batch.table_rows, self.pool.keys, self.pool.values, tail_keys, tail_values,
-                                           batch.tail_len, batch.launch)
+        logits, keys, values = self._traced((rows, batch.launch), tokens, batch.offset, batch.lengths, batch.table,
+                                            batch.table_rows, self.pool.keys, self.pool.values, tail_keys, tail_values,
+                                            batch.tail_len, batch.launch)
         t.keys[:], t.values[:] = keys, values
         return logits
+
+    def _traced(self, key: tuple, *args):
+        """``self.traces`` at ``key``. A model whose forward cannot be traced with its rotation
+        left to the kernel (something outside its rotary modules reads the offset as a number,
+        which ``rope_probe``'s one-module run cannot see) is traced again rotating itself, and
+        keeps that; any other failure is raised."""
+        try:
+            return self.traces(key, *args)
+        except (TypeError, ValueError, AttributeError) as exc:
+            if self.rope is None:
+                raise
+            print(f"runtime worker: the decode step cannot leave RoPE to the kernel ({type(exc).__name__}: {exc}); "
+                  "the model rotates its queries and keys itself", file=sys.stderr, flush=True)
+            self.rope = None
+            self.traces = TraceCache(self._forward, MAX_TRACES)
+            return self.traces(key, *args)
 
     def trace(self, rows: int, table: mx.array, launches: list[tuple[int, int]]) -> int:
         """Trace (without running) the step of ``rows`` rows over the device slot ``table`` at
@@ -128,8 +145,8 @@ class CompiledPagedDecode:
         for launch in launches:
             if count == MAX_TRACES // 2:
                 return count  # half the cache at most: other shapes need room
-            self.traces((rows, launch), zeros, zeros, zeros + 1, table, zeros, self.pool.keys, self.pool.values,
-                        tail_keys, tail_values, zeros[:1], launch)  # outputs dropped
+            self._traced((rows, launch), zeros, zeros, zeros + 1, table, zeros, self.pool.keys, self.pool.values,
+                         tail_keys, tail_values, zeros[:1], launch)  # outputs dropped
             count += 1
         return count
 
@@ -152,9 +169,9 @@ class CompiledPagedDecode:
             for launch in launches(rows):
                 if time.perf_counter() > deadline or len(self.traces) >= MAX_TRACES * 3 // 4:
                     return count
-                logits, keys, values = self.traces((rows, launch), zeros, zeros, zeros + 1, table, zeros,
-                                                   self.pool.keys, self.pool.values, tail_keys, tail_values,
-                                                   zeros[:1], launch)
+                logits, keys, values = self._traced((rows, launch), zeros, zeros, zeros + 1, table, zeros,
+                                                    self.pool.keys, self.pool.values, tail_keys, tail_values,
+                                                    zeros[:1], launch)
                 mx.eval(logits, keys, values)
                 count += 1
         return count
