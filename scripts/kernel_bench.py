@@ -75,7 +75,7 @@ def main() -> None:
                           split_registers=args.split_registers)
     folded = PagedAttention(True, loop="classic" if args.variant else args.loop or None,
                             split_registers=args.split_registers)
-    folded.fold = True  # split launches merge their splits themselves (paged_kernels.FOLD)
+    folded.fold = True  # split launches merge their splits themselves (paged_stages.FOLD)
     print(f"loop {args.loop or 'default'}, split kernels' register cap {attn.split_registers}", flush=True)
     for b in [int(r) for r in args.rows.split(",")]:
         n = args.context - args.tail - 1  # pool positions

@@ -89,7 +89,7 @@ class PagedAttention:
             body(False, name)  # a ValueError for an unknown loop, now rather than at the first decode
         self.use_kernel = use_kernel
         self.unroll = unroll
-        self._kernels: dict[tuple[str, bool, str], object] = {}
+        self._kernels: dict[tuple[str, bool, str, bool], object] = {}
         self._scales: dict[float, mx.array] = {}
         self._one = mx.array([1], dtype=mx.int32)  # a tail of this step's K/V alone
         self.fold = FOLD_COMBINE
