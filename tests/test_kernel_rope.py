@@ -168,9 +168,7 @@ def test_a_model_whose_rotation_the_kernel_cannot_do_keeps_its_own(tmp_path, mon
 
 # Kernel-path families (test_fused_families.KERNEL_PATH) whose layers keep their own rotation.
 ROPE_KEPT = {
-    "smollm3": "NoPE layers beside RoPE ones",
-    "llama4_text": "NoPE layers (no rotary module) beside RoPE ones",
-    "llama4": "NoPE layers (no rotary module) beside RoPE ones",
+    "llama4": "RMS-normalizes its rotated queries and keys (the probe sees the order matter)",
     "hunyuan": "DynamicNTKAlphaRoPE", "hunyuan_v1_dense": "DynamicNTKAlphaRoPE",
     "minicpm3": "SuScaledRoPE (LongRoPE)",
     "nanbeige": "a looped stack: one module for several pool layers",
@@ -180,12 +178,19 @@ ROPE_KEPT = {
 }
 
 
+# Families with layers that rotate themselves (NoPE) beside layers whose rotation the kernel does.
+MIXED = {"smollm3", "llama4_text"}
+
+
 def test_which_kernel_path_families_leave_rope_to_the_kernel(model_dir, monkeypatch):
     from test_fused_families import KERNEL_PATH, _service
 
     _reference_kernels(monkeypatch)
-    kept = {arch for arch in KERNEL_PATH if _service(model_dir(arch)).engine.paths.rope is None}
+    specs = {arch: _service(model_dir(arch)).engine.paths.rope for arch in KERNEL_PATH}
+    kept = {arch for arch, s in specs.items() if s is None}
     assert kept == set(ROPE_KEPT), " ".join(sorted(kept ^ set(ROPE_KEPT)))
+    mixed = {arch for arch, s in specs.items() if s is not None and None in s}
+    assert mixed == MIXED, " ".join(sorted(mixed ^ MIXED))
 
 
 def test_a_layer_that_rotates_nothing_in_a_step_gets_the_kernel_that_does_not_rotate(model_dir, monkeypatch):

@@ -13,7 +13,8 @@ That is only right where the attention module rotates exactly its queries and ke
 module and does nothing else with the offset or the rotated arrays before the attention call.
 ``defer_rope`` runs each kind of attention module once both ways at load and keeps the
 deferral only where the two agree bit for bit (``rope_probe``); every other model keeps its
-own rotation. A layer whose module rotated nothing in a step (no RoPE in that layer) gets the
+own rotation. Layers whose rotary module the kernel does not know (or that have none) keep their
+own rotation beside deferred ones; a layer whose module rotated nothing in a step gets the
 kernel that does not rotate (``compiled_paged``).
 """
 
@@ -119,11 +120,13 @@ class DeferrableRoPE(nn.Module):
         return self.inner(x, offset=offset)
 
 
-def defer_rope(model: nn.Module, layout: CacheLayout) -> tuple[RopeSpec, ...] | None:
-    """Wrap every attention layer's rotary module in ``DeferrableRoPE`` and return the spec of
-    each KV-pool layer's, where every layer's rotation can be deferred and ``rope_probe``
-    agrees for each kind of attention module (``behaviour_key``: a layer whose flags differ,
-    one without RoPE say, is a kind of its own); else change nothing and return None.
+def defer_rope(model: nn.Module, layout: CacheLayout) -> tuple[RopeSpec | None, ...] | None:
+    """Wrap the rotary module of every attention layer the kernel can stand in for in
+    ``DeferrableRoPE`` and return each KV-pool layer's spec, None for a layer that keeps its own
+    rotation (no rotary module, NoPE, or one of arithmetic the kernel does not know: such a
+    layer's step gets the positions as its offset, as before). ``rope_probe`` must agree for
+    each kind of wrapped attention module (``behaviour_key``: a layer whose flags differ is a
+    kind of its own); else, or where no layer can defer, change nothing and return None.
     (``attention_patch`` must be installed: the probe's attention call reaches its cache so.)"""
     from runtime.worker.model.rope_probe import agrees  # it imports this module
 
@@ -138,19 +141,20 @@ def defer_rope(model: nn.Module, layout: CacheLayout) -> tuple[RopeSpec, ...] | 
         return None
     own = {kv: getattr(m, ROPE_ATTR, None) for kv, m in modules.items()}
     own = {kv: r.inner if isinstance(r, DeferrableRoPE) else r for kv, r in own.items()}
-    specs = {kv: rope_spec(r) for kv, r in own.items()}
-    if any(s is None for s in specs.values()):
+    specs = {kv: rope_spec(r) if isinstance(r, nn.Module) else None for kv, r in own.items()}
+    deferred = {kv: m for kv, m in modules.items() if specs[kv] is not None}
+    if not deferred:
         return None
-    for kv, module in modules.items():
+    for kv, module in deferred.items():
         setattr(module, ROPE_ATTR, DeferrableRoPE(own[kv]))
     probed: set[tuple] = set()
-    for kv, module in modules.items():
+    for kv, module in deferred.items():
         key = behaviour_key(module)  # the same classes and plain attributes: the same code path
         if key in probed:
             continue
         probed.add(key)
         if not agrees(module, specs[kv]):
-            for k, m in modules.items():
+            for k, m in deferred.items():
                 setattr(m, ROPE_ATTR, own[k])
             return None
-    return tuple(specs[kv] for kv in range(len(modules)))  # type: ignore[misc]
+    return tuple(specs[kv] for kv in range(len(modules)))

@@ -95,7 +95,7 @@ class AttentionPaths:
         self.tail = DecodeTail(len(layout.attention_layers), TAIL_STEPS) if kernel and not hybrid else None
         self.pending = DeferredSteps(PENDING_STEPS)  # row-cache decode steps not in the pool yet
         self.length_bucket = length_bucket
-        self.rope: tuple[RopeSpec, ...] | None = None  # set by kernel_rope: the kernel rotates
+        self.rope: tuple[RopeSpec | None, ...] | None = None  # set by kernel_rope: the kernel rotates
 
     def _check_kernel(self, length_bucket: int, tail: bool) -> str | None:
         """The paged kernel's start-up check (``check_paged_kernel``) of the kernel kind decode
@@ -119,7 +119,7 @@ class AttentionPaths:
             kernels[(splits > 1, warps)] = (splits, warps)
         return sorted(kernels.values())
 
-    def kernel_rope(self, model: nn.Module, layout: CacheLayout) -> tuple[RopeSpec, ...] | None:
+    def kernel_rope(self, model: nn.Module, layout: CacheLayout) -> tuple[RopeSpec | None, ...] | None:
         """Let the appending kernel rotate the queries and new keys of a compiled decode step
         (``kernel_rope``) where the model allows it and the rotating kernel passes its start-up
         check (``check_kernel_rope``); each KV layer's spec, else None (the model rotates)."""
@@ -130,7 +130,8 @@ class AttentionPaths:
             return None
         shape = self.pool.shape
         problem = check_kernel_rope(self.attention, self.pool.dtype, shape.n_kv_heads,
-                                    shape.n_heads // shape.n_kv_heads, shape.head_dim, specs,
+                                    shape.n_heads // shape.n_kv_heads, shape.head_dim,
+                                    tuple(s for s in specs if s is not None),
                                     self._kernel_launches(self.length_bucket), self.max_context)
         if problem is not None:
             print(f"runtime worker: the paged kernel's RoPE failed its start-up check ({problem}); "
@@ -277,7 +278,7 @@ class AttentionPaths:
                                            row_bucket, length_bucket)
         self.attention.warm_up(self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, variants,
                                tail=self.tail is not None)
-        kinds = {(s.mode, s.dims, s.traditional): s for s in self.rope or ()}  # each rotating kernel built
+        kinds = {(s.mode, s.dims, s.traditional): s for s in self.rope or () if s is not None}  # each rotating kernel
         for spec in kinds.values():
             self.attention.warm_up(self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, variants, rope=spec)
         return len(variants) * (1 + len(kinds))

@@ -37,7 +37,7 @@ class _Step:
     def __init__(self, attention: PagedAttention, positions: mx.array, lengths: mx.array, table: mx.array,
                  table_rows: mx.array, pool_keys: list[mx.array], pool_values: list[mx.array],
                  tail_keys: list[mx.array], tail_values: list[mx.array], tail_len: mx.array,
-                 launch: tuple[int, int], rope: tuple[RopeSpec, ...] | None) -> None:
+                 launch: tuple[int, int], rope: tuple[RopeSpec | None, ...] | None) -> None:
         self.attention, self.positions, self.lengths, self.rope = attention, positions, lengths, rope
         self.table, self.table_rows, self.launch = table, table_rows, launch
         self.pool_keys, self.pool_values = pool_keys, pool_values
@@ -56,7 +56,8 @@ class _TailView(CacheStandIn):
         self.kv_layer, self.step = kv_layer, step
         self.new: tuple[mx.array, mx.array] | None = None  # this step's K/V
         # The kernel rotates: the layer's rotary module sees this and leaves its input as it is.
-        self.deferred = DeferredOffset(step.positions) if step.rope is not None else None
+        rotates = step.rope is not None and step.rope[kv_layer] is not None
+        self.deferred = DeferredOffset(step.positions) if rotates else None
 
     @property
     def offset(self) -> mx.array | DeferredOffset:
@@ -70,7 +71,7 @@ class _TailView(CacheStandIn):
         s, i = self.step, self.kv_layer
         assert self.new is not None
         rope = None
-        if self.deferred is not None and s.rope is not None and self.deferred.calls:
+        if self.deferred is not None and s.rope is not None and s.rope[i] is not None and self.deferred.calls:
             if self.deferred.calls != 2:  # kernel_rope's load-time probe rules this out
                 raise RuntimeError(f"KV layer {i}: its rotary module ran {self.deferred.calls} times in a decode "
                                    "step whose kernel rotates (2 expected: queries and keys)")
@@ -88,11 +89,12 @@ class CompiledPagedDecode:
     """``forward(tokens, batch)``: logits of a kernel-path decode step whose bookkeeping
     (``AttentionPaths.decode_batch``: table, tail flush, lengths, launch shape) is done; the
     step's K/V become the tail's new arrays. Only for models whose every layer is attention.
-    ``rope`` (each KV layer's spec, from ``kernel_rope.defer_rope``): the kernel rotates the
-    queries and new keys, the layers' rotary modules do not."""
+    ``rope`` (each KV layer's spec, from ``kernel_rope.defer_rope``; None for a layer that
+    rotates itself): the kernel rotates those layers' queries and new keys, their rotary
+    modules do not."""
 
     def __init__(self, model: nn.Module, layout: CacheLayout, pool: KVPool, attention: PagedAttention,
-                 tail: DecodeTail, rope: tuple[RopeSpec, ...] | None = None) -> None:
+                 tail: DecodeTail, rope: tuple[RopeSpec | None, ...] | None = None) -> None:
         assert all(i >= 0 for i in layout.kv_index), "compiled decode needs every layer to be attention"
         self.model, self.kv_index, self.rope = model, list(layout.kv_index), rope
         self.pool, self.attention, self.tail = pool, attention, tail
