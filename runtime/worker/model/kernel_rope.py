@@ -2,12 +2,12 @@
 
 A one-row decode step on a GPU is host-bound: each kernel MLX launches costs host time the
 GPU then waits for, and the rotations of the queries and the new keys are two of a layer's
-dozen launches. Where every attention layer's rotary module is one whose arithmetic is known
+dozen launches. Where an attention layer's rotary module is one whose arithmetic is known
 (``nn.RoPE`` and subclasses that keep its call: a base; mlx-lm's ``Llama3RoPE``:
-frequencies), the compiled paged decode step
-hands the layers a ``DeferredOffset`` as their cache offset; the rotary modules, wrapped in
-``DeferrableRoPE``, then return their input unrotated, and the kernel rotates the queries and
-the new keys as MLX's rope kernel does (``paged_stages.ROPE_STAGE``).
+frequencies), the compiled paged decode step hands the layer a ``DeferredOffset`` as its
+cache offset; the rotary module, wrapped in ``DeferrableRoPE``, then returns its input
+unrotated, and the kernel rotates the queries and the new keys as MLX's rope kernel does
+(``paged_stages.ROPE_STAGE``).
 
 That is only right where the attention module rotates exactly its queries and keys with that
 module and does nothing else with the offset or the rotated arrays before the attention call.
@@ -141,7 +141,7 @@ def defer_rope(model: nn.Module, layout: CacheLayout) -> tuple[RopeSpec | None, 
         return None
     own = {kv: getattr(m, ROPE_ATTR, None) for kv, m in modules.items()}
     own = {kv: r.inner if isinstance(r, DeferrableRoPE) else r for kv, r in own.items()}
-    specs = {kv: rope_spec(r) if isinstance(r, nn.Module) else None for kv, r in own.items()}
+    specs = {kv: rope_spec(r) for kv, r in own.items()}
     deferred = {kv: m for kv, m in modules.items() if specs[kv] is not None}
     if not deferred:
         return None

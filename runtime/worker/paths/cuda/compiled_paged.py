@@ -71,11 +71,12 @@ class _TailView(CacheStandIn):
         s, i = self.step, self.kv_layer
         assert self.new is not None
         rope = None
-        if self.deferred is not None and s.rope is not None and s.rope[i] is not None and self.deferred.calls:
+        if self.deferred is not None and self.deferred.calls:  # (a deferred offset: the layer has a spec)
             if self.deferred.calls != 2:  # kernel_rope's load-time probe rules this out
                 raise RuntimeError(f"KV layer {i}: its rotary module ran {self.deferred.calls} times in a decode "
                                    "step whose kernel rotates (2 expected: queries and keys)")
             rope = (s.rope[i], s.positions)  # else the layer rotated nothing: no RoPE in it
+            assert rope[0] is not None
         out, s.new_keys[i], s.new_values[i] = s.attention.attend_appending(
             queries, s.pool_keys[i], s.pool_values[i], s.table, s.table_rows, s.lengths, s.tail_keys[i],
             s.tail_values[i], s.tail_len, *self.new, scale, s.launch, rope)

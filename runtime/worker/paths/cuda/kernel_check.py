@@ -162,9 +162,11 @@ def _check_rope_launch(attention: PagedAttention, dtype: mx.Dtype, n_kv: int, n_
         mx.eval(*rotated, *plain)
     except Exception as exc:  # a kernel that does not build or launch
         return f"{type(exc).__name__}: {exc}"
-    written = [slice(None)] * 2 + [slice(0, TAIL + 1)]  # the tail's positions past these are not written
-    for name, a, b, part in zip(("output", "appended keys", "appended values"), rotated, plain,
-                                ([...], written, written)):
-        if not mx.array_equal(a[tuple(part)], b[tuple(part)]).item():
+    (out, keys, values), (plain_out, plain_keys, plain_values) = rotated, plain
+    pairs = {"output": (out, plain_out),  # the tail's positions past TAIL + 1 are not written
+             "appended keys": (keys[:, :, : TAIL + 1], plain_keys[:, :, : TAIL + 1]),
+             "appended values": (values[:, :, : TAIL + 1], plain_values[:, :, : TAIL + 1])}
+    for name, (a, b) in pairs.items():
+        if not mx.array_equal(a, b).item():
             return f"the rotating kernel's {name} differ from MLX's rope and the plain kernel's"
     return None
