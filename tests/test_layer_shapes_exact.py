@@ -17,7 +17,8 @@ import mlx.core as mx
 import pytest
 from factory_shapes import HEAD_DIM, HEADS, KV_HEADS
 from harness import InProcessService
-from model_factory import load_cached, make_model, reference_greedy
+from model_factory import load_cached, make_model
+from near_tie import assert_requests_like_mlx
 
 from runtime.worker.model.discovery import AttentionShape, discover
 from runtime.worker.paths.rows.row_cache import RowCache
@@ -101,10 +102,6 @@ def _batch_sizes(arch: str) -> list[int]:
     return sorted({1, 2} | {s.n_heads for s in shapes} | {s.n_kv_heads for s in shapes})
 
 
-def _assert_exact(folder, reqs) -> None:
-    for r in reqs:
-        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
-
 
 @pytest.mark.parametrize("path", ["compiled", "row-cache", "pool-gather"])
 @pytest.mark.parametrize("arch", ARCHS)
@@ -119,7 +116,7 @@ def test_batched_decode_at_every_layers_head_counts(arch, path, model_dir):
     for batch in _batch_sizes(arch):
         reqs = [svc.request(f"{batch}-{i}", p, 8) for i, p in enumerate(_prompts(rng, batch))]
         svc.run({0: reqs})
-        _assert_exact(folder, reqs)
+        assert_requests_like_mlx(folder, reqs)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -137,7 +134,7 @@ def test_pool_gather_prefix_hits_and_chunks(arch, model_dir):
     long = svc.request("long", [rng.randrange(3, 250) for _ in range(30)], 6)
     svc.run({0: [suffix, repeat, long]})
     assert suffix.prefix_len >= len(shared) and repeat.prefix_len == len(repeat.prompt_ids) - 1
-    _assert_exact(folder, [first, suffix, repeat, long])
+    assert_requests_like_mlx(folder, [first, suffix, repeat, long])
 
 
 def test_layers_of_different_kv_dtypes_are_still_refused(model_dir):
@@ -182,4 +179,4 @@ def test_gemma4_global_kv_heads_and_k_eq_v(gemma4_moe_k_eq_v, path):
     reqs += [svc.request(f"r{i}", p, 8) for i, p in enumerate(_prompts(rng, HEADS))]
     svc.run({0: reqs})
     assert reqs[0].prefix_len == len(reqs[0].prompt_ids) - 1 and reqs[1].prefix_len >= len(shared)
-    _assert_exact(folder, [first] + reqs)
+    assert_requests_like_mlx(folder, [first] + reqs)
