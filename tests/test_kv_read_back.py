@@ -40,7 +40,6 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 250) for _ in range(n)]
 
 
-
 def test_gemma3n_is_found_reading_kv_back(model_dir):
     """Two cache entries (a sliding and a full layer) for four layers; the last two read the
     first two's K/V back, which marks the layout as sharing K/V."""

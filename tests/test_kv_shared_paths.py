@@ -23,7 +23,6 @@ def _prompts(rng: random.Random, n: int) -> list[list[int]]:
     return [[rng.randrange(3, 250) for _ in range(4 + 3 * i)] for i in range(n)]
 
 
-
 @pytest.mark.parametrize("arch", ["llama", "hunyuan", "falcon_h1"])
 def test_models_that_share_no_kv_are_not_marked(arch, model_dir):
     """Hunyuan's second layer reuses the first one's K/V projections but stores its K/V through

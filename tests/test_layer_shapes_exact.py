@@ -102,7 +102,6 @@ def _batch_sizes(arch: str) -> list[int]:
     return sorted({1, 2} | {s.n_heads for s in shapes} | {s.n_kv_heads for s in shapes})
 
 
-
 @pytest.mark.parametrize("path", ["compiled", "row-cache", "pool-gather"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_decode_at_every_layers_head_counts(arch, path, model_dir):
