@@ -73,9 +73,6 @@ def main() -> None:
     dtype = mx.bfloat16
     attn = PagedAttention(True, loop="classic" if args.variant else args.loop or None,
                           split_registers=args.split_registers)
-    folded = PagedAttention(True, loop="classic" if args.variant else args.loop or None,
-                            split_registers=args.split_registers)
-    folded.fold = True  # split launches merge their splits themselves (paged_stages.FOLD)
     print(f"loop {args.loop or 'default'}, split kernels' register cap {attn.split_registers}", flush=True)
     for b in [int(r) for r in args.rows.split(",")]:
         n = args.context - args.tail - 1  # pool positions
@@ -112,8 +109,6 @@ def main() -> None:
         runs = {
             f"paged {launch}": lambda: attn.attend_appending(q, keys, values, table, rows, lengths, tail_k, tail_v,
                                                              old_len, new_k, new_v, d**-0.5, launch),
-            f"paged folded {launch}": lambda: folded.attend_appending(q, keys, values, table, rows, lengths, tail_k,
-                                                                      tail_v, old_len, new_k, new_v, d**-0.5, launch),
             f"paged read {launch}": lambda: attn._kernel_attend(q, keys, values, table, rows, lengths - 1, tail_k, tail_v,
                                                                 full_len, d**-0.5, launch),
             "mx sdpa": lambda: mx.fast.scaled_dot_product_attention(q, ck, cv, scale=d**-0.5),
