@@ -30,7 +30,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.worker.paths.cuda import paged_kernels as pk  # noqa: E402
-from runtime.worker.paths.cuda.paged_stages import FOLD  # noqa: E402
 from runtime.worker.paths.cuda.kernel_launch import (  # noqa: E402
     REGISTERS,
     lanes_per_position,
@@ -38,7 +37,7 @@ from runtime.worker.paths.cuda.kernel_launch import (  # noqa: E402
     warps_for,
 )
 
-_INT_INPUTS = {"table", "rows", "lengths", "tail_len", "positions", "counters"}
+_INT_INPUTS = {"table", "rows", "lengths", "tail_len", "positions"}
 _FLOAT_INPUTS = {"scale", "rope_consts", "rope_freqs"}
 SASS_KINDS = ("LDG", "LDS", "STS", "LDSM", "HMMA", "SHFL", "PRMT", "FFMA", "FMUL", "FADD", "MUFU", "F2F", "BRA")
 _DEFAULT_HEADER = '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
@@ -58,15 +57,12 @@ struct Shape {
 
 def kernel_source(name: str, appending: bool, split: bool, loop: str, d: int, n_rep: int, n_kv: int,
                   warps: int, header: str = _DEFAULT_HEADER, registers: int = 0,
-                  rope: tuple[int, int, bool] | None = None, fold: bool = False) -> str:
+                  rope: tuple[int, int, bool] | None = None) -> str:
     """The full translation unit MLX's ``cuda_kernel`` makes of the decode kernel's source;
-    ``rope`` (mode, dims, traditional): the appending kernel that rotates; ``fold``: the split
-    kernel that merges its splits itself (``paged_stages.FOLD``)."""
-    body = (pk.body(appending, loop, rope is not None) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
-            + (FOLD if fold else ""))
-    inputs = (pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS) + (["counters"] if fold else [])
-    outputs = ((["out"] if fold else []) + (["part_acc", "part_m", "part_l"] if split else ["out"])
-               + (pk.APPEND_OUTPUTS if appending else []))
+    ``rope`` (mode, dims, traditional): the appending kernel that rotates."""
+    body = pk.body(appending, loop, rope is not None) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
+    inputs = pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS
+    outputs = (["part_acc", "part_m", "part_l"] if split else ["out"]) + (pk.APPEND_OUTPUTS if appending else [])
     params = []
     for arg in inputs:
         kind = "int" if arg in _INT_INPUTS else "float" if arg in _FLOAT_INPUTS else "__nv_bfloat16"

@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 from runtime.worker.paths.cuda import paged_kernels as pk
-from runtime.worker.paths.cuda.paged_stages import FOLD
 from runtime.worker.paths.cuda.kernel_launch import lanes_per_position
 from runtime.worker.paths.cuda.tensor_core import CP_ASYNC
 
@@ -190,7 +189,7 @@ void launch(int blocks, int threads, F kernel) {
 }
 """
 
-_INT_INPUTS = {"table", "rows", "lengths", "tail_len", "positions", "counters"}
+_INT_INPUTS = {"table", "rows", "lengths", "tail_len", "positions"}
 _FLOAT_INPUTS = {"scale", "rope_consts", "rope_freqs"}
 
 
@@ -215,21 +214,16 @@ def _input_type(name: str, elem: str) -> str:
 
 def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n_rep: int, n_kv: int,
             warps: int, unroll: int, edit: Callable[[str], str] | None = None,
-            rope: tuple[int, int, bool] | None = None, fold: bool = False) -> str:
+            rope: tuple[int, int, bool] | None = None) -> str:
     """A C++ program running one decode step (inputs on stdin, outputs as float32 on stdout);
     ``edit`` rewrites the decode kernel's body first; ``rope`` (mode, dims, traditional): the
-    kernel that rotates the queries and new keys; ``fold`` (split): the split kernel merges its
-    splits itself (``paged_stages.FOLD``), no combine kernel, and the block counters follow
-    the outputs."""
-    assert split or not fold
-    inputs = (pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS) + (["counters"] if fold else [])
-    outputs = ((["out"] if fold else []) + (["part_acc", "part_m", "part_l"] if split else ["out"])
-               + (pk.APPEND_OUTPUTS if appending else []))
+    kernel that rotates the queries and new keys."""
+    inputs = pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS
+    outputs = (["part_acc", "part_m", "part_l"] if split else ["out"]) + (pk.APPEND_OUTPUTS if appending else [])
     params = [f"const {_input_type(name, 'T')}* {name}" for name in inputs]
     params += ["const int* queries_shape", "const int* table_shape", "const int* tail_keys_shape"]
     params += [f"{'float' if name.startswith('part') else 'T'}* {name}" for name in outputs]
-    source = (pk.body(appending, loop, rope is not None) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
-              + (FOLD if fold else ""))
+    source = pk.body(appending, loop, rope is not None) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
     if edit is not None:
         source = edit(source)
     if rope is not None:
@@ -254,17 +248,16 @@ def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n
             "    const int tail_keys_shape[4] = {B, HKV, RCAP, D};"]
     main += [f"    const auto {name} = read_array<{_input_type(name, 'T')}>();" for name in inputs]
     main += [f"    std::vector<{'float' if name.startswith('part') else 'T'}> {name}({sizes[name]});"
-             for name in outputs + (["out"] if split and not fold else [])]
+             for name in outputs + (["out"] if split else [])]
     args = [f"{name}.data()" for name in inputs] + ["queries_shape", "table_shape", "tail_keys_shape"]
     args += [f"{name}.data()" for name in outputs]
     main.append(f"    launch(B * HKV * SPLITS, NWARPS * 32, [&] {{ decode<T, D, NREP, HKV, NWARPS, UNROLL, GL>"
                 f"({', '.join(args)}); }});")
-    if split and not fold:
+    if split:
         main.append("    const int part_m_shape[1] = {B * HKV * SPLITS * NREP};")
         main.append("    launch(B * HKV * NREP, D, [&] { combine<T, D, NREP>(part_acc.data(), part_m.data(),"
                     " part_l.data(), part_m_shape, out.data()); });")
     main += ["    write_array(out);"] + [f"    write_array({name});" for name in pk.APPEND_OUTPUTS if appending]
-    main += ["    write_array(counters);"] if fold else []
     main += ["    return 0;", "}"]
     assert pk.MMA in pk.HEADER and CP_ASYNC in pk.HEADER
     header = pk.HEADER.replace(pk.MMA, _MMA).replace(CP_ASYNC, _CP_ASYNC)
@@ -304,8 +297,7 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
                      n_rep: int = 2, n_kv: int = 2, warps: int = 4, unroll: int = 1, rows: int = 2,
                      context: int = 70, tail: int = 3, capacity: int = 6, seed: int = 0,
                      edit: Callable[[str], str] | None = None, full: bool = False,
-                     rope: tuple[int, int, bool] | None = None, fold: bool = False,
-                     outputs: list[np.ndarray] | None = None) -> tuple[float, bool]:
+                     rope: tuple[int, int, bool] | None = None, outputs: list[np.ndarray] | None = None) -> tuple[float, bool]:
     """One simulated decode step of ``rows`` rows, each with up to ``context`` pool positions
     (``tail`` more in a tail of ``capacity``; appending: ``tail - 1`` old ones and the new
     K/V): the largest absolute difference from the reference, and whether the appended tail
@@ -314,9 +306,7 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
     row has all ``context`` pool positions (no row shorter, so every split holds some);
     ``rope`` (mode 1 base or 2 frequencies, dims, traditional): the kernel rotates the queries
     and new keys (each row at a random position), against a float64 rotation (the appended
-    new row then within a bf16 rounding of it, not exact); ``fold``: the split kernel merges its
-    splits itself (``paged_stages.FOLD``), and its block counters must come back zeroed;
-    ``outputs``: a list the step's output array is appended to."""
+    new row then within a bf16 rounding of it, not exact); ``outputs``: a list the step's output array is appended to."""
     assert dtype in ("float", "bf16") and 1 <= tail <= capacity and (appending or rope is None)
     rng = np.random.default_rng(seed)
     cast = (lambda x: _from_bf16(_bf16(x))) if dtype == "bf16" else (lambda x: x.astype(np.float32))
@@ -353,11 +343,9 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
               "tail_len": np.array([tail - 1 if appending else tail], np.int32), "new_keys": new_k,
               "new_values": new_v, "scale": np.array([scale], np.float32), "positions": positions,
               "rope_consts": consts, "rope_freqs": freqs}
-
-    arrays["counters"] = np.zeros(rows * n_kv, np.int32)
-    source = program(appending, splits > 1, loop, dtype, head_dim, n_rep, n_kv, warps, unroll, edit, rope, fold)
+    source = program(appending, splits > 1, loop, dtype, head_dim, n_rep, n_kv, warps, unroll, edit, rope)
     stdin = [np.array([rows, rows + 1, table.shape[1], capacity, splits], np.int32).tobytes()]
-    for name in (pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS) + (["counters"] if fold else []):
+    for name in pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS:
         a = arrays[name]
         data = _bf16(a) if _input_type(name, dtype) == "bf16" else a
         stdin += [np.array([a.size], np.int64).tobytes(), np.ascontiguousarray(data).tobytes()]
@@ -365,9 +353,6 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
     ran = subprocess.run([str(_binary(source))], input=b"".join(stdin), capture_output=True, check=True, timeout=60)
     result = np.frombuffer(ran.stdout, np.float32)
     out = result[: queries.size].reshape(rows, n_q, head_dim)
-    if fold:
-        assert not result[-rows * n_kv :].any(), "the folded launch left its block counters set"
-        result = result[: -rows * n_kv]
     if outputs is not None:
         outputs.append(out.copy())
 

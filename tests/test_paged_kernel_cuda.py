@@ -126,27 +126,3 @@ def test_the_rotating_kernel_matches_mlx_rope_bit_for_bit(name, loop):
     attention = PagedAttention(True, loop=loop)
     problem = check_kernel_rope(attention, mx.bfloat16, 8, 4, 128, (spec,), [(1, 4), (4, 4)], 131072)
     assert problem is None, problem
-
-
-@pytest.mark.parametrize("splits", [2, 8, 32])
-def test_a_folded_split_launch_equals_the_combine_kernel(splits):
-    """``PagedAttention.fold``: the split kernel's last block merges the splits; the output is
-    the combine kernel's (bit for bit up to FEW_SPLITS splits), the tail the same, and the
-    counters left zeroed for the next launch (three launches in a row)."""
-    from runtime.worker.paths.cuda.paged_kernels import FEW_SPLITS
-
-    pool_args, (tail_k, tail_v, new_k, new_v), _ = _case(5, 32, 8, 128, 600, 3, 11)
-    tail_len = mx.array([3], dtype=mx.int32)
-    plain = PagedAttention(True)
-    folded = PagedAttention(True)
-    folded.fold = True
-    expected = plain.attend_appending(*pool_args, tail_k, tail_v, tail_len, new_k, new_v, 0.088, (splits, 4))
-    for _ in range(3):
-        got = folded.attend_appending(*pool_args, tail_k, tail_v, tail_len, new_k, new_v, 0.088, (splits, 4))
-        mx.eval(*got)
-        assert not mx.any(folded._counters).item()
-        if splits <= FEW_SPLITS:
-            assert mx.array_equal(got[0], expected[0]).item()
-        else:
-            assert mx.allclose(got[0].astype(mx.float32), expected[0].astype(mx.float32), atol=2e-2).item()
-        assert mx.array_equal(got[1][:, :, :4], expected[1][:, :, :4]).item()

@@ -69,18 +69,6 @@ def test_the_rotating_kernel_builds_without_spills_and_launches(nvrtc, loop, spl
     _builds_without_spills_and_launches(nvrtc, source, warps)
 
 
-@pytest.mark.parametrize(("loop", "n_rep", "head_dim", "rope"), [
-    ("mma_ahead", 4, 128, (1, 128, False)), ("mma", 4, 64, None), ("pipelined", 2, 96, None)])
-def test_the_split_kernel_that_merges_its_splits_builds_without_spills(nvrtc, loop, n_rep, head_dim, rope):
-    """``FOLD`` (``PagedAttention.fold``): atomics, fences and ``__ldcg`` build, within the
-    same launch limits as the split kernel."""
-    warps = loop_warps(loop, warps_for(n_rep, head_dim), head_dim, split=True)
-    source = nvrtc_check.kernel_source("paged", True, True, loop, head_dim, n_rep, 8, warps, nvrtc_check.STUB_HEADER,
-                                       rope=rope, fold=True)
-    assert "atomicAdd" in source and "const int* counters" in source
-    _builds_without_spills_and_launches(nvrtc, source, warps)
-
-
 @pytest.mark.parametrize("cap", [168, 128])
 def test_a_register_cap_holds_the_split_kernel_to_it(nvrtc, cap):
     """``register_cap`` (``PagedAttention(split_registers=...)``): the build keeps to the cap,

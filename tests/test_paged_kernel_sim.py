@@ -166,35 +166,3 @@ def test_a_kernel_that_does_not_rotate_is_caught() -> None:
                                     tail=3, rope=(1, 128, False), edit=unrotated)
     assert err > TOLERANCE["bf16"] or not tail_ok
     assert not tail_ok
-
-
-@pytest.mark.parametrize(("loop", "appending", "splits", "dtype", "head_dim", "n_rep"), [
-    ("mma", True, 4, "bf16", 128, 4), ("mma_ahead", True, 8, "bf16", 64, 2), ("pipelined", False, 3, "float", 96, 2),
-    ("mma", False, 16, "bf16", 128, 2)])
-def test_a_split_launch_that_merges_its_own_splits(loop: str, appending: bool, splits: int, dtype: str, head_dim: int,
-                                                   n_rep: int) -> None:
-    """``FOLD``: the last block of each row and KV head merges the splits. The output is the
-    combine kernel's bit for bit up to FEW_SPLITS splits (the same arithmetic in the same
-    order), within the tolerance past them; the block counters come back zeroed."""
-    from runtime.worker.paths.cuda.paged_kernels import FEW_SPLITS
-
-    for context, tail, seed in ((200, 3, 0), (2, 1, 1)):  # the second: some splits empty
-        outs: list = []
-        for fold in (False, True):
-            err, tail_ok = run_paged_kernel(loop, appending, splits, dtype=dtype, head_dim=head_dim, n_rep=n_rep,
-                                            warps=2, context=context, tail=tail, seed=seed, fold=fold, outputs=outs)
-            assert err < TOLERANCE[dtype] and tail_ok, (fold, context, err)
-        if splits <= FEW_SPLITS:
-            assert (outs[0] == outs[1]).all(), f"context {context}: the folded merge differs from the combine kernel's"
-
-
-def test_a_fold_that_merges_before_every_split_is_in_is_caught() -> None:
-    # The last block but one merges: the last split is missing, and its count stays.
-    def first_merges(source: str) -> str:
-        assert "atomicAdd(counter, 1) == SPLITS - 1" in source
-        return source.replace("atomicAdd(counter, 1) == SPLITS - 1", "atomicAdd(counter, 1) == SPLITS - 2")
-
-    with pytest.raises(AssertionError):  # the counters stay set, and the output misses splits
-        err, _ = run_paged_kernel("mma", True, 4, dtype="bf16", head_dim=128, n_rep=4, warps=2, context=200, tail=3,
-                                  fold=True, edit=first_merges)
-        assert err < TOLERANCE["bf16"]

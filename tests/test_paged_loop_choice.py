@@ -77,9 +77,9 @@ def test_a_launch_builds_the_loop_and_warps_it_names(monkeypatch, launch, head_d
     monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: True)
     asked = []
 
-    def kernel(self, which, appending, loop="", rope=False):
+    def kernel(self, which, appending, loop="", rope=False, shared=0):
         def launched(**kwargs):
-            asked.append((which, loop, kwargs["threadgroup"][0] // 32))
+            asked.append((which, loop, kwargs["threadgroup"][0] // 32) + ((shared,) if shared else ()))
             return [mx.zeros(shape, dtype) for shape, dtype in zip(kwargs["output_shapes"], kwargs["output_dtypes"])]
         return launched
 
@@ -91,28 +91,34 @@ def test_a_launch_builds_the_loop_and_warps_it_names(monkeypatch, launch, head_d
     assert asked[0] == (kind, expected_loop, warps)
 
 
-def test_a_folded_split_launch_is_one_kernel_with_the_block_counters(monkeypatch):
-    """``PagedAttention.fold``: a split launch asks for the ``fold`` kernel alone (no combine),
-    with a zeroed counter per (row, KV head) as its last input; an unsplit launch is as before."""
+@pytest.mark.parametrize(("loop", "head_dim", "warps"), [
+    ("mma_staged3", 128, 8),  # 3 stages x 8 warps x 8 KiB: 192 KiB
+    ("mma_staged4", 128, 4),  # 4 x 8 x 8 KiB would pass the limit: half the warps
+    ("mma_staged6", 64, 8),
+])
+def test_a_staged_launch_asks_for_its_stages_as_shared_memory(monkeypatch, loop, head_dim, warps):
     monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: True)
+    monkeypatch.setattr(paged_attention, "SPLIT_LOOP", loop)
+    monkeypatch.setattr(paged_attention, "SPLIT_LOOP_SMALL_DIMS", loop)
     asked = []
 
-    def kernel(self, which, appending, loop="", rope=False):
+    def kernel(self, which, appending, loop="", rope=False, shared=0):
         def launched(**kwargs):
-            asked.append((which, kwargs["inputs"]))
+            asked.append((which, loop, kwargs["threadgroup"][0] // 32, shared))
             return [mx.zeros(shape, dtype) for shape, dtype in zip(kwargs["output_shapes"], kwargs["output_dtypes"])]
         return launched
 
     monkeypatch.setattr(PagedAttention, "_kernel", kernel)
-    attention = PagedAttention(False)
-    attention.fold = True
-    queries = mx.zeros((3, 32, 1, 128), dtype=mx.bfloat16)
-    (out,) = attention._launch([queries], 8, (4, 4))
-    assert out.shape == queries.shape and [a[0] for a in asked] == ["fold"]
-    counters = asked[0][1][-1]
-    assert counters.dtype == mx.int32 and counters.size >= 3 * 8 and not mx.any(counters).item()
-    attention._launch([queries], 8, (1, 4))
-    assert [a[0] for a in asked] == ["fold", "single"]
-    bigger = mx.zeros((5, 32, 1, 128), dtype=mx.bfloat16)
-    attention._launch([bigger], 8, (2, 4))
-    assert asked[-1][1][-1].size >= 5 * 8  # grown for a larger batch
+    queries = mx.zeros((1, 32, 1, head_dim), dtype=mx.bfloat16)
+    PagedAttention(False)._launch([queries], 8, (32, 8))
+    stages = int(loop.removeprefix("mma_staged"))
+    assert asked[0] == ("split", loop, warps, stages * warps * 16 * head_dim * 4)
+    assert asked[0][3] <= 200 * 1024 and asked[1][0] == "combine"
+
+
+def test_staged_loops_need_head_dims_of_64s(monkeypatch):
+    monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: True)
+    attention = PagedAttention(False, loop="mma_staged3")
+    assert attention.loop_for(mx.bfloat16, 4, 128) == "mma_staged3"
+    assert attention.loop_for(mx.bfloat16, 4, 96) == "mma_ahead"  # its pieces of a row would not be 16 bytes
+    assert attention.loop_for(mx.float32, 4, 128) == "pipelined"  # no tensor cores for float32 K/V

@@ -38,7 +38,7 @@ for item in "$@"; do
     *@nographs) item=${item%@*}; tag=-nographs; export MLX_USE_CUDA_GRAPHS=0 ;;
     *@graphs) item=${item%@*}; tag=-graphs; export MLX_USE_CUDA_GRAPHS=1 ;;
   esac
-  tag=$tag${fuse_tag:-}${tail_tag:-}${rope_tag:-}${fold_tag:-}${loop_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
+  tag=$tag${fuse_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
   case $item in
     kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
     gemv-ab) run "$item" 150 python3 scripts/gemv_ab.py ;;
@@ -70,12 +70,6 @@ for item in "$@"; do
       sed -i "s/^KERNEL_ROPE = .*/KERNEL_ROPE = $value/" runtime/worker/engine.py; rope_tag=-$item
       echo "== $item: $(grep -E '^KERNEL_ROPE =' runtime/worker/engine.py)" ;;
     pytest-rope) run "$item" 300 python3 -m pytest -q tests/test_paged_kernel_cuda.py -k rotating ;;
-    fold-on|fold-off)  # on this device copy only: the items after it merge split launches in the split kernel (on)
-                       # or in the combine kernel (off, the default: paged_attention.FOLD_COMBINE)
-      value=$([ "$item" = fold-on ] && echo True || echo False)
-      sed -i "s/^FOLD_COMBINE = .*/FOLD_COMBINE = $value/" runtime/worker/paths/paged_attention.py; fold_tag=-$item
-      echo "== $item: $(grep -E '^FOLD_COMBINE =' runtime/worker/paths/paged_attention.py)" ;;
-    pytest-fold) run "$item" 200 python3 -m pytest -q tests/test_paged_kernel_cuda.py -k folded ;;
     pytest-staged) run "$item" 200 python3 -m pytest -q tests/test_paged_kernel_cuda.py -k "staged" ;;
     kernel-staged)  # the staged loops (cp.async into shared memory) against mma_ahead / mma: 1 and 8 rows at 32k,
                     # 64 rows at 2k, and a one-row 32k sweep of splits x warps per loop
@@ -88,8 +82,6 @@ for item in "$@"; do
       var=$([ "${item#split-}" != "$item" ] && echo SPLIT_LOOP || echo LOOP); value=${item#split-}; value=${value#loop-}
       sed -i "s/^$var = \".*\"/$var = \"$value\"/" runtime/worker/paths/paged_attention.py; loop_tag=-$item
       echo "== $item: $(grep -E "^$var =" runtime/worker/paths/paged_attention.py)" ;;
-    kernel-fold)  # one row, the split launch with its combine kernel against the folded one ("paged folded")
-      run "$item" 150 bash -c "for c in 2048 8192 32768; do python3 scripts/kernel_bench.py --rows 1,8 --context \$c --calls 20; done" ;;
     kernel-gpu) run "$item" 120 bash -c "python3 scripts/kernel_bench.py --rows 1,8,64 --context 32768 --calls 20 &&
                                           python3 scripts/kernel_bench.py --rows 1,8 --context 32768 --calls 20 --scatter &&
                                           python3 scripts/kernel_bench.py --rows 1,64 --context 2048 --calls 20 &&
@@ -136,7 +128,7 @@ for item in "$@"; do
     pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py ;;
     pytest-shapes)  # attention layers of several shapes, KV-shared layers (Gemma 4, Gemma 3n): token-exact on CUDA too
       run "$item" 400 python3 -m pytest -q tests/test_layer_shapes_exact.py tests/test_kv_read_back.py tests/test_kv_shared_paths.py ;;
-    *) echo "== $item: unknown (pytest-staged kernel-staged split-loop-LOOP loop-LOOP fold-on fold-off pytest-fold kernel-fold rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
+    *) echo "== $item: unknown (pytest-staged kernel-staged split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then

@@ -35,7 +35,6 @@ from runtime.worker.paths.cuda.paged_kernels import (
     register_cap,
 )
 from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS, STAGED_LOOPS, stage_bytes
-from runtime.worker.paths.cuda.paged_stages import FOLD
 from runtime.worker.paths.decode_plan import bucket_lengths
 from runtime.worker.pools.kv_pool import KVPool
 
@@ -57,11 +56,6 @@ SPLIT_LOOP_SMALL_DIMS = "mma"
 # takes 255 at 4 x 128, so 8 warps an SM). ``scripts/kernel_bench.py --split-registers`` times
 # caps on a GPU (plan item ``kernel-regs``); none is measured to pay yet.
 SPLIT_MAX_REGISTERS = 0
-# Split launches merge their partial results themselves (``FOLD``: the last block of each row and
-# KV head), not in a second, combine kernel: one launch a layer fewer on a host-bound step, and
-# no combine kernel's GPU time (3.5-5.4 us a layer on an H100). Off until measured on a GPU (plan
-# items fold-on / fold-off); up to FEW_SPLITS splits the outputs are the combine kernel's bits.
-FOLD_COMBINE = False
 
 
 class PagedAttention:
@@ -92,8 +86,6 @@ class PagedAttention:
         self._kernels: dict[tuple[str, bool, str, bool], object] = {}
         self._scales: dict[float, mx.array] = {}
         self._one = mx.array([1], dtype=mx.int32)  # a tail of this step's K/V alone
-        self.fold = FOLD_COMBINE
-        self._counters = mx.zeros((0,), dtype=mx.int32)  # the folded launches' block counts (FOLD)
 
     @staticmethod
     def kernel_available() -> bool:
@@ -192,8 +184,7 @@ class PagedAttention:
         return "pipelined"
 
     def _kernel(self, kind: str, appending: bool, loop: str = "", rope: bool = False, shared: int = 0):
-        """The compiled-on-demand kernel object: ``single``, ``split``, ``fold`` (a split one that
-        merges its splits itself) or ``combine``; ``rope``: the appending one that rotates its
+        """The compiled-on-demand kernel object: ``single``, ``split`` or ``combine``; ``rope``: the appending one that rotates its
         queries and new keys; ``shared``: the dynamic shared memory its blocks take (the staged
         loops' stages, a function of the warps and head dim that are its template's)."""
         loop = loop or self.loop
@@ -204,17 +195,15 @@ class PagedAttention:
                                              input_names=["part_acc", "part_m", "part_l"], output_names=["out"],
                                              source=COMBINE)
             else:
-                outputs = {"single": ["out"], "split": ["part_acc", "part_m", "part_l"],
-                           "fold": ["out", "part_acc", "part_m", "part_l"]}[kind]
+                outputs = {"single": ["out"], "split": ["part_acc", "part_m", "part_l"]}[kind]
                 inputs = ROPE_INPUTS if rope else APPEND_INPUTS if appending else INPUTS
                 cap = self.split_registers if kind != "single" else 0
                 kernel = mx.fast.cuda_kernel(  # a capped build has a name of its own (MLX caches by name)
                     name=(f"runtime_paged_decode_{kind}{'_append' if appending else ''}{'_rope' if rope else ''}"
                           f"_{loop}{f'_r{cap}' if cap else ''}"),
-                    input_names=inputs + (["counters"] if kind == "fold" else []),
+                    input_names=inputs,
                     output_names=outputs + (APPEND_OUTPUTS if appending else []),
-                    source=body(appending, loop, rope) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL)
-                    + (FOLD if kind == "fold" else ""),
+                    source=body(appending, loop, rope) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL),
                     header=register_cap(cap) + HEADER, shared_memory=shared)
             self._kernels[key] = kernel
         return self._kernels[key]
@@ -244,12 +233,6 @@ class PagedAttention:
                 output_shapes=[queries.shape] + tails, output_dtypes=[queries.dtype] * (1 + len(tails)))
         assert splits <= COMBINE_MAX_SPLITS, f"{splits} splits: the combine kernel merges {COMBINE_MAX_SPLITS} at most"
         parts = blocks * splits * n_rep
-        if self.fold:
-            out, _, _, _, *tail = self._kernel("fold", appending, loop, rope is not None, shared)(
-                inputs=inputs + [self._block_counters(blocks)], template=template, grid=grid,
-                threadgroup=(warps * 32, 1, 1), output_shapes=[queries.shape, (parts * d,), (parts,), (parts,)] + tails,
-                output_dtypes=[queries.dtype] + [mx.float32] * 3 + [queries.dtype] * len(tails))
-            return [out, *tail]
         part_acc, part_m, part_l, *tail = self._kernel("split", appending, loop, rope is not None, shared)(
             inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
             output_shapes=[(parts * d,), (parts,), (parts,)] + tails,
@@ -260,14 +243,6 @@ class PagedAttention:
             grid=(blocks * n_rep * d, 1, 1), threadgroup=(d, 1, 1),
             output_shapes=[queries.shape], output_dtypes=[queries.dtype])
         return [out, *tail]
-
-    def _block_counters(self, blocks: int) -> mx.array:
-        """Zeroed block counts for a folded launch of ``blocks`` (row, KV head) pairs: one array
-        kept for every launch (each leaves it zeroed), grown (a new one) for a larger batch."""
-        if self._counters.size < blocks:
-            self._counters = mx.zeros((max(blocks, 2 * self._counters.size),), dtype=mx.int32)
-            mx.eval(self._counters)
-        return self._counters
 
     @staticmethod
     def variants(n_kv: int, n_rep: int, head_dim: int, max_rows: int, max_context: int,

@@ -1,6 +1,10 @@
-"""CUDA sources of the paged decode kernel's optional stages (``paged_kernels.body`` and
-``PagedAttention`` put them in): the RoPE of the step's queries and new keys before the loop,
-and the merge of a split launch's partial results by its last block after it.
+"""CUDA sources of the paged decode kernel's optional stages (``paged_kernels.body`` puts them
+in): the RoPE of the step's queries and new keys before the loop.
+
+A stage that merged a split launch's partial results in its last block (one kernel a layer, no
+combine kernel) was measured on an H100 in session 28 and removed: 1.2-1.7x slower than the split
+kernel with the combine kernel at one row (114.7 against 67.3 us at 32k, 53.6 against 41.9 at
+8k), its last block merging every split alone.
 """
 
 from __future__ import annotations
@@ -52,45 +56,5 @@ ROPE_STAGE = """    __shared__ __align__(16) T rope_q[NREP * D];
         __syncthreads();
         qblock = rope_q;
         new_keys_row = rope_k;
-    }
-"""
-
-# A split launch that merges its own partial results (``FOLD``): the last block of each (row,
-# KV head) to finish does what the combine kernel would, so a layer launches one kernel, not two.
-# The blocks count themselves in ``counters`` (one int per (row, KV head), zero between launches:
-# the last block resets its own), an input MLX keeps and the kernel writes through a cast. The
-# merge reads every split's maximum and sum itself in split order at every split count: the
-# combine kernel's few-splits arithmetic (the same bits up to FEW_SPLITS splits; past them the
-# combine kernel rounds its factors through shared memory). Partial results are read past the
-# L1 cache (``__ldcg``): other blocks wrote them.
-FOLD = """
-    __shared__ int fold_last;
-    __threadfence();  // this block's partial results are visible before it is counted
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* counter = const_cast<int*>(counters) + bh;
-        fold_last = atomicAdd(counter, 1) == SPLITS - 1;
-        if (fold_last) *counter = 0;  // every split has counted: ready for the next launch
-    }
-    __syncthreads();
-    if (fold_last) {
-        __threadfence();
-        for (int idx = threadIdx.x; idx < NREP * D; idx += NWARPS * 32) {
-            const int r = idx / D;
-            const int d = idx % D;
-            const size_t first = (size_t)bh * SPLITS * NREP + r;  // split s's partial result: first + s * NREP
-            float top = -INFINITY;
-            for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, __ldcg(part_m + first + (size_t)s * NREP));
-            float sum = 0.f;
-            float value = 0.f;
-            for (int s = 0; s < SPLITS; ++s) {
-                const float pm = __ldcg(part_m + first + (size_t)s * NREP);
-                if (pm == -INFINITY) continue;  // an empty split: nothing to add
-                const float f = expf(pm - top);
-                sum += __ldcg(part_l + first + (size_t)s * NREP) * f;
-                value += __ldcg(part_acc + (first + (size_t)s * NREP) * D + d) * f;
-            }
-            out[((size_t)bh * NREP + r) * D + d] = static_cast<T>(value / sum);
-        }
     }
 """
