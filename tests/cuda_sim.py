@@ -29,7 +29,6 @@ import numpy as np
 
 from runtime.worker.paths.cuda import paged_kernels as pk
 from runtime.worker.paths.cuda.kernel_launch import lanes_per_position
-from runtime.worker.paths.cuda.tensor_core import CP_ASYNC
 
 CXX = ["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-pthread"]
 
@@ -143,20 +142,6 @@ inline void mma16816(float* c, const unsigned* a, const unsigned* b, const bf16*
 inline unsigned pack2(float lo, float hi, const bf16*) { return unsigned(bf16(lo).bits) | (unsigned(bf16(hi).bits) << 16); }
 """
 
-# The staged loops' asynchronous copies as plain ones (a lane reads back only what it copied), and
-# their stage memory a static buffer (blocks run one at a time).
-_CP_ASYNC = r"""
-template <int U = 0>
-inline void cp_async16(uint4* dst, const void* src) { std::memcpy(dst, src, 16); }
-template <int U = 0>
-inline void cp_async_commit() {}
-template <int N>
-inline void cp_async_wait() {}
-alignas(16) uint4 kv_stage_memory[1 << 16];
-template <int U = 0>
-inline uint4* kv_stages() { return kv_stage_memory; }
-"""
-
 _RUNNER = r"""
 template <typename E>
 std::vector<E> read_array() {
@@ -259,9 +244,8 @@ def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n
                     " part_l.data(), part_m_shape, out.data()); });")
     main += ["    write_array(out);"] + [f"    write_array({name});" for name in pk.APPEND_OUTPUTS if appending]
     main += ["    return 0;", "}"]
-    assert pk.MMA in pk.HEADER and CP_ASYNC in pk.HEADER
-    header = pk.HEADER.replace(pk.MMA, _MMA).replace(CP_ASYNC, _CP_ASYNC)
-    return _STUBS + header + decode + combine + _RUNNER + "\n".join(main) + "\n"
+    assert pk.MMA in pk.HEADER
+    return _STUBS + pk.HEADER.replace(pk.MMA, _MMA) + decode + combine + _RUNNER + "\n".join(main) + "\n"
 
 
 @functools.cache

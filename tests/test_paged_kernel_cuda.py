@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from runtime.worker.paths.cuda.kernel_launch import launch_shape
-from runtime.worker.paths.cuda.paged_mma import STAGED_LOOPS
 from runtime.worker.paths.paged_attention import PagedAttention
 
 pytestmark = pytest.mark.skipif(not PagedAttention.kernel_available(), reason="needs MLX on a CUDA GPU")
@@ -40,8 +39,7 @@ def _case(rows: int, n_q: int, n_kv: int, d: int, context: int, tail: int, seed:
     return pool_args, (tail_k, tail_v, new_k, new_v), lengths
 
 
-@pytest.mark.parametrize(("loop", "unroll"), [("pipelined", 1), ("classic", 1), ("mma", 1), ("mma_ahead", 1),
-                                             ("mma_staged3", 1)])
+@pytest.mark.parametrize(("loop", "unroll"), [("pipelined", 1), ("classic", 1), ("mma", 1), ("mma_ahead", 1)])
 @pytest.mark.parametrize(("n_q", "n_kv", "d"), [(32, 8, 64), (32, 8, 128), (16, 2, 128), (8, 8, 64), (16, 4, 96)])
 def test_the_appending_kernel_equals_reading_a_concatenated_tail(n_q, n_kv, d, loop, unroll):
     attention = PagedAttention(True, loop=loop, unroll=unroll)
@@ -68,20 +66,6 @@ def test_the_appending_kernel_equals_reading_a_concatenated_tail(n_q, n_kv, d, l
                                                        mask=mx.array(valid)[:, None, None, :])
             err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
             assert err < 2e-2, (launch, err)
-
-
-@pytest.mark.parametrize("loop", sorted(STAGED_LOOPS))
-def test_a_staged_loop_has_the_mma_loops_bits(loop):
-    """A warp of a staged loop computes the same passes in the same order as the mma loop's,
-    only loaded through shared memory: the same output bits at the same launch (warps the
-    loops' rules leave alike), past many refills of every stage."""
-    staged, mma = PagedAttention(True, loop=loop), PagedAttention(True, loop="mma")
-    for rows, context, launch in ((1, 3000, (1, 8)), (1, 5000, (8, 4)), (5, 700, (1, 4)), (3, 2000, (4, 2))):
-        pool_args, (tail_k, tail_v, new_k, new_v), _ = _case(rows, 32, 8, 128, context, 5, context + rows)
-        tail_len = mx.array([5], dtype=mx.int32)
-        got = staged.attend_appending(*pool_args, tail_k, tail_v, tail_len, new_k, new_v, 0.088, launch)
-        expected = mma.attend_appending(*pool_args, tail_k, tail_v, tail_len, new_k, new_v, 0.088, launch)
-        assert all(mx.array_equal(a, b).item() for a, b in zip(got, expected)), (rows, context, launch)
 
 
 def test_the_first_step_after_a_flush_appends_to_an_empty_tail():

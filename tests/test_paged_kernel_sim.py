@@ -39,10 +39,6 @@ CASES = [
     ("mma_ahead", True, 3, "bf16", 1, 96, 2, 2),
     ("mma_ahead", True, 1, "bf16", 1, 64, 8, 2),
     ("mma_ahead", True, 3, "bf16", 1, 128, 4, 4),  # the 8B's long rows: split blocks of 4 warps (loop_warps)
-    ("mma_staged2", True, 3, "bf16", 1, 128, 4, 4),
-    ("mma_staged3", False, 1, "bf16", 1, 64, 8, 2),
-    ("mma_staged4", True, 1, "bf16", 1, 128, 4, 2),
-    ("mma_staged6", False, 3, "bf16", 1, 64, 2, 4),  # more stages than a warp has passes at 200 positions
 ]
 
 
@@ -55,25 +51,6 @@ def test_the_kernel_matches_the_reference(loop: str, appending: bool, splits: in
                                            warps=warps, unroll=unroll, context=context, tail=tail, seed=seed)
         assert err < TOLERANCE[dtype], f"context {context}, tail {tail}: error {err:.3g}"
         assert tail_exact, f"context {context}, tail {tail}: the appended tail differs"
-
-
-@pytest.mark.parametrize("loop", ["mma_staged2", "mma_staged3"])
-def test_the_staged_loops_reuse_their_stages(loop: str) -> None:
-    # 700 positions a row over 2 warps: about 20 passes a warp, each stage refilled many times.
-    err, tail_exact = run_paged_kernel(loop, True, 1, dtype="bf16", head_dim=128, n_rep=4, warps=2, context=700,
-                                       tail=3, full=True)
-    assert err < TOLERANCE["bf16"] and tail_exact, f"error {err:.3g}"
-
-
-@pytest.mark.parametrize("loop", ["mma_staged2", "mma_staged4"])
-def test_a_staged_loop_has_the_mma_loops_bits(loop: str) -> None:
-    # The same passes a warp, in the same order, only loaded through the stages.
-    got: list = []
-    expected: list = []
-    for name, outputs in ((loop, got), ("mma", expected)):
-        run_paged_kernel(name, True, 2, dtype="bf16", head_dim=64, n_rep=4, warps=2, context=500, tail=3,
-                         outputs=outputs)
-    assert (got[0] == expected[0]).all()
 
 
 def test_more_splits_than_a_combine_block_has_threads() -> None:

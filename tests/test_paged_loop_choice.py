@@ -77,9 +77,9 @@ def test_a_launch_builds_the_loop_and_warps_it_names(monkeypatch, launch, head_d
     monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: True)
     asked = []
 
-    def kernel(self, which, appending, loop="", rope=False, shared=0):
+    def kernel(self, which, appending, loop="", rope=False):
         def launched(**kwargs):
-            asked.append((which, loop, kwargs["threadgroup"][0] // 32) + ((shared,) if shared else ()))
+            asked.append((which, loop, kwargs["threadgroup"][0] // 32))
             return [mx.zeros(shape, dtype) for shape, dtype in zip(kwargs["output_shapes"], kwargs["output_dtypes"])]
         return launched
 
@@ -89,36 +89,3 @@ def test_a_launch_builds_the_loop_and_warps_it_names(monkeypatch, launch, head_d
     attention._launch([queries], 8, launch)
     expected_loop = attention.loop_for(mx.bfloat16, 4, head_dim, split=kind == "split")
     assert asked[0] == (kind, expected_loop, warps)
-
-
-@pytest.mark.parametrize(("loop", "head_dim", "warps"), [
-    ("mma_staged3", 128, 8),  # 3 stages x 8 warps x 8 KiB: 192 KiB
-    ("mma_staged4", 128, 4),  # 4 x 8 x 8 KiB would pass the limit: half the warps
-    ("mma_staged6", 64, 8),
-])
-def test_a_staged_launch_asks_for_its_stages_as_shared_memory(monkeypatch, loop, head_dim, warps):
-    monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: True)
-    monkeypatch.setattr(paged_attention, "SPLIT_LOOP", loop)
-    monkeypatch.setattr(paged_attention, "SPLIT_LOOP_SMALL_DIMS", loop)
-    asked = []
-
-    def kernel(self, which, appending, loop="", rope=False, shared=0):
-        def launched(**kwargs):
-            asked.append((which, loop, kwargs["threadgroup"][0] // 32, shared))
-            return [mx.zeros(shape, dtype) for shape, dtype in zip(kwargs["output_shapes"], kwargs["output_dtypes"])]
-        return launched
-
-    monkeypatch.setattr(PagedAttention, "_kernel", kernel)
-    queries = mx.zeros((1, 32, 1, head_dim), dtype=mx.bfloat16)
-    PagedAttention(False)._launch([queries], 8, (32, 8))
-    stages = int(loop.removeprefix("mma_staged"))
-    assert asked[0] == ("split", loop, warps, stages * warps * 16 * head_dim * 4)
-    assert asked[0][3] <= 200 * 1024 and asked[1][0] == "combine"
-
-
-def test_staged_loops_need_head_dims_of_64s(monkeypatch):
-    monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: True)
-    attention = PagedAttention(False, loop="mma_staged3")
-    assert attention.loop_for(mx.bfloat16, 4, 128) == "mma_staged3"
-    assert attention.loop_for(mx.bfloat16, 4, 96) == "mma_ahead"  # its pieces of a row would not be 16 bytes
-    assert attention.loop_for(mx.float32, 4, 128) == "pipelined"  # no tensor cores for float32 K/V

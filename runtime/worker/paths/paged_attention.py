@@ -34,7 +34,7 @@ from runtime.worker.paths.cuda.paged_kernels import (
     body,
     register_cap,
 )
-from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS, STAGED_LOOPS, stage_bytes
+from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS
 from runtime.worker.paths.decode_plan import bucket_lengths
 from runtime.worker.pools.kv_pool import KVPool
 
@@ -176,19 +176,16 @@ class PagedAttention:
         cores for their dtype (2-byte K/V, sm_80 or later), head dims of 16s up to 128 (past it
         a lane's K/V words spill, ``scripts/nvrtc_check.py``) and at most 8 query heads per KV head."""
         loop = self.loop if not split else self.small_split_loop if head_dim <= MMA_SMALL_DIMS else self.split_loop
-        if loop in STAGED_LOOPS and head_dim % 64:  # its copies are 16-byte pieces of a row's 64s
-            loop = "mma_ahead"
         if loop not in MMA_LOOPS or (dtype in (mx.bfloat16, mx.float16) and head_dim % 16 == 0
                                      and head_dim <= 128 and n_rep <= 8 and _tensor_cores()):
             return loop
         return "pipelined"
 
-    def _kernel(self, kind: str, appending: bool, loop: str = "", rope: bool = False, shared: int = 0):
-        """The compiled-on-demand kernel object: ``single``, ``split`` or ``combine``; ``rope``: the appending one that rotates its
-        queries and new keys; ``shared``: the dynamic shared memory its blocks take (the staged
-        loops' stages, a function of the warps and head dim that are its template's)."""
+    def _kernel(self, kind: str, appending: bool, loop: str = "", rope: bool = False):
+        """The compiled-on-demand kernel object: ``single``, ``split`` or ``combine``; ``rope``:
+        the appending one that rotates its queries and new keys."""
         loop = loop or self.loop
-        key = (kind, appending, loop, rope, shared)
+        key = (kind, appending, loop, rope)
         if key not in self._kernels:
             if kind == "combine":
                 kernel = mx.fast.cuda_kernel(name="runtime_paged_decode_combine",
@@ -204,7 +201,7 @@ class PagedAttention:
                     input_names=inputs,
                     output_names=outputs + (APPEND_OUTPUTS if appending else []),
                     source=body(appending, loop, rope) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL),
-                    header=register_cap(cap) + HEADER, shared_memory=shared)
+                    header=register_cap(cap) + HEADER)
             self._kernels[key] = kernel
         return self._kernels[key]
 
@@ -226,14 +223,13 @@ class PagedAttention:
         if rope is not None:
             template += [("ROPE", rope.mode), ("ROPE_DIMS", rope.dims), ("ROPE_TRAD", rope.traditional)]
         grid = (blocks * splits * warps * 32, 1, 1)
-        shared = stage_bytes(loop, warps, d)
         if splits == 1:
-            return self._kernel("single", appending, loop, rope is not None, shared)(
+            return self._kernel("single", appending, loop, rope is not None)(
                 inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
                 output_shapes=[queries.shape] + tails, output_dtypes=[queries.dtype] * (1 + len(tails)))
         assert splits <= COMBINE_MAX_SPLITS, f"{splits} splits: the combine kernel merges {COMBINE_MAX_SPLITS} at most"
         parts = blocks * splits * n_rep
-        part_acc, part_m, part_l, *tail = self._kernel("split", appending, loop, rope is not None, shared)(
+        part_acc, part_m, part_l, *tail = self._kernel("split", appending, loop, rope is not None)(
             inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
             output_shapes=[(parts * d,), (parts,), (parts,)] + tails,
             output_dtypes=[mx.float32] * 3 + [queries.dtype] * len(tails))

@@ -7,7 +7,7 @@ shape alone, so the warm-up builds exactly the kernels the steps use.
 
 from __future__ import annotations
 
-from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS, STAGED_LOOPS, stage_bytes
+from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS
 
 UNROLL = 1  # positions per lane group and warp pass: more costs registers, hence occupancy (1 measured best)
 MAX_WARPS = 16  # a block of few (row, KV head) pairs: its warps are the kernel's only parallelism
@@ -69,9 +69,6 @@ def splits_for(blocks: int, max_length: int) -> int:
 # (scripts/nvrtc_check.py --launches).
 MMA_MAX_WARPS = 8
 MMA_SMALL_DIMS = 64  # head dims up to which mma keeps 16 warps (and split blocks keep theirs)
-# Dynamic shared memory a block may take on sm_80 / sm_90 (227 KiB) less the block merge's static
-# arrays: the staged loops' stages must fit beside them.
-STAGE_LIMIT = 200 * 1024
 
 
 def loop_warps(loop: str, warps: int, head_dim: int, split: bool = False) -> int:
@@ -83,11 +80,6 @@ def loop_warps(loop: str, warps: int, head_dim: int, split: bool = False) -> int
     (mma_ahead) and 110 against 123 (mma), 8 x 4,096 97 against 114 and 107 against 133,
     1 x 8,192 level; a warp's many 16-position passes keep its loads in flight."""
     if loop not in MMA_LOOPS:
-        return warps
-    if loop in STAGED_LOOPS:  # no register buffer for the passes in flight: as many warps as the stages fit
-        warps = min(warps, MMA_MAX_WARPS)
-        while warps > 1 and stage_bytes(loop, warps, head_dim) > STAGE_LIMIT:
-            warps //= 2
         return warps
     if split and head_dim > MMA_SMALL_DIMS and warps > 4:
         warps //= 2

@@ -13,7 +13,7 @@ from __future__ import annotations
 from runtime.worker.paths.cuda.paged_loops import loop_source
 from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS, MMA_WARP_OUT
 from runtime.worker.paths.cuda.paged_stages import ROPE_STAGE
-from runtime.worker.paths.cuda.tensor_core import CP_ASYNC, LOAD_CHUNK, MMA, RAW2
+from runtime.worker.paths.cuda.tensor_core import LOAD_CHUNK, MMA, RAW2
 
 # One block per (row, KV head, split). A warp works on 32 / GL positions at once: each
 # group of GL lanes holds one position's K/V row (PER = D / GL elements per lane, loaded as
@@ -90,7 +90,7 @@ struct KVRow {
 };
 """
 
-HEADER = MMA + CP_ASYNC + RAW2 + LOAD_CHUNK + HEADER
+HEADER = MMA + RAW2 + LOAD_CHUNK + HEADER
 
 
 def register_cap(registers: int) -> str:

@@ -15,7 +15,11 @@ registers by 16-byte loads (no shared memory):
 P is rounded to the K/V dtype for its product, as cuDNN's and FlashAttention's are. The
 session-19 loop of the same name (K by 4-byte loads, V through a shared-memory tile and
 ``ldmatrix.trans``) was correct on an H200 but 1.8x slower than ``pipelined`` (168 against
-95 us at 1 x 32k). Its device helpers are in ``tensor_core``; ``tests/cuda_sim.py`` emulates
+95 us at 1 x 32k). Loops that copied a warp's passes into 2-6 shared-memory stages by
+``cp.async`` (no register buffer for the passes in flight: 167-181 registers a lane against
+mma_ahead's 255) were correct on an H100 in session 28 but slower at every launch tried: 84.7-89.5
+against 74.0 us at 1 x 32k with scattered slots, 437-450 against 370 at 8 x 32k, 231 against 197
+(mma) at 64 x 2k (``docs/runs/h100-s28-w3-kernel-staged.log``). Its device helpers are in ``tensor_core``; ``tests/cuda_sim.py`` emulates
 ``mma.sync`` with the PTX ISA's fragment layouts, and the warp intrinsics.
 """
 
@@ -198,19 +202,7 @@ MMA_WARP_OUT = """    if (q4 == 0 && g < NREP) {
 """
 
 
-# The staged loops (``mma_stagedN``): a warp's passes wholly in the pool are copied into N
-# shared-memory stages by cp.async, N - 1 passes ahead of the pass computed, with no register
-# buffer held for them (mma_ahead holds one pass ahead in 128 registers a lane, so 8 warps an
-# SM keep about 8 passes in flight: an H200 read 2.6 TB/s at 1 x 32k). Head dims of 64s only
-# (every piece a lane copies is 16 bytes); the stages are the launch's dynamic shared memory.
-STAGED_LOOPS = {f"mma_staged{n}": n for n in (2, 3, 4, 6)}
-MMA_LOOPS = ("mma", "mma_ahead", *STAGED_LOOPS)
-
-
-def stage_bytes(loop: str, warps: int, head_dim: int) -> int:
-    """Dynamic shared memory a block of ``loop``'s kernel needs: 0 but for the staged loops,
-    whose every stage holds a pass (16 positions' K and V rows, 2 bytes an element) per warp."""
-    return STAGED_LOOPS.get(loop, 0) * warps * 16 * head_dim * 2 * 2
+MMA_LOOPS = ("mma", "mma_ahead")
 
 
 def mma_loop_source(appending: bool, loop: str = "mma") -> str:
@@ -246,13 +238,11 @@ def mma_loop_source(appending: bool, loop: str = "mma") -> str:
 
     a, b = ("sk", "sv"), ("skn", "svn")
 
-    def loop_text(loop: str, aligned: str) -> str:
+    def loop_text(aligned: str) -> str:
         if loop == "mma":
             parts = {"{SLOTS_FIRST}": slots_for("(tbegin + warp * 16)", a), "{LOAD_T0}": loads("kw", "vw", "t0", aligned, a),
                      "{SLOTS_NEXT}": slots_for("(t0 + STRIDE)", a), "{COMPUTE_T0}": computes("kw", "vw", "t0")}
             source = _MMA_LOOP
-        elif loop in STAGED_LOOPS:
-            return _staged_text(loop, aligned, general)
         elif loop == "mma_ahead":
             parts = {"{SLOTS_A_T0}": slots_for("t0", a), "{LOAD_A_T0}": loads("kw", "vw", "t0", aligned, a),
                      "{SLOTS_B_T1}": slots_for("(t0 + STRIDE)", b), "{LOAD_B_T1}": loads("kn", "vn", "t1", aligned, b),
@@ -266,102 +256,5 @@ def mma_loop_source(appending: bool, loop: str = "mma") -> str:
             source = source.replace(marker, text)
         return source
 
-    unaligned = "mma" if loop in STAGED_LOOPS else loop  # the staged loops' copies need 16-byte alignment
-    return (_MMA_PROLOGUE.replace("{NEW_PTRS}", new) + "    if (aligned) {\n" + loop_text(loop, "true")
-            + "    } else {\n" + loop_text(unaligned, "false") + "    }\n")
-
-
-# The staged loop (aligned buffers): passes wholly in the pool through the stages, the rest (the
-# tail, this step's K/V, past the end) loaded into registers as the mma loop does. A lane copies
-# its pieces of a pass to stage memory ``mine[(stage * NWARPS * PIECES + piece) * 32]`` and reads
-# back only those, so ``cp_async_wait`` alone (per thread) orders them; a stage is refilled
-# only after the pass in it was computed. Every iteration commits a group (empty ones too), so
-# waiting for all but STAGES - 1 groups means this pass has landed.
-_STAGED_LOOP = """
-    static_assert(D % 64 == 0, "the staged loop copies 16-byte pieces of K and V rows");
-    constexpr int STAGES = {STAGES};
-    constexpr int KP = KW / 4;  // 16-byte pieces of a K row a lane copies (two rows a pass)
-    constexpr int VP = MT / 4;  // and of a V row (four rows a pass)
-    constexpr int PIECES = 2 * KP + 4 * VP;
-    int t0 = tbegin + warp * 16;
-    const int staged = t0 + 16 <= pool_end ? (pool_end - 16 - t0) / STRIDE + 1 : 0;  // this warp's passes in the pool
-    uint4* const mine = kv_stages<>() + (size_t)warp * PIECES * 32 + lane;
-    int sk[2], sv[4];
-#pragma unroll
-    for (int i = 0; i < STAGES; ++i) {
-        if (i < staged) {
-            const int tp = t0 + i * STRIDE;
-{SLOTS_TP}{ISSUE_I}        }
-        cp_async_commit<>();
-    }
-    if (STAGES < staged) {
-        const int tn = t0 + STAGES * STRIDE;
-{SLOTS_TN}    }
-    for (int i = 0; i < staged; ++i) {
-        cp_async_wait<STAGES - 1>();
-        const int s = i % STAGES;
-        const int tp = t0 + i * STRIDE;
-        unsigned kw[2][KW], vw[4][MT];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-#pragma unroll
-            for (int c = 0; c < KP; ++c) {
-                const uint4 w = mine[(s * NWARPS * PIECES + j * KP + c) * 32];
-                kw[j][4 * c] = w.x;
-                kw[j][4 * c + 1] = w.y;
-                kw[j][4 * c + 2] = w.z;
-                kw[j][4 * c + 3] = w.w;
-            }
-        }
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-#pragma unroll
-            for (int c = 0; c < VP; ++c) {
-                const uint4 w = mine[(s * NWARPS * PIECES + 2 * KP + p * VP + c) * 32];
-                vw[p][4 * c] = w.x;
-                vw[p][4 * c + 1] = w.y;
-                vw[p][4 * c + 2] = w.z;
-                vw[p][4 * c + 3] = w.w;
-            }
-        }
-{COMPUTE_TP}        if (i + STAGES < staged) {  // the pass STAGES on, into the stage just read
-{ISSUE_S}            const int tn = t0 + (i + STAGES + 1) * STRIDE;
-{SLOTS_TN}        }
-        cp_async_commit<>();
-    }
-    for (t0 += staged * STRIDE; t0 < tend; t0 += STRIDE) {
-        unsigned kw[2][KW], vw[4][MT];
-{LOAD_T0}{COMPUTE_T0}    }
-"""
-
-# One pass's copies into stage STAGE, from the slots in sk / sv.
-_STAGED_ISSUE = """
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const T* krow = keys + ((size_t)sk[j] * HKV + h) * D;
-#pragma unroll
-                for (int c = 0; c < KP; ++c) cp_async16<>(mine + ((STAGE) * NWARPS * PIECES + j * KP + c) * 32, krow + KDIM(4 * c));
-            }
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {
-                const T* vrow = values + ((size_t)sv[p] * HKV + h) * D;
-#pragma unroll
-                for (int c = 0; c < VP; ++c) cp_async16<>(mine + ((STAGE) * NWARPS * PIECES + 2 * KP + p * VP + c) * 32, vrow + VDIM(4 * c));
-            }
-"""
-
-
-def _staged_text(loop: str, aligned: str, general: str) -> str:
-    """The staged loop's aligned text (``general``: the mma loop's loads of any position)."""
-    assert aligned == "true", "the staged loop copies 16-byte pieces: aligned buffers only"
-    slots = ("            " + _MMA_SLOTS.strip().replace("\n", "\n    ") + "\n").replace("SK_", "sk").replace("SV_", "sv")
-    compute = "        {\n" + _MMA_COMPUTE.replace("KW_", "kw").replace("VW_", "vw") + "        }\n"
-    parts = {"{STAGES}": str(STAGED_LOOPS[loop]), "{SLOTS_TP}": slots.replace("T0", "tp"),
-             "{SLOTS_TN}": slots.replace("T0", "tn"), "{ISSUE_I}": _STAGED_ISSUE.replace("STAGE", "i"),
-             "{ISSUE_S}": _STAGED_ISSUE.replace("STAGE", "s"), "{COMPUTE_TP}": compute.replace("T0", "tp"),
-             "{COMPUTE_T0}": compute.replace("T0", "t0"),
-             "{LOAD_T0}": general.replace("KW_", "kw").replace("VW_", "vw").replace("T0", "t0").replace("ALIGNED", "true")}
-    source = _STAGED_LOOP
-    for marker, text in parts.items():
-        source = source.replace(marker, text)
-    return source
+    return (_MMA_PROLOGUE.replace("{NEW_PTRS}", new) + "    if (aligned) {\n" + loop_text("true")
+            + "    } else {\n" + loop_text("false") + "    }\n")

@@ -65,29 +65,3 @@ __device__ inline void load_chunk(const T* p, unsigned* w, bool aligned) {
     }
 }
 """
-
-# Asynchronous copies global -> shared memory (sm_80 and later; the staged mma loops): a 16-byte
-# piece bypassing L1 (``.cg``: K/V are read once), a commit of the copies issued since the last
-# one as a group, and a wait until at most N groups are in flight. A thread waits only for its
-# own copies, so a lane reading back only what it copied needs no barrier. The dynamic shared
-# memory the launch asks for holds the stages. The CPU simulator puts plain copies in place.
-CP_ASYNC = """
-template <int UNUSED = 0>
-__device__ inline void cp_async16(uint4* dst, const void* src) {
-    const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(to), "l"(src) : "memory");
-}
-template <int UNUSED = 0>
-__device__ inline void cp_async_commit() {
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-template <int N>
-__device__ inline void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-}
-template <int UNUSED = 0>
-__device__ inline uint4* kv_stages() {
-    extern __shared__ __align__(16) uint4 kv_stage_memory[];
-    return kv_stage_memory;
-}
-"""
