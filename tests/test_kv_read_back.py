@@ -137,6 +137,8 @@ def test_afm_is_refused_for_its_host_number_rope_offset(model_dir):
         discover(load_cached(model_dir("afm7"))[0])
 
 
+@pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu,
+                    reason="the loader transposes weights only for the CPU's reference BLAS (loader.slow_blas)")
 def test_a_transposed_linear_takes_a_weight_assigned_in_the_forward():
     """Gemma 3n's AltUp assigns its coefficient layers' ``weight`` (cast and clipped) every
     forward; a layer the loader transposed (``TransposedLinear``, reference BLAS) then computes
