@@ -10,6 +10,7 @@ one stage out (time by difference), ``--launch`` forces (splits, warps).
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 
 import kernel_trace
@@ -27,6 +28,18 @@ VARIANTS = {
     "noload": ("load_row<T, PER>(keys + base, kr[u]);\n                load_row<T, PER>(values + base, vr[u]);",
                "for (int i = 0; i < PER; ++i) kr[u][i] = vr[u][i] = 1e-9f * base;"),
 }
+
+
+# A pool row's address in the mma loops: slot-major (slots, KV heads, D), the pool's layout.
+_ROW_ADDRESS = re.compile(r"\(\(size_t\)(\w+\[\w+\]) \* HKV \+ h\) \* D")
+
+
+def head_major(source: str) -> str:
+    """The mma loops reading the pool as (KV heads, slots, D): one head's rows of consecutive
+    slots side by side, as cuDNN reads contiguous K/V (timing only: the bench's pool is random)."""
+    edited, count = _ROW_ADDRESS.subn(r"((size_t)h * keys_shape[0] + \1) * D", source)
+    assert count >= 2, "no pool row address found to edit"
+    return edited
 
 
 def per_call(fn, calls: int, trace: bool = True) -> dict[str, float]:
@@ -62,9 +75,15 @@ def main() -> None:
     p.add_argument("--loop", default="", help="the kernel's loop for every launch (default: the worker's, "
                                               "paged_attention.LOOP and SPLIT_LOOP)")
     p.add_argument("--no-trace", action="store_true", help="no CUPTI (under ncu)")
+    p.add_argument("--head-major", action="store_true",
+                   help="the mma loops read the pool as (KV heads, slots, D) (set MLX_PTX_CACHE_DIR to a fresh folder:"
+                        " the kernels keep their names)")
     p.add_argument("--split-registers", type=int, default=None,
                    help="the split kernels' register cap (default: the worker's, SPLIT_MAX_REGISTERS; 0 none)")
     args = p.parse_args()
+    if args.head_major:
+        slot_major = paged_loops.mma_loop_source
+        paged_loops.mma_loop_source = lambda *a, **k: head_major(slot_major(*a, **k))
     if args.variant:
         old, new = VARIANTS[args.variant]
         assert old in paged_loops._CLASSIC_LOOP
@@ -73,7 +92,8 @@ def main() -> None:
     dtype = mx.bfloat16
     attn = PagedAttention(True, loop="classic" if args.variant else args.loop or None,
                           split_registers=args.split_registers)
-    print(f"loop {args.loop or 'default'}, split kernels' register cap {attn.split_registers}", flush=True)
+    print(f"loop {args.loop or 'default'}, split kernels' register cap {attn.split_registers}"
+          f"{', pool read head-major' if args.head_major else ''}{', scattered slots' if args.scatter else ''}", flush=True)
     for b in [int(r) for r in args.rows.split(",")]:
         n = args.context - args.tail - 1  # pool positions
         slots = max(args.slots, b * args.context + 8)

@@ -70,6 +70,10 @@ for item in "$@"; do
       sed -i "s/^KERNEL_ROPE = .*/KERNEL_ROPE = $value/" runtime/worker/engine.py; rope_tag=-$item
       echo "== $item: $(grep -E '^KERNEL_ROPE =' runtime/worker/engine.py)" ;;
     pytest-rope) run "$item" 300 python3 -m pytest -q tests/test_paged_kernel_cuda.py -k rotating ;;
+    kernel-layout)  # the pool read slot-major (its layout) against head-major (KV heads, slots, D), contiguous and
+                    # scattered slots, 1 and 8 rows at 32k: would a head-major pool close the gap to cuDNN?
+      run "$item" 200 bash -c "for hm in '' --head-major; do for sc in '' '--scatter --slots 600000'; do
+                                 MLX_PTX_CACHE_DIR=\$(mktemp -d) python3 scripts/kernel_bench.py \$hm \$sc --rows 1,8 --context 32768 --calls 20; done; done" ;;
     split-loop-*|loop-*)  # on this device copy only: the items after it use this loop for split launches (split-loop-X,
                           # paged_attention.SPLIT_LOOP) or unsplit ones (loop-X, LOOP)
       var=$([ "${item#split-}" != "$item" ] && echo SPLIT_LOOP || echo LOOP); value=${item#split-}; value=${value#loop-}
@@ -121,7 +125,7 @@ for item in "$@"; do
     pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py ;;
     pytest-shapes)  # attention layers of several shapes, KV-shared layers (Gemma 4, Gemma 3n): token-exact on CUDA too
       run "$item" 400 python3 -m pytest -q tests/test_layer_shapes_exact.py tests/test_kv_read_back.py tests/test_kv_shared_paths.py ;;
-    *) echo "== $item: unknown (split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
+    *) echo "== $item: unknown (kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then
