@@ -109,6 +109,8 @@ def test_service_without_limits_reports_what_it_chose(model_dir, service_factory
         assert found == sorted(found)
         load_line = svc.lines[found[0]]
         assert re.search(r"imports \d+\.\d s, device set-up \d+\.\d s", load_line), load_line
+        paths_line = svc.lines[found[1]]
+        assert re.search(r"ready in \d+\.\d s \(pools \d+\.\d s, attention paths \d+\.\d s", paths_line), paths_line
         with SyncClient(svc.address) as client:
             status = client.status(timeout=15.0)
             for key in ("max_running", "max_step_tokens", "prefill_chunk", "max_context"):

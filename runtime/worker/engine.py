@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import mlx.nn as nn
 import msgspec
@@ -81,8 +83,14 @@ class Engine:
         self.pool = pool
         self.aux_pool = aux_pool
         self.max_context = max_context
+        # Seconds each part of the construction took (the start-up line's breakdown): the attention
+        # paths (on a GPU the paged kernels' builds and start-up check), the RoPE deferral (its
+        # load-time probe and the rotating kernels' check), the compiled decode steps.
+        self.startup_seconds: dict[str, float] = {}
+        started = time.perf_counter()
         self.paths = AttentionPaths(model, layout, pool, max_rows, max_context, row_cache, aux_pool is not None,
                                     self.LENGTH_BUCKET)
+        self.startup_seconds["attention paths"] = time.perf_counter() - started
         # The one place a model's forward is kept uncompiled: one that cannot be traced (it reads
         # arrays back mid-forward) gets no compiled decode, hence no fused prefill + decode step.
         compile_decode = compile_decode and layout.traceable
@@ -96,8 +104,12 @@ class Engine:
         self.compiled_paged: CompiledPagedDecode | None = None
         if compile_decode and self.paths.tail is not None and aux_pool is None and CompiledDecode.supports(layout):
             assert self.paths.attention is not None
+            started = time.perf_counter()
             rope = self.paths.kernel_rope(model, layout) if KERNEL_ROPE else None
+            self.startup_seconds["kernel RoPE"] = time.perf_counter() - started
+            started = time.perf_counter()
             self.compiled_paged = CompiledPagedDecode(model, layout, pool, self.paths.attention, self.paths.tail, rope)
+            self.startup_seconds["compiled step"] = time.perf_counter() - started
         self.chain = TokenChain()  # chained decode: the previous batch's lazy tokens
         # Fusing needs the paged kernel's tail (every layer attention, no window) and plain 4-D queries.
         self.fuse_prefill = FUSE_PREFILL and self.compiled_paged is not None and layout.mask_rank == 4

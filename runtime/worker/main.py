@@ -105,6 +105,7 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
                   "reference BLAS runs those faster, with the same bits)", flush=True)
         paths_started = time.perf_counter()
         pool, aux_pool = loaded.make_pools()
+        pools_s = time.perf_counter() - paths_started
         pool_bytes = pool.nbytes + (aux_pool.nbytes if aux_pool is not None else 0)
         default_cache = mx.set_cache_limit(0)
         mx.set_cache_limit(buffer_cache_bytes(config.worker.buffer_cache_mb, default_cache, pool_bytes))
@@ -113,8 +114,10 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
                         attention_streams=config.worker.attention_threads or default_streams(os.cpu_count()))
         # The pools' allocation and, on a GPU, the paged kernels' builds and start-up check.
         rope = "; the decode kernel rotates queries and keys (RoPE)" if engine.paths.rope else ""
-        print(f"runtime worker: pools and attention paths ready in {time.perf_counter() - paths_started:.1f} s{rope}",
-              flush=True)
+        parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in
+                          {"pools": pools_s, **engine.startup_seconds}.items())
+        print(f"runtime worker: pools and attention paths ready in {time.perf_counter() - paths_started:.1f} s"
+              f" ({parts}){rope}", flush=True)
         started = time.perf_counter()
         variants = warm_decode(engine, lambda line: print(f"runtime worker: warm-up: {line}", flush=True))
         decode_s = time.perf_counter() - started
