@@ -23,7 +23,9 @@ from runtime.worker.model.fused_projections import (
     probe_rows,
     transpose_stacked,
 )
+from runtime.worker.model.fused_residual import fuse_residuals
 from runtime.worker.model.transposed_linear import transpose_linears
+from runtime.worker.paths.cuda.add_rms_norm import AddRmsNorm
 from runtime.worker.paths.decode_plan import row_classes
 from runtime.worker.pools.aux_pool import AuxPool
 from runtime.worker.pools.kv_pool import KVPool
@@ -43,6 +45,8 @@ class LoadedModel:
     aux_templates: list | None = None
     aux_slots: int = 0
     fused_groups: int = 0
+    residual_blocks: int = 0  # blocks whose residual adds run with the RMSNorm after them (fused_residual)
+    residual_kernel: str = ""  # how those run: one kernel, or MLX's two and why
     stacked_rows: dict[int, bool] | None = None  # decode row class -> whether its step takes the stacked product
     transposed: int = 0  # float32 products (fused groups count once) over transposed weights: transposed_linear
 
@@ -139,8 +143,15 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
     if group is None and slow_blas:  # float32 products over (input, output) weights: same bits, faster
         transposed = transpose_stacked(model) + transpose_linears(model)
     mx.eval(model.parameters())
-    aux_templates = AuxPool.probe(model, layout) if layout.has_aux else None
     text_config = model_config.get("text_config", model_config)
+    vocab_size = int(text_config.get("vocab_size", 0))
+    residual_blocks, residual_kernel = 0, ""
+    if group is None:  # a sharded model's blocks add partial sums across ranks first
+        add_norm = AddRmsNorm(on_gpu and mx.cuda.is_available())
+        residual_blocks = fuse_residuals(model, add_norm, vocab_size)
+        residual_kernel = ("one kernel for each" if add_norm.use_kernel else
+                           f"MLX's kernels ({add_norm.problem})" if add_norm.problem else "MLX's kernels")
+    aux_templates = AuxPool.probe(model, layout) if layout.has_aux else None
     model_context = int(text_config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT)
     if position_limit is not None:
         model_context = min(model_context, position_limit)
@@ -155,7 +166,6 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
     if fused_groups:
         stacked_rows = probe_rows(model, row_classes(limits.max_running))
     aux_slots = (config.cache.aux_slots or 8 * limits.max_running) + 1 if layout.has_aux else 0
-    vocab_size = int(text_config.get("vocab_size", 0))
     if limits.num_slots < 2:
         raise ValueError(f"KV pool of {limits.num_slots} slots is too small; raise cache.kv_slots")
     return LoadedModel(
@@ -167,6 +177,8 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
         aux_templates=aux_templates,
         aux_slots=aux_slots,
         fused_groups=fused_groups,
+        residual_blocks=residual_blocks,
+        residual_kernel=residual_kernel,
         stacked_rows=stacked_rows,
         transposed=transposed,
     )

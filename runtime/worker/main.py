@@ -100,6 +100,9 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         if loaded.fused_groups:
             print(f"runtime worker: fused {loaded.fused_groups} projection groups; {stacked_line(loaded.stacked_rows)}",
                   flush=True)
+        if loaded.residual_blocks:
+            print(f"runtime worker: {loaded.residual_blocks} blocks add their residuals and RMS-normalize the sums "
+                  f"together: {loaded.residual_kernel}", flush=True)
         if loaded.transposed:
             print(f"runtime worker: {loaded.transposed} float32 products on transposed weights (the bundled "
                   "reference BLAS runs those faster, with the same bits)", flush=True)

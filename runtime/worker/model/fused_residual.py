@@ -1,0 +1,158 @@
+"""Pre-norm blocks whose residual adds and the RMSNorms after them run as one operation.
+
+A Llama-style block computes ``h = x + attn(norm1(x))``, ``out = h + mlp(norm2(h))``, and the
+next layer (or the model's final norm) starts with ``norm(out)``. ``fuse_residuals`` gives such
+blocks a forward that asks one ``AddRmsNorm`` call for each add and the norm after it (``h``
+with ``norm2(h)``; ``out`` with the next norm's row, handed to that norm, which returns it
+when called on ``out`` itself). On a GPU that is one kernel for two (``paths/cuda/add_rms_norm``);
+elsewhere MLX's own two (the same bits, which is what the load-time probe checks).
+
+Only the instances' classes change (a subclass with another ``__call__``), never the module
+tree: parameters, discovery and the other wrappers see the model as loaded. A model is changed
+only where its forward's logits stay bit-identical on a probe prompt; else it is left as it was.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from runtime.worker.paths.cuda.add_rms_norm import AddRmsNorm
+
+_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+
+
+class _Handoff:
+    """The row a block computed for a norm (``n``) and the array it normalizes (``h``): a plain
+    object, so a module holding it does not count it among its parameters."""
+
+    __slots__ = ("h", "n")
+
+    def __init__(self) -> None:
+        self.h: mx.array | None = None
+        self.n: mx.array | None = None
+
+
+class HandoffRMSNorm(nn.RMSNorm):
+    """An RMSNorm that returns the row handed to it when called on the array it was computed
+    for (the previous block's output), and normalizes anything else itself."""
+
+    handoff: _Handoff
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.handoff.h is x:
+            n = self.handoff.n
+            self.handoff.h = self.handoff.n = None  # nothing kept past its use
+            assert n is not None
+            return n
+        return super().__call__(x)
+
+
+class _Links:
+    """What a fused block calls: the add-and-norm operation and the norm its output goes to."""
+
+    __slots__ = ("add_norm", "next_norm")
+
+    def __init__(self, add_norm: AddRmsNorm, next_norm: HandoffRMSNorm | None) -> None:
+        self.add_norm, self.next_norm = add_norm, next_norm
+
+
+def _fused_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
+    """A pre-norm block's forward with each residual add fused with the norm after it."""
+    links: _Links = self.fused_links
+    r = self.self_attn(self.input_layernorm(x), mask, cache)
+    post = self.post_attention_layernorm
+    h, n = links.add_norm(x, r, post.weight, post.eps)
+    r = self.mlp(n)
+    nxt = links.next_norm
+    if nxt is None:
+        return h + r
+    out, n = links.add_norm(h, r, nxt.weight, nxt.eps)
+    nxt.handoff.h, nxt.handoff.n = out, n
+    return out
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def _fused_class(cls: type) -> type:
+    """``cls`` with the fused forward (one subclass per block class)."""
+    if cls not in _FUSED_CLASSES:
+        _FUSED_CLASSES[cls] = type(f"Fused{cls.__name__}", (cls,), {"__call__": _fused_call})
+    return _FUSED_CLASSES[cls]
+
+
+def _layers_owner(model: nn.Module) -> nn.Module | None:
+    """The module holding the decoder layers and the final ``norm`` (``model.model`` for Llama)."""
+    for owner in (getattr(model, "model", None), getattr(getattr(model, "language_model", None), "model", None), model):
+        if isinstance(owner, nn.Module) and isinstance(getattr(owner, "layers", None), list) and "norm" in owner:
+            return owner
+    return None
+
+
+def _is_rms_norm(module: object) -> bool:
+    return type(module) in (nn.RMSNorm, HandoffRMSNorm)
+
+
+def _candidate(block: object) -> bool:
+    return (isinstance(block, nn.Module) and all(part in block for part in _PARTS)
+            and _is_rms_norm(block["input_layernorm"]) and _is_rms_norm(block["post_attention_layernorm"]))
+
+
+def _logits(model: nn.Module, tokens: mx.array) -> mx.array | None:
+    try:
+        out = model(tokens)
+        out = out[0] if isinstance(out, tuple) else out
+        mx.eval(out)
+        return out
+    except Exception:  # noqa: BLE001 - a model the probe cannot call is left as it is
+        return None
+
+
+def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> int:
+    """Give every Llama-style block of ``model`` the fused forward where the model's logits on a
+    probe prompt stay bit-identical (with MLX's own kernels for the fused operation); the number
+    of blocks changed (0: the model is as it was). ``add_norm``'s kernel, if it has one, is then
+    checked against MLX's bits at the model's width and dropped if it differs (``problem``)."""
+    owner = _layers_owner(model)
+    if owner is None or vocab_size <= 0:
+        return 0
+    layers = owner.layers
+    chosen = [i for i, block in enumerate(layers) if _candidate(block)]
+    if not chosen:
+        return 0
+    tokens = mx.array([[(7 * i + 3) % vocab_size for i in range(6)]], dtype=mx.uint32)
+    before = _logits(model, tokens)
+    if before is None:
+        return 0
+    norms = [layers[i + 1]["input_layernorm"] if i + 1 < len(layers) and _candidate(layers[i + 1]) else None
+             for i in range(len(layers))]
+    if _is_rms_norm(owner["norm"]):
+        norms[-1] = owner["norm"]
+    changed: list[tuple[nn.Module, type]] = []
+
+    def swap(module: nn.Module, cls: type) -> None:
+        changed.append((module, type(module)))
+        module.__class__ = cls
+
+    reference = AddRmsNorm(False)
+    for norm in {id(n): n for n in norms if n is not None}.values():
+        if type(norm) is nn.RMSNorm:
+            swap(norm, HandoffRMSNorm)
+        norm.handoff = _Handoff()
+    for i in chosen:
+        block = layers[i]
+        swap(block, _fused_class(type(block)))
+        block.fused_links = _Links(reference, norms[i])
+    after = _logits(model, tokens)
+    if after is None or after.shape != before.shape or not mx.array_equal(after, before).item():
+        for module, cls in reversed(changed):
+            module.__class__ = cls
+        return 0
+    if add_norm.use_kernel:
+        final = owner["norm"] if _is_rms_norm(owner["norm"]) else layers[chosen[0]]["post_attention_layernorm"]
+        add_norm.problem = add_norm.check(final.weight.shape[0], final.weight.dtype)
+        add_norm.use_kernel = add_norm.problem is None
+    for i in chosen:
+        layers[i].fused_links.add_norm = add_norm
+    return len(chosen)

@@ -1,0 +1,138 @@
+"""A residual add and the RMSNorm after it as one CUDA kernel, with MLX's bits.
+
+A pre-norm block computes ``h = x + r`` and then ``rms_norm(h)`` (the next sub-block's or the
+next layer's input): two MLX kernels (``binary_vv`` Add, ``rms_norm_small``), each about 7 us
+of host encoding on a one-row decode step, which is host-bound. This kernel writes both ``h``
+and the normalized row. Its arithmetic is MLX 0.32's ``rms_norm_small`` on the rounded sum:
+the same thread for each 16-byte vector of the row (``BLOCK`` threads, ``CHUNKS`` vectors each,
+chosen as MLX's ``dispatch_num_chunks`` chooses), the squares summed with one fused
+multiply-add each, the block's sum by cooperative groups' warp reduction twice, then
+``rsqrt(sum / n + eps)`` and ``w * T(x * normalizer)``. Rows wider than MLX's small kernel
+takes (1,024 16-byte vectors) keep MLX's two kernels. The worker checks the bits at start-up
+(``check``) and keeps MLX's kernels if they differ.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+HEADER = "#include <cooperative_groups.h>\n#include <cooperative_groups/reduce.h>\nnamespace cg = cooperative_groups;\n"
+
+# Template parameters: T (dtype), BLOCK (threads), CHUNKS (16-byte vectors a thread), N (the row
+# width). One block per row.
+SOURCE = """
+    constexpr int READS = 16 / sizeof(T);
+    __shared__ float partial[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
+    auto block = cg::this_thread_block();
+    auto warp = cg::tiled_partition<32>(block);
+    const size_t row = blockIdx.x;
+    const int t = threadIdx.x;
+    T hv[CHUNKS][READS];
+    float normalizer = 0.f;
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+#pragma unroll
+        for (int j = 0; j < READS; ++j) {
+            const int e = (BLOCK * i + t) * READS + j;
+            hv[i][j] = e < N ? T(x[row * N + e] + r[row * N + e]) : T(0);
+            const float v = static_cast<float>(hv[i][j]);
+            normalizer += v * v;
+        }
+    }
+    normalizer = cg::reduce(warp, normalizer, cg::plus<float>());
+    if (BLOCK > 32) {
+        if (warp.thread_rank() == 0) partial[warp.meta_group_rank()] = normalizer;
+        block.sync();
+        normalizer = warp.thread_rank() < warp.meta_group_size() ? partial[warp.thread_rank()] : 0.f;
+        normalizer = cg::reduce(warp, normalizer, cg::plus<float>());
+    }
+    normalizer = rsqrt(normalizer / N + eps[0]);
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+#pragma unroll
+        for (int j = 0; j < READS; ++j) {
+            const int e = (BLOCK * i + t) * READS + j;
+            if (e < N) {
+                const float y = static_cast<float>(hv[i][j]) * normalizer;
+                h[row * N + e] = hv[i][j];
+                out[row * N + e] = T(w[e] * static_cast<T>(y));
+            }
+        }
+    }
+"""
+
+SMALL_VECTORS = 128 * 8  # the widest row (in 16-byte vectors) MLX's rms_norm_small takes
+
+
+def launch_geometry(width: int, itemsize: int) -> tuple[int, int] | None:
+    """(threads, vectors a thread) MLX's ``rms_norm_small`` uses for rows of ``width``
+    elements of ``itemsize`` bytes, or None where MLX takes its wide kernel."""
+    reads = 16 // itemsize
+    if width > reads * SMALL_VECTORS:
+        return None
+    vectors = -(-width // reads)
+    if width <= reads * 64:
+        return 64, 1
+    for block in (128, 64):
+        if vectors % block == 0 and vectors // block <= 8:
+            return block, vectors // block
+    return 128, min(8, -(-vectors // 128))
+
+
+def reference(x: mx.array, r: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+    """The sum and its RMSNorm by MLX's own kernels (what every device computes without the kernel)."""
+    h = x + r
+    return h, mx.fast.rms_norm(h, weight, eps)
+
+
+class AddRmsNorm:
+    """``(h, rms_norm(h))`` for ``h = x + r``: the CUDA kernel where ``use_kernel`` and the row
+    width and dtype allow it, else MLX's two kernels (``reference``)."""
+
+    def __init__(self, use_kernel: bool) -> None:
+        self.use_kernel = use_kernel
+        self.problem: str | None = None  # why the kernel was dropped at start-up (``check``), if it was
+        self._kernel = None
+        self._eps: dict[float, mx.array] = {}
+
+    def applies(self, x: mx.array, r: mx.array, weight: mx.array) -> bool:
+        return (self.use_kernel and x.dtype == r.dtype == weight.dtype and x.dtype in (mx.bfloat16, mx.float16)
+                and x.shape == r.shape and weight.ndim == 1 and weight.shape[0] == x.shape[-1]
+                and launch_geometry(x.shape[-1], x.dtype.size) is not None)
+
+    def __call__(self, x: mx.array, r: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+        if not self.applies(x, r, weight):
+            return reference(x, r, weight, eps)
+        width = x.shape[-1]
+        block, chunks = launch_geometry(width, x.dtype.size)
+        if self._kernel is None:
+            self._kernel = mx.fast.cuda_kernel(name="runtime_add_rms_norm", input_names=["x", "r", "w", "eps"],
+                                               output_names=["h", "out"], source=SOURCE, header=HEADER)
+        eps_arr = self._eps.get(eps)
+        if eps_arr is None:
+            eps_arr = self._eps[eps] = mx.array([eps], dtype=mx.float32)
+        rows = x.size // width
+        h, out = self._kernel(inputs=[x, r, weight, eps_arr],
+                              template=[("T", x.dtype), ("BLOCK", block), ("CHUNKS", chunks), ("N", width)],
+                              grid=(rows * block, 1, 1), threadgroup=(block, 1, 1),
+                              output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
+        return h, out
+
+    def check(self, width: int, dtype: mx.Dtype, rows: tuple[int, ...] = (1, 3, 64)) -> str | None:
+        """None where the kernel gives MLX's bits for rows of ``width`` (or does not apply), else
+        what differed; random rows with a spread of magnitudes, a random weight."""
+        key = mx.random.key(7)
+        for n in rows:
+            k1, k2, k3, key = mx.random.split(key, 4)
+            x = (mx.random.normal((n, width), key=k1) * 3).astype(dtype)
+            r = mx.random.normal((n, width), key=k2).astype(dtype)
+            weight = (1 + 0.1 * mx.random.normal((width,), key=k3)).astype(dtype)
+            if not self.applies(x, r, weight):
+                return None
+            for eps in (1e-5, 1e-6):
+                got = self(x, r, weight, eps)
+                want = reference(x, r, weight, eps)
+                for name, a, b in zip(("sum", "norm"), got, want):
+                    if not mx.array_equal(a, b).item():
+                        return f"{n} rows of {width}: the {name} differs from MLX's"
+        return None

@@ -1,0 +1,148 @@
+"""Residual adds fused with the RMSNorm after them (``model/fused_residual``, ``paths/cuda/add_rms_norm``).
+
+On the CPU the fused operation is MLX's own two kernels, so these tests check the blocks'
+new forward (which adds and norms it asks for, the handoff to the next norm, the probe that
+leaves other blocks alone); the service tests of every family run through it too. The kernel's
+bits against MLX's are checked where a GPU is (the last test) and at every worker start there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model
+
+from runtime.worker.model.fused_residual import HandoffRMSNorm, fuse_residuals
+from runtime.worker.paths.cuda import add_rms_norm
+from runtime.worker.paths.cuda.add_rms_norm import AddRmsNorm, launch_geometry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class CountingAddNorm(AddRmsNorm):
+    """MLX's kernels, counting the calls."""
+
+    def __init__(self) -> None:
+        super().__init__(False)
+        self.calls = 0
+
+    def __call__(self, x, r, weight, eps):
+        self.calls += 1
+        return super().__call__(x, r, weight, eps)
+
+
+def _fresh(model_dir, arch: str):
+    folder = model_dir(arch)
+    model, _ = load_model(folder)  # not the cached one: its blocks change class
+    return model, json.loads((folder / "config.json").read_text())["vocab_size"]
+
+
+@pytest.mark.parametrize(("width", "itemsize", "geometry"), [
+    (2048, 2, (128, 2)),  # Llama-3.2-1B
+    (4096, 2, (128, 4)),  # Llama-3.1-8B
+    (3072, 2, (128, 3)),
+    (2560, 2, (64, 5)),  # 320 vectors: not 128s, 64s
+    (512, 2, (64, 1)),
+    (5000, 2, (128, 5)),  # 625 vectors: rounded up to 128s
+    (8192, 2, (128, 8)),
+    (8200, 2, None),  # past MLX's small kernel: its wide one, not fused
+    (4096, 4, (128, 8)),
+])
+def test_the_launch_is_the_one_mlx_rms_norm_takes(width, itemsize, geometry):
+    assert launch_geometry(width, itemsize) == geometry
+
+
+def test_a_llama_model_takes_the_fused_blocks_and_keeps_its_logits_and_parameters(model_dir):
+    model, vocab = _fresh(model_dir, "llama")
+    tokens = mx.array([[5, 9, 2, 7, 11]], dtype=mx.uint32)
+    before = model(tokens)
+    keys = [k for k, _ in tree_flatten(model.parameters())]
+    op = CountingAddNorm()
+    assert fuse_residuals(model, op, vocab) == len(model.model.layers)
+    assert all(type(layer).__name__.startswith("Fused") for layer in model.model.layers)
+    assert type(model.model.norm) is HandoffRMSNorm
+    assert [k for k, _ in tree_flatten(model.parameters())] == keys  # the module tree is as loaded
+    op.calls = 0
+    norms_called = []
+    plain = nn.RMSNorm.__call__
+
+    def counted(self, x):
+        norms_called.append(self)
+        return plain(self, x)
+
+    nn.RMSNorm.__call__ = counted
+    try:
+        after = model(tokens)
+    finally:
+        nn.RMSNorm.__call__ = plain
+    assert mx.array_equal(after, before).item()
+    # Two fused adds a block; of the norms only the first layer's input norm runs by itself: every
+    # later one, and the final norm, gets the row its previous block computed.
+    assert op.calls == 2 * len(model.model.layers)
+    assert norms_called == [model.model.layers[0].input_layernorm]
+    assert model.model.norm.handoff.h is None  # nothing held past the forward
+
+
+def test_a_handoff_norm_normalizes_any_other_array_itself(model_dir):
+    model, vocab = _fresh(model_dir, "llama")
+    assert fuse_residuals(model, AddRmsNorm(False), vocab) > 0
+    norm = model.model.norm
+    x = mx.random.normal((2, norm.weight.shape[0]))
+    norm.handoff.h, norm.handoff.n = mx.zeros_like(x), mx.zeros_like(x)  # for another array
+    assert mx.array_equal(norm(x), mx.fast.rms_norm(x, norm.weight, norm.eps)).item()
+
+
+@pytest.mark.parametrize("arch", ["granite", "olmo2", "gemma2"])
+def test_blocks_of_another_shape_are_left_as_they_were(model_dir, arch):
+    """Granite scales its residuals, OLMo 2 normalizes after each sub-block, Gemma 2 has four
+    norms a block: the probe's logits differ (or the block is no candidate), nothing changes."""
+    model, vocab = _fresh(model_dir, arch)
+    classes = [type(m) for _, m in model.named_modules()]
+    assert fuse_residuals(model, AddRmsNorm(False), vocab) == 0
+    assert [type(m) for _, m in model.named_modules()] == classes
+
+
+def test_the_service_reports_the_fused_blocks(model_dir, service_factory):
+    with service_factory(model_dir("llama")) as svc:
+        line = next(ln for ln in svc.lines if "add their residuals" in ln)
+        assert "2 blocks" in line and "MLX's kernels" in line  # the CPU: MLX's two kernels
+
+
+def _nvrtc():
+    spec = importlib.util.spec_from_file_location("nvrtc_check", ROOT / "scripts" / "nvrtc_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("dtype", "width"), [("__nv_bfloat16", 2048), ("__half", 2560), ("__nv_bfloat16", 8192)])
+def test_the_kernel_builds_with_nvrtc(dtype, width):
+    nvrtc_check = _nvrtc()
+    cuda = nvrtc_check.cuda_folder()
+    if cuda is None or not (cuda / "include" / "cccl").is_dir():
+        pytest.skip("NVRTC and CCCL from pip (nvidia-cuda-nvrtc, nvidia-cuda-cccl) are not installed")
+    block, chunks = launch_geometry(width, 2)
+    stub = nvrtc_check.STUB_HEADER.replace("namespace cooperative_groups {}", "")
+    source = (stub + add_rms_norm.HEADER + "namespace mlx::core::cu {\n"
+              f"__global__ void add_rms_norm(const {dtype}* x, const {dtype}* r, const {dtype}* w, const float* eps,"
+              f" {dtype}* h, {dtype}* out) {{\n  using T = {dtype};\n  constexpr int BLOCK = {block};\n"
+              f"  constexpr int CHUNKS = {chunks};\n  constexpr int N = {width};\n{add_rms_norm.SOURCE}\n}}\n}}\n")
+    nvrtc = nvrtc_check.Nvrtc(next((cuda / "lib").glob("libnvrtc.so.*")))
+    built, log, _ = nvrtc.compile(source, nvrtc_check.build_options(cuda, [cuda / "include" / "cccl"]))
+    assert built, log[:3000]
+    assert nvrtc_check.registers(log)[1] == 0  # no spills
+
+
+@pytest.mark.skipif(not (mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()),
+                    reason="needs MLX on a CUDA GPU")
+@pytest.mark.parametrize("width", [2048, 4096, 3072, 2560, 5000, 8192])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_the_kernel_gives_mlx_bits(width, dtype):
+    op = AddRmsNorm(True)
+    assert op.check(width, dtype, rows=(1, 5, 64, 300)) is None
