@@ -98,10 +98,11 @@ def test_a_handoff_norm_normalizes_any_other_array_itself(model_dir):
     assert mx.array_equal(norm(x), mx.fast.rms_norm(x, norm.weight, norm.eps)).item()
 
 
-@pytest.mark.parametrize("arch", ["granite", "olmo2", "gemma2"])
+@pytest.mark.parametrize("arch", ["granite", "olmo2", "gemma2", "qwen3_next"])
 def test_blocks_of_another_shape_are_left_as_they_were(model_dir, arch):
     """Granite scales its residuals, OLMo 2 normalizes after each sub-block, Gemma 2 has four
-    norms a block: the probe's logits differ (or the block is no candidate), nothing changes."""
+    norms a block, Qwen3-Next's blocks branch on the kind of layer (which one probe prompt
+    cannot cover): the probe's logits differ or the block is no candidate, nothing changes."""
     model, vocab = _fresh(model_dir, arch)
     classes = [type(m) for _, m in model.named_modules()]
     assert fuse_residuals(model, AddRmsNorm(False), vocab) == 0

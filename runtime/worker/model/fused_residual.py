@@ -14,6 +14,11 @@ only where its forward's logits stay bit-identical on a probe prompt; else it is
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -94,9 +99,32 @@ def _is_rms_norm(module: object) -> bool:
     return type(module) in (nn.RMSNorm, HandoffRMSNorm)
 
 
+@functools.cache
+def _plain_forward(cls: type) -> bool:
+    """Whether ``cls.__call__`` is straight-line code that calls nothing but the block's four
+    parts (no branch on a flag or a shape that the probe's one prompt could miss)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    function = tree.body[0]
+    if not isinstance(function, ast.FunctionDef):
+        return False
+    for node in ast.walk(ast.Module(body=function.body, type_ignores=[])):
+        if isinstance(node, (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.With, ast.Lambda, ast.comprehension)):
+            return False
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Attribute) and node.func.attr in _PARTS
+                                               and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
+            return False
+        if isinstance(node, ast.Attribute) and node.attr not in _PARTS:
+            return False
+    return True
+
+
 def _candidate(block: object) -> bool:
     return (isinstance(block, nn.Module) and all(part in block for part in _PARTS)
-            and _is_rms_norm(block["input_layernorm"]) and _is_rms_norm(block["post_attention_layernorm"]))
+            and _is_rms_norm(block["input_layernorm"]) and _is_rms_norm(block["post_attention_layernorm"])
+            and _plain_forward(type(block)))
 
 
 def _logits(model: nn.Module, tokens: mx.array) -> mx.array | None:
