@@ -101,11 +101,14 @@ def _is_rms_norm(module: object) -> bool:
 
 @functools.cache
 def _plain_forward(cls: type) -> bool:
-    """Whether ``cls.__call__`` is straight-line code that calls nothing but the block's four
-    parts (no branch on a flag or a shape that the probe's one prompt could miss)."""
+    """Whether ``cls.__call__`` takes ``(x, mask, cache)`` as the fused forward does and is
+    straight-line code that calls nothing but the block's four parts (no branch on a flag or a
+    shape that the probe's one prompt could miss)."""
     try:
+        if list(inspect.signature(cls.__call__).parameters) != ["self", "x", "mask", "cache"]:
+            return False
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__)))
-    except (OSError, TypeError, SyntaxError):
+    except (OSError, TypeError, ValueError, SyntaxError):
         return False
     function = tree.body[0]
     if not isinstance(function, ast.FunctionDef):
