@@ -76,8 +76,7 @@ def main() -> None:
                                               "paged_attention.LOOP and SPLIT_LOOP)")
     p.add_argument("--no-trace", action="store_true", help="no CUPTI (under ncu)")
     p.add_argument("--head-major", action="store_true",
-                   help="the mma loops read the pool as (KV heads, slots, D) (set MLX_PTX_CACHE_DIR to a fresh folder:"
-                        " the kernels keep their names)")
+                   help="the mma loops read the pool as (KV heads, slots, D) (timing only)")
     p.add_argument("--split-registers", type=int, default=None,
                    help="the split kernels' register cap (default: the worker's, SPLIT_MAX_REGISTERS; 0 none)")
     args = p.parse_args()

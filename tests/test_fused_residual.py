@@ -58,6 +58,13 @@ def test_the_launch_is_the_one_mlx_rms_norm_takes(width, itemsize, geometry):
     assert launch_geometry(width, itemsize) == geometry
 
 
+def test_the_check_says_where_the_kernel_does_not_apply():
+    """A float32 model or a row wider than MLX's small kernel takes MLX's kernels: the start-up
+    check says so, rather than passing a kernel that will never run."""
+    assert "take MLX's own kernels" in AddRmsNorm(True).check(64, mx.float32)
+    assert "take MLX's own kernels" in AddRmsNorm(True).check(8200, mx.bfloat16)
+
+
 def test_a_llama_model_takes_the_fused_blocks_and_keeps_its_logits_and_parameters(model_dir):
     model, vocab = _fresh(model_dir, "llama")
     tokens = mx.array([[5, 9, 2, 7, 11]], dtype=mx.uint32)

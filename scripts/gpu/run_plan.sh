@@ -73,7 +73,7 @@ for item in "$@"; do
     kernel-layout)  # the pool read slot-major (its layout) against head-major (KV heads, slots, D), contiguous and
                     # scattered slots, 1 and 8 rows at 32k: would a head-major pool close the gap to cuDNN?
       run "$item" 200 bash -c "for hm in '' --head-major; do for sc in '' '--scatter --slots 600000'; do
-                                 MLX_PTX_CACHE_DIR=\$(mktemp -d) python3 scripts/kernel_bench.py \$hm \$sc --rows 1,8 --context 32768 --calls 20; done; done" ;;
+                                 python3 scripts/kernel_bench.py \$hm \$sc --rows 1,8 --context 32768 --calls 20; done; done" ;;
     split-loop-*|loop-*)  # on this device copy only: the items after it use this loop for split launches (split-loop-X,
                           # paged_attention.SPLIT_LOOP) or unsplit ones (loop-X, LOOP)
       var=$([ "${item#split-}" != "$item" ] && echo SPLIT_LOOP || echo LOOP); value=${item#split-}; value=${value#loop-}

@@ -77,14 +77,10 @@ def _fused_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
     return out
 
 
-_FUSED_CLASSES: dict[type, type] = {}
-
-
+@functools.cache
 def _fused_class(cls: type) -> type:
     """``cls`` with the fused forward (one subclass per block class)."""
-    if cls not in _FUSED_CLASSES:
-        _FUSED_CLASSES[cls] = type(f"Fused{cls.__name__}", (cls,), {"__call__": _fused_call})
-    return _FUSED_CLASSES[cls]
+    return type(f"Fused{cls.__name__}", (cls,), {"__call__": _fused_call})
 
 
 def _layers_owner(model: nn.Module) -> nn.Module | None:
@@ -156,8 +152,7 @@ def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> i
     before = _logits(model, tokens)
     if before is None:
         return 0
-    norms = [layers[i + 1]["input_layernorm"] if i + 1 < len(layers) and _candidate(layers[i + 1]) else None
-             for i in range(len(layers))]
+    norms = [layers[i + 1]["input_layernorm"] if i + 1 in chosen else None for i in range(len(layers))]
     if _is_rms_norm(owner["norm"]):
         norms[-1] = owner["norm"]
     changed: list[tuple[nn.Module, type]] = []

@@ -95,16 +95,19 @@ class AddRmsNorm:
         self._kernel = None
         self._eps: dict[float, mx.array] = {}
 
-    def applies(self, x: mx.array, r: mx.array, weight: mx.array) -> bool:
-        return (self.use_kernel and x.dtype == r.dtype == weight.dtype and x.dtype in (mx.bfloat16, mx.float16)
-                and x.shape == r.shape and weight.ndim == 1 and weight.shape[0] == x.shape[-1]
-                and launch_geometry(x.shape[-1], x.dtype.size) is not None)
+    def _launch(self, x: mx.array, r: mx.array, weight: mx.array) -> tuple[int, int] | None:
+        """The kernel's (threads, vectors a thread) for these arrays, or None where it does not apply."""
+        if not (self.use_kernel and x.dtype == r.dtype == weight.dtype and x.dtype in (mx.bfloat16, mx.float16)
+                and x.shape == r.shape and weight.ndim == 1 and weight.shape[0] == x.shape[-1]):
+            return None
+        return launch_geometry(x.shape[-1], x.dtype.size)
 
     def __call__(self, x: mx.array, r: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
-        if not self.applies(x, r, weight):
+        launch = self._launch(x, r, weight)
+        if launch is None:
             return reference(x, r, weight, eps)
         width = x.shape[-1]
-        block, chunks = launch_geometry(width, x.dtype.size)
+        block, chunks = launch
         if self._kernel is None:
             self._kernel = mx.fast.cuda_kernel(name="runtime_add_rms_norm", input_names=["x", "r", "w", "eps"],
                                                output_names=["h", "out"], source=SOURCE, header=HEADER)
@@ -119,16 +122,16 @@ class AddRmsNorm:
         return h, out
 
     def check(self, width: int, dtype: mx.Dtype, rows: tuple[int, ...] = (1, 3, 64)) -> str | None:
-        """None where the kernel gives MLX's bits for rows of ``width`` (or does not apply), else
-        what differed; random rows with a spread of magnitudes, a random weight."""
+        """None where the kernel gives MLX's bits for rows of ``width``, else what differed (or
+        why it does not apply); random rows with a spread of magnitudes, a random weight."""
         key = mx.random.key(7)
         for n in rows:
             k1, k2, k3, key = mx.random.split(key, 4)
             x = (mx.random.normal((n, width), key=k1) * 3).astype(dtype)
             r = mx.random.normal((n, width), key=k2).astype(dtype)
             weight = (1 + 0.1 * mx.random.normal((width,), key=k3)).astype(dtype)
-            if not self.applies(x, r, weight):
-                return None
+            if self._launch(x, r, weight) is None:
+                return f"{dtype} rows of {width} take MLX's own kernels"
             for eps in (1e-5, 1e-6):
                 try:
                     got = self(x, r, weight, eps)
