@@ -263,8 +263,9 @@ def main() -> None:
         time_kernel([int(b) for b in args.kernel.split(",")], args.context)
     if not args.modes:
         return
-    model, _ = make_model(args.shape)
+    model, cfg = make_model(args.shape)
     nullctx = contextlib.nullcontext
+    residuals_fused = False
     print(f"device {mx.default_device()}, shape {args.shape}, context {args.context}, steps {args.steps}")
     for batch in [int(b) for b in args.batch.split(",")]:
         for label in args.modes.split(","):
@@ -275,9 +276,17 @@ def main() -> None:
                     probe_rows,
                     stacked_line,
                 )
+                from runtime.worker.model.fused_residual import fuse_residuals
+                from runtime.worker.paths.cuda.add_rms_norm import AddRmsNorm
 
                 if fuse_projections(model):  # as the worker's loader does: probe the row counts used
                     print(stacked_line(probe_rows(model, sorted({1, batch}))), flush=True)
+                if not residuals_fused:  # once: its residual adds too, as the loader does
+                    add_norm = AddRmsNorm(mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available())
+                    blocks = fuse_residuals(model, add_norm, cfg["vocab_size"])
+                    kernel = "one kernel" if add_norm.use_kernel else add_norm.problem or "MLX's kernels"
+                    print(f"{blocks} blocks add their residuals and RMS-normalize together ({kernel})", flush=True)
+                    residuals_fused = True
                 mode = mode.removesuffix("-fused")
             warm_up = not args.cold_engine  # every engine mode warms up first (as the worker does) unless asked
 

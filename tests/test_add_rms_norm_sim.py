@@ -44,7 +44,9 @@ inline float reduce(tile32, float v, plus<float>) {
 """
 
 
-def _program(block: int, chunks: int, width: int) -> str:
+def _program(block: int, chunks: int, width: int, offset: int = 0) -> str:
+    """The kernel's program; ``offset`` > 0 shifts every row array by that many elements (so no
+    row start is 16-byte aligned and the kernel takes its element-by-element path)."""
     kernel = (f"template <typename T, int BLOCK, int CHUNKS, int N>\nvoid add_rms_norm(const T* x, const T* r, const T* w,"
               f" const float* eps, T* h, T* out) {{\n{add_rms_norm.SOURCE}\n}}\n")
     main = f"""
@@ -55,19 +57,23 @@ int main() {{
     const auto r = read_array<bf16>();
     const auto w = read_array<bf16>();
     const auto eps = read_array<float>();
-    std::vector<bf16> h(x.size()), out(x.size());
+    const int off = {offset};
+    std::vector<bf16> xs(x.size() + off), rs(r.size() + off), ws(w.size() + off), hs(x.size() + off), outs(x.size() + off);
+    std::copy(x.begin(), x.end(), xs.begin() + off);
+    std::copy(r.begin(), r.end(), rs.begin() + off);
+    std::copy(w.begin(), w.end(), ws.begin() + off);
     sim_threads = {block};
-    launch(rows, {block}, [&] {{ add_rms_norm<bf16, {block}, {chunks}, {width}>(x.data(), r.data(), w.data(), eps.data(),
-                                                                         h.data(), out.data()); }});
-    write_array(h);
-    write_array(out);
+    launch(rows, {block}, [&] {{ add_rms_norm<bf16, {block}, {chunks}, {width}>(xs.data() + off, rs.data() + off,
+        ws.data() + off, eps.data(), hs.data() + off, outs.data() + off); }});
+    write_array(std::vector<bf16>(hs.begin() + off, hs.end()));
+    write_array(std::vector<bf16>(outs.begin() + off, outs.end()));
     return 0;
 }}
 """
     return _STUBS + _GROUPS + kernel + _RUNNER + main
 
 
-def _run(rows: int, width: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _run(rows: int, width: int, seed: int = 0, offset: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     import subprocess
 
     block, chunks = add_rms_norm.launch_geometry(width, 2)
@@ -79,7 +85,7 @@ def _run(rows: int, width: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, 
     stdin = [np.array([rows], np.int32).tobytes()]
     for data in (_bf16(x), _bf16(r), _bf16(w), eps):
         stdin += [np.array([data.size], np.int64).tobytes(), np.ascontiguousarray(data).tobytes()]
-    ran = subprocess.run([str(_binary(_program(block, chunks, width)))], input=b"".join(stdin), capture_output=True,
+    ran = subprocess.run([str(_binary(_program(block, chunks, width, offset)))], input=b"".join(stdin), capture_output=True,
                          check=True, timeout=120)
     result = np.frombuffer(ran.stdout, np.float32)
     return x, r, w, result[: x.size].reshape(rows, width), result[x.size:].reshape(rows, width)
@@ -99,3 +105,10 @@ def test_the_kernel_adds_and_normalizes_each_row(width):
     sums = expected_h.astype(np.float64)
     reference = sums / np.sqrt((sums**2).mean(axis=1, keepdims=True) + 1e-5) * w
     assert np.abs(out - reference).max() <= 0.02 * np.abs(reference).max()
+
+
+@pytest.mark.parametrize("width", [2048, 5000])
+def test_unaligned_rows_take_the_element_path_with_the_same_bits(width):
+    _, _, _, h, out = _run(3, width)
+    _, _, _, h_unaligned, out_unaligned = _run(3, width, offset=1)
+    assert (h_unaligned == h).all() and (out_unaligned == out).all()

@@ -27,15 +27,39 @@ SOURCE = """
     auto warp = cg::tiled_partition<32>(block);
     const size_t row = blockIdx.x;
     const int t = threadIdx.x;
-    T hv[CHUNKS][READS];
+    const T* xr = x + row * N;
+    const T* rr = r + row * N;
+    T* hr = h + row * N;
+    T* outr = out + row * N;
+    // 16-byte loads and stores where every row start is aligned (MLX's kernels load vectors
+    // too); element by element otherwise. The arithmetic is the same either way.
+    const bool vec = N % READS == 0 && ((reinterpret_cast<size_t>(xr) | reinterpret_cast<size_t>(rr) |
+        reinterpret_cast<size_t>(hr) | reinterpret_cast<size_t>(outr) | reinterpret_cast<size_t>(w)) & 15) == 0;
+    uint4 hraw[CHUNKS];
     float normalizer = 0.f;
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
+        const int base = (BLOCK * i + t) * READS;
+        uint4 xraw = make_uint4(0, 0, 0, 0), rraw = make_uint4(0, 0, 0, 0);
+        T* xe = reinterpret_cast<T*>(&xraw);
+        T* re = reinterpret_cast<T*>(&rraw);
+        if (vec && base < N) {
+            xraw = *reinterpret_cast<const uint4*>(xr + base);
+            rraw = *reinterpret_cast<const uint4*>(rr + base);
+        } else if (!vec) {
+#pragma unroll
+            for (int j = 0; j < READS; ++j) {
+                if (base + j < N) {
+                    xe[j] = xr[base + j];
+                    re[j] = rr[base + j];
+                }
+            }
+        }
+        T* he = reinterpret_cast<T*>(&hraw[i]);
 #pragma unroll
         for (int j = 0; j < READS; ++j) {
-            const int e = (BLOCK * i + t) * READS + j;
-            hv[i][j] = e < N ? T(x[row * N + e] + r[row * N + e]) : T(0);
-            const float v = static_cast<float>(hv[i][j]);
+            he[j] = base + j < N ? T(xe[j] + re[j]) : T(0);
+            const float v = static_cast<float>(he[j]);
             normalizer += v * v;
         }
     }
@@ -49,13 +73,26 @@ SOURCE = """
     normalizer = rsqrt(normalizer / N + eps[0]);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
+        const int base = (BLOCK * i + t) * READS;
+        const T* he = reinterpret_cast<const T*>(&hraw[i]);
+        if (vec) {
+            if (base < N) {
+                uint4 wraw = *reinterpret_cast<const uint4*>(w + base);
+                const T* we = reinterpret_cast<const T*>(&wraw);
+                uint4 oraw;
+                T* oe = reinterpret_cast<T*>(&oraw);
 #pragma unroll
-        for (int j = 0; j < READS; ++j) {
-            const int e = (BLOCK * i + t) * READS + j;
-            if (e < N) {
-                const float y = static_cast<float>(hv[i][j]) * normalizer;
-                h[row * N + e] = hv[i][j];
-                out[row * N + e] = T(w[e] * static_cast<T>(y));
+                for (int j = 0; j < READS; ++j) oe[j] = T(we[j] * static_cast<T>(static_cast<float>(he[j]) * normalizer));
+                *reinterpret_cast<uint4*>(hr + base) = hraw[i];
+                *reinterpret_cast<uint4*>(outr + base) = oraw;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < READS; ++j) {
+                if (base + j < N) {
+                    hr[base + j] = he[j];
+                    outr[base + j] = T(w[base + j] * static_cast<T>(static_cast<float>(he[j]) * normalizer));
+                }
             }
         }
     }
