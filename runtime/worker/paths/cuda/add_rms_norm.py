@@ -36,6 +36,8 @@ SOURCE = """
     const bool vec = N % READS == 0 && ((reinterpret_cast<size_t>(xr) | reinterpret_cast<size_t>(rr) |
         reinterpret_cast<size_t>(hr) | reinterpret_cast<size_t>(outr) | reinterpret_cast<size_t>(w)) & 15) == 0;
     uint4 hraw[CHUNKS];
+    uint4 wraw[CHUNKS];  // the weight and eps loaded before the reduction: off its critical path
+    const float epsilon = eps[0];
     float normalizer = 0.f;
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
@@ -46,6 +48,7 @@ SOURCE = """
         if (vec && base < N) {
             xraw = *reinterpret_cast<const uint4*>(xr + base);
             rraw = *reinterpret_cast<const uint4*>(rr + base);
+            wraw[i] = *reinterpret_cast<const uint4*>(w + base);
         } else if (!vec) {
 #pragma unroll
             for (int j = 0; j < READS; ++j) {
@@ -70,15 +73,14 @@ SOURCE = """
         normalizer = warp.thread_rank() < warp.meta_group_size() ? partial[warp.thread_rank()] : 0.f;
         normalizer = cg::reduce(warp, normalizer, cg::plus<float>());
     }
-    normalizer = rsqrt(normalizer / N + eps[0]);
+    normalizer = rsqrt(normalizer / N + epsilon);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         const int base = (BLOCK * i + t) * READS;
         const T* he = reinterpret_cast<const T*>(&hraw[i]);
         if (vec) {
             if (base < N) {
-                uint4 wraw = *reinterpret_cast<const uint4*>(w + base);
-                const T* we = reinterpret_cast<const T*>(&wraw);
+                const T* we = reinterpret_cast<const T*>(&wraw[i]);
                 uint4 oraw;
                 T* oe = reinterpret_cast<T*>(&oraw);
 #pragma unroll
