@@ -131,6 +131,11 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         print(f"runtime worker: warm-up: sampler in {sampler_s:.1f} s", flush=True)
         shapes = warm_prefill(engine, loaded.limits.max_step_tokens, loaded.limits.prefill_chunk,
                               lambda line: print(line, flush=True))
+        if cuda:
+            from runtime.worker.paths.cuda.cubin_kernels import summary
+
+            if (cubins := summary()) is not None:
+                print(f"runtime worker: {cubins}", flush=True)
         print(f"runtime worker: warmed up in {time.perf_counter() - started:.1f} s"
               + (f" ({variants} decode variants prepared in {decode_s:.1f} s)" if variants else "")
               + (f" ({shapes} prefill shapes)" if shapes else "")

@@ -27,7 +27,7 @@ run() {  # name, seconds at most, command... (the item's @tag, if any, names its
   local started=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "   rc $?, $(( SECONDS - started )) s"
-  grep -E "^\| |^8b |^1b |^summed|^rows |^ +start |^ *[0-9]+ \||^total|stacked products|warmed up in|pools and attention|loaded the model|WARNING|passed|failed" \
+  grep -E "^\| |^8b |^1b |^summed|^rows |^ +start |^ *[0-9]+ \||^total|stacked products|warmed up in|pools and attention|loaded the model|our CUDA kernels|WARNING|passed|failed" \
     "$OUT/$name.log" | grep -v "^| *-" | head -40
 }
 
@@ -38,7 +38,7 @@ for item in "$@"; do
     *@nographs) item=${item%@*}; tag=-nographs; export MLX_USE_CUDA_GRAPHS=0 ;;
     *@graphs) item=${item%@*}; tag=-graphs; export MLX_USE_CUDA_GRAPHS=1 ;;
   esac
-  tag=$tag${fuse_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
+  tag=$tag${fuse_tag:-}${cubin_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
   case $item in
     kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
     gemv-ab) run "$item" 150 python3 scripts/gemv_ab.py ;;
@@ -54,6 +54,9 @@ for item in "$@"; do
         [ -n "$loop" ] && sed -i "s/^$var = \".*\"/$var = \"$loop\"/" runtime/worker/paths/paged_attention.py
       done
       echo "== use-best-loop: $(tr '\n' ';' < "$OUT/pick-loop.log" 2>/dev/null) $(grep -E '^(SPLIT_)?LOOP =' runtime/worker/paths/paged_attention.py | tr '\n' ' ')" ;;
+    cubin-on)  # on this device copy only: the items after it launch our kernels as CUBINs kept on disk
+      sed -i 's/^PRECOMPILE = False/PRECOMPILE = True/' runtime/worker/paths/cuda/cubin_kernels.py; cubin_tag=-cubin
+      echo "== cubin-on: $(grep -E '^PRECOMPILE =' runtime/worker/paths/cuda/cubin_kernels.py)" ;;
     fuse-prefill)  # on this device copy only: the items after it run prefill and decode as one forward
       sed -i 's/^FUSE_PREFILL = False/FUSE_PREFILL = True/' runtime/worker/engine.py; fuse_tag=-fused
       echo "== fuse-prefill: $(grep -E '^FUSE_PREFILL =' runtime/worker/engine.py)" ;;
@@ -127,7 +130,7 @@ for item in "$@"; do
     pytest-residual) run "$item" 200 python3 -m pytest -q tests/test_fused_residual.py tests/test_service_exact.py ;;
     pytest-shapes)  # attention layers of several shapes, KV-shared layers (Gemma 4, Gemma 3n): token-exact on CUDA too
       run "$item" 400 python3 -m pytest -q tests/test_layer_shapes_exact.py tests/test_kv_read_back.py tests/test_kv_shared_paths.py ;;
-    *) echo "== $item: unknown (pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
+    *) echo "== $item: unknown (cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then

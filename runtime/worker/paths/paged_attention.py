@@ -14,6 +14,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from runtime.worker.model.kernel_rope import RopeSpec
+from runtime.worker.paths.cuda.cubin_kernels import cuda_kernel
 from runtime.worker.paths.cuda.kernel_launch import (
     MMA_SMALL_DIMS,
     UNROLL,
@@ -188,14 +189,13 @@ class PagedAttention:
         key = (kind, appending, loop, rope)
         if key not in self._kernels:
             if kind == "combine":
-                kernel = mx.fast.cuda_kernel(name="runtime_paged_decode_combine",
-                                             input_names=["part_acc", "part_m", "part_l"], output_names=["out"],
-                                             source=COMBINE)
+                kernel = cuda_kernel(name="runtime_paged_decode_combine", input_names=["part_acc", "part_m", "part_l"],
+                                     output_names=["out"], source=COMBINE)
             else:
                 outputs = {"single": ["out"], "split": ["part_acc", "part_m", "part_l"]}[kind]
                 inputs = ROPE_INPUTS if rope else APPEND_INPUTS if appending else INPUTS
                 cap = self.split_registers if kind != "single" else 0
-                kernel = mx.fast.cuda_kernel(  # a capped build has a name of its own (MLX caches by name)
+                kernel = cuda_kernel(  # a capped build has a name of its own (MLX caches by name)
                     name=(f"runtime_paged_decode_{kind}{'_append' if appending else ''}{'_rope' if rope else ''}"
                           f"_{loop}{f'_r{cap}' if cap else ''}"),
                     input_names=inputs,

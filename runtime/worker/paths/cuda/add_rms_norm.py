@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from runtime.worker.paths.cuda.cubin_kernels import cuda_kernel
+
 HEADER = "#include <cooperative_groups.h>\n#include <cooperative_groups/reduce.h>\nnamespace cg = cooperative_groups;\n"
 
 # Template parameters: T (dtype), BLOCK (threads), CHUNKS (16-byte vectors a thread), N (the row
@@ -148,8 +150,8 @@ class AddRmsNorm:
         width = x.shape[-1]
         block, chunks = launch
         if self._kernel is None:
-            self._kernel = mx.fast.cuda_kernel(name="runtime_add_rms_norm", input_names=["x", "r", "w", "eps"],
-                                               output_names=["h", "out"], source=SOURCE, header=HEADER)
+            self._kernel = cuda_kernel(name="runtime_add_rms_norm", input_names=["x", "r", "w", "eps"],
+                                       output_names=["h", "out"], source=SOURCE, header=HEADER)
         eps_arr = self._eps.get(eps)
         if eps_arr is None:
             eps_arr = self._eps[eps] = mx.array([eps], dtype=mx.float32)

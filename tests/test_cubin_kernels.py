@@ -1,0 +1,132 @@
+"""Our CUDA kernels as CUBINs on disk (``paths/cuda/cubin_kernels``): the translation units the
+store builds compile with NVRTC (pip's, on a machine without a GPU), the store reads a unit back
+instead of building it again, and the int arguments a launch passes are the ones the unit
+declares, in its order. Launching them is the GPU's to check (``PRECOMPILE`` is off until then).
+"""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import pytest
+
+from runtime.worker.paths.cuda import add_rms_norm, cubin_kernels, paged_kernels
+from runtime.worker.paths.cuda.kernel_launch import lanes_per_position
+
+CUDA = cubin_kernels.cuda_folder()
+needs_nvrtc = pytest.mark.skipif(CUDA is None or cubin_kernels.find_nvrtc() is None,
+                                 reason="NVRTC and the CUDA headers from pip (nvidia-cuda-nvrtc, nvidia-cuda-cccl) "
+                                        "are not installed")
+_NDIMS = {"queries": 4, "keys": 3, "values": 3, "table": 2, "rows": 1, "lengths": 1, "tail_keys": 4,
+          "tail_values": 4, "tail_len": 1, "new_keys": 4, "new_values": 4, "scale": 1, "positions": 1,
+          "rope_consts": 1, "rope_freqs": 1, "part_acc": 1, "part_m": 1, "part_l": 1}
+
+
+def _dtype(name: str) -> mx.Dtype:
+    if name in ("table", "rows", "lengths", "tail_len", "positions"):
+        return mx.int32
+    return mx.float32 if name in ("scale", "rope_consts", "rope_freqs") or name.startswith("part") else mx.bfloat16
+
+
+def _store(tmp_path) -> cubin_kernels.CubinStore:
+    nvrtc = cubin_kernels.Nvrtc(cubin_kernels.find_nvrtc())
+    return cubin_kernels.CubinStore(tmp_path / "cubin", nvrtc, "sm_90", cubin_kernels.include_folders({}))
+
+
+def _paged(kind: str, loop: str, rope: bool) -> tuple[str, str, list[str], list[str], list]:
+    inputs = paged_kernels.ROPE_INPUTS if rope else paged_kernels.APPEND_INPUTS
+    outputs = (["out"] if kind == "single" else ["part_acc", "part_m", "part_l"]) + paged_kernels.APPEND_OUTPUTS
+    source = paged_kernels.body(True, loop, rope) + (paged_kernels.WRITE_OUT if kind == "single"
+                                                     else paged_kernels.WRITE_PARTIAL)
+    template = [("T", mx.bfloat16), ("D", 128), ("NREP", 4), ("HKV", 8), ("NWARPS", 4), ("UNROLL", 1),
+                ("GL", lanes_per_position(128))]
+    if rope:
+        template += [("ROPE", 1), ("ROPE_DIMS", 128), ("ROPE_TRAD", False)]
+    return source, paged_kernels.HEADER, inputs, outputs, template
+
+
+def _unit(source, header, inputs, outputs, template, func="runtime_test") -> str:
+    return cubin_kernels.translation_unit(func, source, header, inputs, [_dtype(n) for n in inputs],
+                                          [_NDIMS[n] for n in inputs], outputs, [_dtype(n) for n in outputs], template)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(("kind", "loop", "rope"), [("split", "mma_ahead", True), ("single", "mma", True),
+                                                    ("single", "pipelined", False)])
+def test_the_paged_kernels_build_as_cubins(tmp_path, kind, loop, rope):
+    store = _store(tmp_path)
+    cubin, log = store.cubin(_unit(*_paged(kind, loop, rope)))
+    assert cubin[:4] == b"\x7fELF", log[:3000]
+
+
+@needs_nvrtc
+def test_the_combine_and_the_fused_norm_build_as_cubins(tmp_path):
+    store = _store(tmp_path)
+    combine = _unit(paged_kernels.COMBINE, "", ["part_acc", "part_m", "part_l"], ["out"],
+                    [("T", mx.bfloat16), ("D", 128), ("NREP", 4)])
+    assert store.cubin(combine)[0][:4] == b"\x7fELF"
+    norm = cubin_kernels.translation_unit(
+        "runtime_norm", add_rms_norm.SOURCE, add_rms_norm.HEADER, ["x", "r", "w", "eps"],
+        [mx.bfloat16, mx.bfloat16, mx.bfloat16, mx.float32], [2, 2, 1, 1], ["h", "out"], [mx.bfloat16] * 2,
+        [("T", mx.bfloat16), ("BLOCK", 128), ("CHUNKS", 4), ("N", 4096)])
+    cubin, log = store.cubin(norm)
+    assert cubin[:4] == b"\x7fELF", log[:3000]
+
+
+@needs_nvrtc
+def test_a_unit_built_once_is_read_back_from_disk(tmp_path):
+    unit = _unit(paged_kernels.COMBINE, "", ["part_acc", "part_m", "part_l"], ["out"],
+                 [("T", mx.bfloat16), ("D", 64), ("NREP", 2)])
+    first = _store(tmp_path)
+    cubin, _ = first.cubin(unit)
+    assert first.built == 1 and cubin
+    again = _store(tmp_path)  # a later start: the same folder
+    assert again.cubin(unit)[0] == cubin and (again.built, again.read) == (0, 1)
+    other = unit.replace("constexpr int NREP = 2;", "constexpr int NREP = 4;")
+    assert again.key(other) != again.key(unit)
+    again.cubin(other)
+    assert again.built == 1
+    (tmp_path / "cubin" / f"{again.key(unit)}.cubin").write_bytes(b"torn")  # not a CUBIN: built again
+    assert again.cubin(unit)[0][:4] == b"\x7fELF" and again.built == 2
+
+
+@needs_nvrtc
+def test_a_unit_that_does_not_build_gives_no_cubin_and_its_log(tmp_path):
+    cubin, log = _store(tmp_path).cubin(cubin_kernels.PRELUDE + 'extern "C" __global__ void k() { undefined(); }')
+    assert cubin == b"" and "undefined" in log
+
+
+def test_the_shape_arguments_follow_the_declared_ints():
+    source, header, inputs, outputs, template = _paged("split", "mma_ahead", True)
+    unit = _unit(source, header, inputs, outputs, template)
+    start = unit.index('extern "C"')
+    signature = unit[start:unit.index(") {", start)]
+    declared = re.findall(r"int (\w+)_shape_(\d+)", signature)
+    arrays = [mx.zeros(tuple(range(2, 2 + _NDIMS[n])), dtype=_dtype(n)) for n in inputs]
+    values = cubin_kernels.shape_arguments(source, inputs, arrays)
+    assert [int(d) + 2 for _, d in declared] == values  # each input's dims, in the order declared
+    assert {n for n, _ in declared} == {n for n in inputs if re.search(rf"\b{n}_shape\b", source)}
+    assert "keys" not in {n for n, _ in declared}  # ``tail_keys_shape`` is not ``keys_shape``
+    assert signature.index("int ") > signature.index(outputs[-1])  # after every pointer: MLX's scalar order
+
+
+def test_the_template_becomes_constants():
+    unit = cubin_kernels.translation_unit("k", "", "", ["x"], [mx.float16], [1], ["y"], [mx.float32],
+                                          [("T", mx.bfloat16), ("FLAG", True), ("N", 7)])
+    assert "using T = __nv_bfloat16;" in unit and "constexpr bool FLAG = true;" in unit
+    assert "constexpr int N = 7;" in unit and "const __half* x" in unit and "float* y" in unit
+
+
+def test_mlx_builds_the_kernel_while_precompile_is_off_or_the_source_reads_strides(monkeypatch, tmp_path):
+    made = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw["name"]) or "mlx")
+    assert cubin_kernels.cuda_kernel(name="a", input_names=["x"], output_names=["y"], source="y[0] = x[0];") == "mlx"
+    monkeypatch.setattr(cubin_kernels, "PRECOMPILE", True)
+    store = object.__new__(cubin_kernels.CubinStore)
+    monkeypatch.setattr(cubin_kernels, "default_store", lambda: store)
+    kernel = cubin_kernels.cuda_kernel(name="b", input_names=["x"], output_names=["y"], source="y[0] = x[0];")
+    assert isinstance(kernel, cubin_kernels.CubinKernel) and kernel.store is store
+    assert cubin_kernels.cuda_kernel(name="c", input_names=["x"], output_names=["y"],
+                                     source="y[0] = x_strides[0];") == "mlx"
+    assert made == ["a", "c"]
