@@ -24,6 +24,7 @@ from runtime.worker.model.fused_projections import (
     transpose_stacked,
 )
 from runtime.worker.model.fused_residual import fuse_residuals
+from runtime.worker.model.norm_offsets import precompute_offsets
 from runtime.worker.model.transposed_linear import transpose_linears
 from runtime.worker.paths.cuda.add_rms_norm import AddRmsNorm
 from runtime.worker.paths.decode_plan import row_classes
@@ -46,6 +47,7 @@ class LoadedModel:
     aux_slots: int = 0
     fused_groups: int = 0
     residual_blocks: int = 0  # blocks whose residual adds run with the RMSNorm after them (fused_residual)
+    norm_offsets: int = 0  # Gemma-style norms whose 1 + weight is computed once (norm_offsets)
     residual_kernel: str = ""  # how those run: one kernel, or MLX's two and why
     stacked_rows: dict[int, bool] | None = None  # decode row class -> whether its step takes the stacked product
     transposed: int = 0  # float32 products (fused groups count once) over transposed weights: transposed_linear
@@ -145,6 +147,7 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
     mx.eval(model.parameters())
     text_config = model_config.get("text_config", model_config)
     vocab_size = int(text_config.get("vocab_size", 0))
+    norm_offsets = precompute_offsets(model, vocab_size) if group is None else 0  # a sharded forward is collective
     residual_blocks, residual_kernel = 0, ""
     if group is None:  # a sharded model's blocks add partial sums across ranks first
         add_norm = AddRmsNorm(on_gpu and mx.cuda.is_available())
@@ -178,6 +181,7 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
         aux_slots=aux_slots,
         fused_groups=fused_groups,
         residual_blocks=residual_blocks,
+        norm_offsets=norm_offsets,
         residual_kernel=residual_kernel,
         stacked_rows=stacked_rows,
         transposed=transposed,

@@ -100,6 +100,8 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         if loaded.fused_groups:
             print(f"runtime worker: fused {loaded.fused_groups} projection groups; {stacked_line(loaded.stacked_rows)}",
                   flush=True)
+        if loaded.norm_offsets:
+            print(f"runtime worker: {loaded.norm_offsets} RMSNorms of 1 + weight have the sum computed once", flush=True)
         if loaded.residual_blocks:
             print(f"runtime worker: {loaded.residual_blocks} blocks add their residuals and RMS-normalize the sums "
                   f"together: {loaded.residual_kernel}", flush=True)

@@ -22,6 +22,7 @@ import textwrap
 import mlx.core as mx
 import mlx.nn as nn
 
+from runtime.worker.model.logit_probe import probe_logits, probe_tokens, same_logits
 from runtime.worker.paths.cuda.add_rms_norm import AddRmsNorm
 
 _PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
@@ -126,16 +127,6 @@ def _candidate(block: object) -> bool:
             and _plain_forward(type(block)))
 
 
-def _logits(model: nn.Module, tokens: mx.array) -> mx.array | None:
-    try:
-        out = model(tokens)
-        out = out[0] if isinstance(out, tuple) else out
-        mx.eval(out)
-        return out
-    except Exception:  # noqa: BLE001 - a model the probe cannot call is left as it is
-        return None
-
-
 def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> int:
     """Give every Llama-style block of ``model`` the fused forward where the model's logits on a
     probe prompt stay bit-identical (with MLX's own kernels for the fused operation); the number
@@ -148,8 +139,8 @@ def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> i
     chosen = [i for i, block in enumerate(layers) if _candidate(block)]
     if not chosen:
         return 0
-    tokens = mx.array([[(7 * i + 3) % vocab_size for i in range(6)]], dtype=mx.uint32)
-    before = _logits(model, tokens)
+    tokens = probe_tokens(vocab_size)
+    before = probe_logits(model, tokens)
     if before is None:
         return 0
     norms = [layers[i + 1]["input_layernorm"] if i + 1 in chosen else None for i in range(len(layers))]
@@ -170,8 +161,7 @@ def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> i
         block = layers[i]
         swap(block, _fused_class(type(block)))
         block.fused_links = _Links(reference, norms[i])
-    after = _logits(model, tokens)
-    if after is None or after.shape != before.shape or not mx.array_equal(after, before).item():
+    if not same_logits(before, probe_logits(model, tokens)):
         for module, cls in reversed(changed):
             module.__class__ = cls
         return 0
