@@ -31,6 +31,15 @@ _BASE: dict = {
     "mlp_bias": False,
 }
 
+_GEMMA3: dict = {
+    "model_type": "gemma3_text",
+    "architectures": ["Gemma3ForCausalLM"],
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "sliding_window_pattern": 6,
+}
+
 SHAPES: dict[str, dict] = {
     # CPU-sized: hidden 256, 4 layers, vocab 1000, float32.
     "tiny": {
@@ -74,6 +83,16 @@ SHAPES: dict[str, dict] = {
         "max_position_embeddings": 131072,
         "torch_dtype": "bfloat16",
     },
+    # Gemma 3 (sliding-window layers beside global ones, six 1 + weight RMSNorms a block): a
+    # CPU-sized one in float32 and Gemma-3-1B's geometry.
+    "gemma3-tiny": {**_GEMMA3, "hidden_size": 256, "num_hidden_layers": 12, "intermediate_size": 1024,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "query_pre_attn_scalar": 64,
+                    "vocab_size": 1000, "sliding_window": 128, "max_position_embeddings": 8192,
+                    "tie_word_embeddings": False, "torch_dtype": "float32"},
+    "gemma3-1b": {**_GEMMA3, "hidden_size": 1152, "num_hidden_layers": 26, "intermediate_size": 6912,
+                  "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256,
+                  "vocab_size": 262144, "sliding_window": 512, "max_position_embeddings": 32768,
+                  "tie_word_embeddings": True, "torch_dtype": "bfloat16"},
 }
 
 # Each shape also in 4 bits ("llama-8b-4bit"): every matrix quantized as mlx-lm's own
