@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import re
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from runtime.worker.paths.cuda import cubin_kernels  # noqa: E402
 from runtime.worker.paths.cuda import paged_kernels as pk  # noqa: E402
 from runtime.worker.paths.cuda.kernel_launch import (  # noqa: E402
     REGISTERS,
@@ -82,30 +82,14 @@ def kernel_source(name: str, appending: bool, split: bool, loop: str, d: int, n_
 
 
 class Nvrtc:
-    """The few NVRTC calls a compile and its log need."""
+    """The worker's NVRTC calls (``cubin_kernels.Nvrtc``), answering (built, the log, the CUBIN)."""
 
     def __init__(self, library: Path) -> None:
-        self.lib = ctypes.CDLL(str(library))
+        self.nvrtc = cubin_kernels.Nvrtc(str(library))
 
     def compile(self, source: str, options: list[str]) -> tuple[bool, str, bytes]:
-        """(built, the log, the CUBIN)."""
-        prog = ctypes.c_void_p()
-        if self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None):
-            raise RuntimeError("nvrtcCreateProgram failed")
-        opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
-        result = self.lib.nvrtcCompileProgram(prog, len(options), opts)
-        size = ctypes.c_size_t()
-        self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value + 1)
-        self.lib.nvrtcGetProgramLog(prog, log)
-        cubin = b""
-        if result == 0:
-            self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-            buffer = ctypes.create_string_buffer(size.value)
-            self.lib.nvrtcGetCUBIN(prog, buffer)
-            cubin = buffer.raw
-        self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        return result == 0, log.value.decode(errors="replace"), cubin
+        cubin, log = self.nvrtc.compile(source, options)
+        return bool(cubin), log, cubin
 
 
 def cuda_folder(site: Path | None = None) -> Path | None:
