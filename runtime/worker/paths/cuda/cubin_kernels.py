@@ -4,11 +4,12 @@ MLX's ``mx.fast.cuda_kernel`` runs NVRTC on a kernel's source at the first launc
 process: MLX keeps custom kernels in memory only (its disk cache holds its own kernels). The
 paged decode kernels, their combine and the fused add + norm are a few NVRTC seconds each, at
 every start of the worker. This module's ``cuda_kernel`` returns a callable with
-``mx.fast.cuda_kernel``'s call signature that, where ``PRECOMPILE`` is on and NVRTC can be loaded, builds the translation unit itself
-(the template arguments as constants, each ``NAME_shape`` the source reads as int arguments),
-compiles it once per variant with the process's NVRTC, keeps the CUBIN under the kernel cache
-folder (keyed by a hash of the unit, the options and NVRTC's version) and launches it with
-``mx.fast.precompiled_cuda_kernel``. Anything it cannot do falls back to MLX's own build.
+``mx.fast.cuda_kernel``'s call signature that, where ``PRECOMPILE`` is on and NVRTC can be
+loaded, builds the translation unit itself (the template arguments as constants, each
+``NAME_shape`` the source reads as int arguments), compiles it once per variant with the
+process's NVRTC, keeps the CUBIN under the kernel cache folder (keyed by a hash of the unit,
+the options and NVRTC's version) and launches it with ``mx.fast.precompiled_cuda_kernel``.
+Anything it cannot do falls back to MLX's own build.
 
 ``PRECOMPILE`` stays off until a GPU run has shown the launches right (the start-up checks of
 ``kernel_check`` and ``AddRmsNorm.check`` compare every kernel with MLX's own operations).
