@@ -123,6 +123,14 @@ def test_parser_lists():
         build_parser().parse_args(["--synthetic", "tiny", "--workloads", "nope"])
 
 
+def test_every_synthetic_shape_builds_its_mlx_lm_model():
+    from runtime.bench.models import SHAPES, _param_specs
+
+    for shape in SHAPES:  # lazily: no weights drawn, so the 1B shapes cost nothing here
+        names = [name for name, _ in _param_specs(shape_config(shape))]
+        assert any("embed_tokens" in n for n in names) and any("layers.0." in n for n in names), shape
+
+
 def test_parser_offers_every_synthetic_shape():
     from runtime.bench.models import SHAPES
 
