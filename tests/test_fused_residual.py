@@ -96,6 +96,57 @@ def test_a_llama_model_takes_the_fused_blocks_and_keeps_its_logits_and_parameter
     assert model.model.norm.handoff.h is None  # nothing held past the forward
 
 
+def test_a_mixtral_block_fuses_around_its_experts(model_dir):
+    model, vocab = _fresh(model_dir, "mixtral")  # its feed-forward part is ``block_sparse_moe``
+    tokens = mx.array([[5, 9, 2, 7, 11]], dtype=mx.uint32)
+    before = model(tokens)
+    op = CountingAddNorm()
+    assert fuse_residuals(model, op, vocab) == len(model.model.layers)
+    assert {layer.fused_links.feed_forward for layer in model.model.layers} == {"block_sparse_moe"}
+    op.calls = 0
+    assert mx.array_equal(model(tokens), before).item()
+    assert op.calls == 2 * len(model.model.layers)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_blocks_that_pick_their_mixer_by_a_layer_flag_fuse_with_it(model_dir, arch):
+    """Qwen3-Next's blocks run ``linear_attn`` or ``self_attn`` by a per-layer ``is_linear``: the
+    fused forward calls the one its layer runs."""
+    model, vocab = _fresh(model_dir, arch)
+    layers = _owner_layers(model)
+    tokens = mx.array([[5, 9, 2, 7, 11]], dtype=mx.uint32)
+    before = model(tokens)
+    assert fuse_residuals(model, AddRmsNorm(False), vocab) == len(layers)
+    mixers = [layer.fused_links.mixer for layer in layers]
+    assert mixers == ["linear_attn" if layer.is_linear else "self_attn" for layer in layers]
+    assert set(mixers) == {"linear_attn", "self_attn"}  # both kinds in the probe's model
+    assert mx.array_equal(model(tokens), before).item()
+
+
+def _owner_layers(model) -> list:
+    inner = getattr(model, "language_model", model)
+    return inner.model.layers
+
+
+def test_a_branch_on_anything_but_a_layer_flag_is_no_candidate():
+    import mlx_lm.models.qwen3_next as qwen3_next
+
+    from runtime.worker.model import fused_residual
+
+    class Branching(qwen3_next.Qwen3NextDecoderLayer):
+        def __call__(self, x, mask=None, cache=None):
+            if x.shape[1] > 1:
+                r = self.linear_attn(self.input_layernorm(x), mask, cache)
+            else:
+                r = self.self_attn(self.input_layernorm(x), mask, cache)
+            h = x + r
+            return h + self.mlp(self.post_attention_layernorm(h))
+
+    assert fused_residual._forward_plan(qwen3_next.Qwen3NextDecoderLayer, "mlp") == ("is_linear", "linear_attn",
+                                                                                     "self_attn")
+    assert fused_residual._forward_plan(Branching, "mlp") is None
+
+
 def test_a_handoff_norm_normalizes_any_other_array_itself(model_dir):
     model, vocab = _fresh(model_dir, "llama")
     assert fuse_residuals(model, AddRmsNorm(False), vocab) > 0
@@ -105,11 +156,11 @@ def test_a_handoff_norm_normalizes_any_other_array_itself(model_dir):
     assert mx.array_equal(norm(x), mx.fast.rms_norm(x, norm.weight, norm.eps)).item()
 
 
-@pytest.mark.parametrize("arch", ["granite", "olmo2", "gemma2", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["granite", "olmo2", "gemma2", "cohere2"])
 def test_blocks_of_another_shape_are_left_as_they_were(model_dir, arch):
     """Granite scales its residuals, OLMo 2 normalizes after each sub-block, Gemma 2 has four
-    norms a block, Qwen3-Next's blocks branch on the kind of layer (which one probe prompt
-    cannot cover): the probe's logits differ or the block is no candidate, nothing changes."""
+    norms a block, Cohere 2 runs attention and MLP side by side: the probe's logits differ or
+    the block is no candidate, nothing changes."""
     model, vocab = _fresh(model_dir, arch)
     classes = [type(m) for _, m in model.named_modules()]
     assert fuse_residuals(model, AddRmsNorm(False), vocab) == 0

@@ -5,7 +5,9 @@ next layer (or the model's final norm) starts with ``norm(out)``. ``fuse_residua
 blocks a forward that asks one ``AddRmsNorm`` call for each add and the norm after it (``h``
 with ``norm2(h)``; ``out`` with the next norm's row, handed to that norm, which returns it
 when called on ``out`` itself). On a GPU that is one kernel for two (``paths/cuda/add_rms_norm``);
-elsewhere MLX's own two (the same bits, which is what the load-time probe checks).
+elsewhere MLX's own two (the same bits, which is what the load-time probe checks). The attention
+may be a layer's own pick (Qwen3-Next's ``linear_attn`` or ``self_attn`` by ``is_linear``) and
+the MLP Mixtral's ``block_sparse_moe``: 49 of the test factory's 123 model types take it.
 
 Only the instances' classes change (a subclass with another ``__call__``), never the module
 tree: parameters, discovery and the other wrappers see the model as loaded. A model is changed
@@ -25,7 +27,10 @@ import mlx.nn as nn
 from runtime.worker.model.logit_probe import probe_logits, probe_tokens, same_logits
 from runtime.worker.paths.cuda.add_rms_norm import AddRmsNorm
 
-_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+# A block's parts: its attention, its feed-forward (``mlp``; Mixtral's ``block_sparse_moe``) and
+# the norms before each.
+_FEED_FORWARD = ("mlp", "block_sparse_moe")
+_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 class _Handoff:
@@ -57,19 +62,19 @@ class HandoffRMSNorm(nn.RMSNorm):
 class _Links:
     """What a fused block calls: the add-and-norm operation and the norm its output goes to."""
 
-    __slots__ = ("add_norm", "next_norm")
+    __slots__ = ("add_norm", "next_norm", "mixer", "feed_forward")
 
-    def __init__(self, add_norm: AddRmsNorm, next_norm: HandoffRMSNorm | None) -> None:
-        self.add_norm, self.next_norm = add_norm, next_norm
+    def __init__(self, add_norm: AddRmsNorm, next_norm: HandoffRMSNorm | None, mixer: str, feed_forward: str) -> None:
+        self.add_norm, self.next_norm, self.mixer, self.feed_forward = add_norm, next_norm, mixer, feed_forward
 
 
 def _fused_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
     """A pre-norm block's forward with each residual add fused with the norm after it."""
     links: _Links = self.fused_links
-    r = self.self_attn(self.input_layernorm(x), mask, cache)
+    r = self[links.mixer](self.input_layernorm(x), mask, cache)
     post = self.post_attention_layernorm
     h, n = links.add_norm(x, r, post.weight, post.eps)
-    r = self.mlp(n)
+    r = self[links.feed_forward](n)
     nxt = links.next_norm
     if nxt is None:
         return h + r
@@ -96,35 +101,79 @@ def _is_rms_norm(module: object) -> bool:
     return type(module) in (nn.RMSNorm, HandoffRMSNorm)
 
 
+def _self_attr(node: ast.AST) -> str | None:
+    """``name`` for ``self.name``, else None."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
+
+
+def _branch(node: ast.If) -> tuple[str, str, str] | None:
+    """(flag, mixer if set, mixer if not) for ``if self.flag: r = self.a(...) else: r = self.b(...)``."""
+    flag = _self_attr(node.test)
+    arms = []
+    for arm in (node.body, node.orelse):
+        if not (len(arm) == 1 and isinstance(arm[0], ast.Assign) and len(arm[0].targets) == 1
+                and isinstance(arm[0].targets[0], ast.Name) and isinstance(arm[0].value, ast.Call)):
+            return None
+        arms.append((arm[0].targets[0].id, _self_attr(arm[0].value.func)))
+    (target_a, mixer_a), (target_b, mixer_b) = arms
+    if flag is None or mixer_a is None or mixer_b is None or target_a != target_b:
+        return None
+    return flag, mixer_a, mixer_b
+
+
 @functools.cache
-def _plain_forward(cls: type) -> bool:
-    """Whether ``cls.__call__`` takes ``(x, mask, cache)`` as the fused forward does and is
-    straight-line code that calls nothing but the block's four parts (no branch on a flag or a
-    shape that the probe's one prompt could miss)."""
+def _forward_plan(cls: type, feed_forward: str) -> tuple[str | None, str, str] | None:
+    """How ``cls.__call__`` picks its token mixer, if it has the shape the fused forward
+    replaces: (None, "self_attn", "self_attn") for straight-line code that calls nothing but the
+    block's four parts; (flag, a, b) where it starts ``if self.flag: r = self.a(...) else: r =
+    self.b(...)`` (Qwen3-Next's linear and full attention layers, a per-layer constant) and is
+    straight-line after; None otherwise. The forward must take ``(x, mask, cache)`` as the fused
+    one does. The probe's logits check what the code does; this rules out branches on anything
+    one probe prompt could miss."""
     try:
         if list(inspect.signature(cls.__call__).parameters) != ["self", "x", "mask", "cache"]:
-            return False
+            return None
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__)))
     except (OSError, TypeError, ValueError, SyntaxError):
-        return False
+        return None
     function = tree.body[0]
-    if not isinstance(function, ast.FunctionDef):
-        return False
-    for node in ast.walk(ast.Module(body=function.body, type_ignores=[])):
+    if not isinstance(function, ast.FunctionDef) or not function.body:
+        return None
+    plan: tuple[str | None, str, str] = (None, "self_attn", "self_attn")
+    statements = list(function.body)
+    if isinstance(statements[0], ast.If):
+        branch = _branch(statements[0])
+        if branch is None:
+            return None
+        plan = branch
+        statements = [*statements[0].body, *statements[0].orelse, *statements[1:]]
+    parts = {plan[1], plan[2], feed_forward, *_NORMS}
+    for node in ast.walk(ast.Module(body=statements, type_ignores=[])):
         if isinstance(node, (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.With, ast.Lambda, ast.comprehension)):
-            return False
-        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Attribute) and node.func.attr in _PARTS
-                                               and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
-            return False
-        if isinstance(node, ast.Attribute) and node.attr not in _PARTS:
-            return False
-    return True
+            return None
+        if isinstance(node, ast.Call) and _self_attr(node.func) not in parts:
+            return None
+        if isinstance(node, ast.Attribute) and node.attr not in parts:
+            return None
+    return plan
 
 
-def _candidate(block: object) -> bool:
-    return (isinstance(block, nn.Module) and all(part in block for part in _PARTS)
-            and _is_rms_norm(block["input_layernorm"]) and _is_rms_norm(block["post_attention_layernorm"])
-            and _plain_forward(type(block)))
+def _parts(block: object) -> tuple[str, str] | None:
+    """(token mixer, feed-forward) a Llama-style block calls, or None: not such a block."""
+    if not (isinstance(block, nn.Module) and all(n in block for n in _NORMS)
+            and all(_is_rms_norm(block[n]) for n in _NORMS)):
+        return None
+    feed_forward = next((n for n in _FEED_FORWARD if n in block), None)
+    plan = _forward_plan(type(block), feed_forward) if feed_forward is not None else None
+    if plan is None:
+        return None
+    flag, when_set, otherwise = plan
+    mixer = otherwise if flag is None else when_set if getattr(block, flag, None) is True else otherwise
+    if flag is not None and not isinstance(getattr(block, flag, None), bool):
+        return None  # a flag that is not a plain per-layer constant
+    return (mixer, feed_forward) if mixer in block else None
 
 
 def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> int:
@@ -136,7 +185,8 @@ def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> i
     if owner is None or vocab_size <= 0:
         return 0
     layers = owner.layers
-    chosen = [i for i, block in enumerate(layers) if _candidate(block)]
+    parts = [_parts(block) for block in layers]
+    chosen = [i for i, found in enumerate(parts) if found is not None]
     if not chosen:
         return 0
     tokens = probe_tokens(vocab_size)
@@ -160,7 +210,7 @@ def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> i
     for i in chosen:
         block = layers[i]
         swap(block, _fused_class(type(block)))
-        block.fused_links = _Links(reference, norms[i])
+        block.fused_links = _Links(reference, norms[i], *parts[i])
     if not same_logits(before, probe_logits(model, tokens)):
         for module, cls in reversed(changed):
             module.__class__ = cls
