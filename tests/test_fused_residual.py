@@ -96,13 +96,14 @@ def test_a_llama_model_takes_the_fused_blocks_and_keeps_its_logits_and_parameter
     assert model.model.norm.handoff.h is None  # nothing held past the forward
 
 
-def test_a_mixtral_block_fuses_around_its_experts(model_dir):
-    model, vocab = _fresh(model_dir, "mixtral")  # its feed-forward part is ``block_sparse_moe``
+@pytest.mark.parametrize(("arch", "feed_forward"), [("mixtral", "block_sparse_moe"), ("llama4_text", "feed_forward")])
+def test_blocks_fuse_around_a_feed_forward_of_another_name(model_dir, arch, feed_forward):
+    model, vocab = _fresh(model_dir, arch)
     tokens = mx.array([[5, 9, 2, 7, 11]], dtype=mx.uint32)
     before = model(tokens)
     op = CountingAddNorm()
     assert fuse_residuals(model, op, vocab) == len(model.model.layers)
-    assert {layer.fused_links.feed_forward for layer in model.model.layers} == {"block_sparse_moe"}
+    assert {layer.fused_links.feed_forward for layer in model.model.layers} == {feed_forward}
     op.calls = 0
     assert mx.array_equal(model(tokens), before).item()
     assert op.calls == 2 * len(model.model.layers)

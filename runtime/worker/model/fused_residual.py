@@ -7,7 +7,8 @@ with ``norm2(h)``; ``out`` with the next norm's row, handed to that norm, which 
 when called on ``out`` itself). On a GPU that is one kernel for two (``paths/cuda/add_rms_norm``);
 elsewhere MLX's own two (the same bits, which is what the load-time probe checks). The attention
 may be a layer's own pick (Qwen3-Next's ``linear_attn`` or ``self_attn`` by ``is_linear``) and
-the MLP Mixtral's ``block_sparse_moe``: 49 of the test factory's 123 model types take it.
+the MLP Mixtral's ``block_sparse_moe`` or Llama 4's ``feed_forward``: 51 of the test factory's 123
+model types take it.
 
 Only the instances' classes change (a subclass with another ``__call__``), never the module
 tree: parameters, discovery and the other wrappers see the model as loaded. A model is changed
@@ -29,7 +30,7 @@ from runtime.worker.paths.cuda.add_rms_norm import AddRmsNorm
 
 # A block's parts: its attention, its feed-forward (``mlp``; Mixtral's ``block_sparse_moe``) and
 # the norms before each.
-_FEED_FORWARD = ("mlp", "block_sparse_moe")
+_FEED_FORWARD = ("mlp", "block_sparse_moe", "feed_forward")
 _NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
