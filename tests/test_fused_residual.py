@@ -96,14 +96,17 @@ def test_a_llama_model_takes_the_fused_blocks_and_keeps_its_logits_and_parameter
     assert model.model.norm.handoff.h is None  # nothing held past the forward
 
 
-@pytest.mark.parametrize(("arch", "feed_forward"), [("mixtral", "block_sparse_moe"), ("llama4_text", "feed_forward")])
-def test_blocks_fuse_around_a_feed_forward_of_another_name(model_dir, arch, feed_forward):
+@pytest.mark.parametrize(("arch", "feed_forward"), [("mixtral", "block_sparse_moe"), ("llama4_text", "feed_forward"),
+                                                   ("internlm2", "feed_forward")])
+def test_blocks_fuse_around_parts_of_other_names(model_dir, arch, feed_forward):
+    """Mixtral's MLP is ``block_sparse_moe``, Llama 4's ``feed_forward``; InternLM2 names all
+    four parts its own way (``attention``, ``attention_norm``, ``ffn_norm``, ``feed_forward``)."""
     model, vocab = _fresh(model_dir, arch)
     tokens = mx.array([[5, 9, 2, 7, 11]], dtype=mx.uint32)
     before = model(tokens)
     op = CountingAddNorm()
     assert fuse_residuals(model, op, vocab) == len(model.model.layers)
-    assert {layer.fused_links.feed_forward for layer in model.model.layers} == {feed_forward}
+    assert {layer.fused_links.parts.feed_forward for layer in model.model.layers} == {feed_forward}
     op.calls = 0
     assert mx.array_equal(model(tokens), before).item()
     assert op.calls == 2 * len(model.model.layers)
@@ -118,7 +121,7 @@ def test_blocks_that_pick_their_mixer_by_a_layer_flag_fuse_with_it(model_dir, ar
     tokens = mx.array([[5, 9, 2, 7, 11]], dtype=mx.uint32)
     before = model(tokens)
     assert fuse_residuals(model, AddRmsNorm(False), vocab) == len(layers)
-    mixers = [layer.fused_links.mixer for layer in layers]
+    mixers = [layer.fused_links.parts.mixer for layer in layers]
     assert mixers == ["linear_attn" if layer.is_linear else "self_attn" for layer in layers]
     assert set(mixers) == {"linear_attn", "self_attn"}  # both kinds in the probe's model
     assert mx.array_equal(model(tokens), before).item()
@@ -143,9 +146,10 @@ def test_a_branch_on_anything_but_a_layer_flag_is_no_candidate():
             h = x + r
             return h + self.mlp(self.post_attention_layernorm(h))
 
-    assert fused_residual._forward_plan(qwen3_next.Qwen3NextDecoderLayer, "mlp") == ("is_linear", "linear_attn",
+    naming = ("self_attn", "input_layernorm", "post_attention_layernorm")
+    assert fused_residual._forward_plan(qwen3_next.Qwen3NextDecoderLayer, naming, "mlp") == ("is_linear", "linear_attn",
                                                                                      "self_attn")
-    assert fused_residual._forward_plan(Branching, "mlp") is None
+    assert fused_residual._forward_plan(Branching, naming, "mlp") is None
 
 
 def test_a_handoff_norm_normalizes_any_other_array_itself(model_dir):

@@ -6,9 +6,9 @@ blocks a forward that asks one ``AddRmsNorm`` call for each add and the norm aft
 with ``norm2(h)``; ``out`` with the next norm's row, handed to that norm, which returns it
 when called on ``out`` itself). On a GPU that is one kernel for two (``paths/cuda/add_rms_norm``);
 elsewhere MLX's own two (the same bits, which is what the load-time probe checks). The attention
-may be a layer's own pick (Qwen3-Next's ``linear_attn`` or ``self_attn`` by ``is_linear``) and
-the MLP Mixtral's ``block_sparse_moe`` or Llama 4's ``feed_forward``: 51 of the test factory's 123
-model types take it.
+may be a layer's own pick (Qwen3-Next's ``linear_attn`` or ``self_attn`` by ``is_linear``), the
+MLP Mixtral's ``block_sparse_moe`` or Llama 4's ``feed_forward``, and the parts InternLM2's
+names: 52 of the test factory's 123 model types take it.
 
 Only the instances' classes change (a subclass with another ``__call__``), never the module
 tree: parameters, discovery and the other wrappers see the model as loaded. A model is changed
@@ -21,6 +21,7 @@ import ast
 import functools
 import inspect
 import textwrap
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,10 +29,20 @@ import mlx.nn as nn
 from runtime.worker.model.logit_probe import probe_logits, probe_tokens, same_logits
 from runtime.worker.paths.cuda.add_rms_norm import AddRmsNorm
 
-# A block's parts: its attention, its feed-forward (``mlp``; Mixtral's ``block_sparse_moe``) and
-# the norms before each.
+# A block's parts: its attention and the norms before it and before the feed-forward, by one of
+# these namings (Llama's; InternLM2's), and its feed-forward (``mlp``; Mixtral's
+# ``block_sparse_moe``, Llama 4's and InternLM2's ``feed_forward``).
+_NAMINGS = (("self_attn", "input_layernorm", "post_attention_layernorm"), ("attention", "attention_norm", "ffn_norm"))
 _FEED_FORWARD = ("mlp", "block_sparse_moe", "feed_forward")
-_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+class _Parts(NamedTuple):
+    """The names of what a fused block calls."""
+
+    mixer: str  # the attention (or what a layer flag picks in its place)
+    first_norm: str  # before the mixer
+    second_norm: str  # before the feed-forward
+    feed_forward: str
 
 
 class _Handoff:
@@ -61,21 +72,23 @@ class HandoffRMSNorm(nn.RMSNorm):
 
 
 class _Links:
-    """What a fused block calls: the add-and-norm operation and the norm its output goes to."""
+    """What a fused block calls: the add-and-norm operation, the norm its output goes to and the
+    names of its parts."""
 
-    __slots__ = ("add_norm", "next_norm", "mixer", "feed_forward")
+    __slots__ = ("add_norm", "next_norm", "parts")
 
-    def __init__(self, add_norm: AddRmsNorm, next_norm: HandoffRMSNorm | None, mixer: str, feed_forward: str) -> None:
-        self.add_norm, self.next_norm, self.mixer, self.feed_forward = add_norm, next_norm, mixer, feed_forward
+    def __init__(self, add_norm: AddRmsNorm, next_norm: HandoffRMSNorm | None, parts: _Parts) -> None:
+        self.add_norm, self.next_norm, self.parts = add_norm, next_norm, parts
 
 
 def _fused_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
     """A pre-norm block's forward with each residual add fused with the norm after it."""
     links: _Links = self.fused_links
-    r = self[links.mixer](self.input_layernorm(x), mask, cache)
-    post = self.post_attention_layernorm
+    parts = links.parts
+    r = self[parts.mixer](self[parts.first_norm](x), mask, cache)
+    post = self[parts.second_norm]
     h, n = links.add_norm(x, r, post.weight, post.eps)
-    r = self[links.feed_forward](n)
+    r = self[parts.feed_forward](n)
     nxt = links.next_norm
     if nxt is None:
         return h + r
@@ -125,10 +138,10 @@ def _branch(node: ast.If) -> tuple[str, str, str] | None:
 
 
 @functools.cache
-def _forward_plan(cls: type, feed_forward: str) -> tuple[str | None, str, str] | None:
+def _forward_plan(cls: type, naming: tuple[str, str, str], feed_forward: str) -> tuple[str | None, str, str] | None:
     """How ``cls.__call__`` picks its token mixer, if it has the shape the fused forward
-    replaces: (None, "self_attn", "self_attn") for straight-line code that calls nothing but the
-    block's four parts; (flag, a, b) where it starts ``if self.flag: r = self.a(...) else: r =
+    replaces: (None, attention, attention) for straight-line code that calls nothing but the
+    block's four parts (``naming``: attention, first and second norm); (flag, a, b) where it starts ``if self.flag: r = self.a(...) else: r =
     self.b(...)`` (Qwen3-Next's linear and full attention layers, a per-layer constant) and is
     straight-line after; None otherwise. The forward must take ``(x, mask, cache)`` as the fused
     one does. The probe's logits check what the code does; this rules out branches on anything
@@ -142,7 +155,7 @@ def _forward_plan(cls: type, feed_forward: str) -> tuple[str | None, str, str] |
     function = tree.body[0]
     if not isinstance(function, ast.FunctionDef) or not function.body:
         return None
-    plan: tuple[str | None, str, str] = (None, "self_attn", "self_attn")
+    plan: tuple[str | None, str, str] = (None, naming[0], naming[0])
     statements = list(function.body)
     if isinstance(statements[0], ast.If):
         branch = _branch(statements[0])
@@ -150,7 +163,7 @@ def _forward_plan(cls: type, feed_forward: str) -> tuple[str | None, str, str] |
             return None
         plan = branch
         statements = [*statements[0].body, *statements[0].orelse, *statements[1:]]
-    parts = {plan[1], plan[2], feed_forward, *_NORMS}
+    parts = {plan[1], plan[2], feed_forward, *naming[1:]}
     for node in ast.walk(ast.Module(body=statements, type_ignores=[])):
         if isinstance(node, (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.With, ast.Lambda, ast.comprehension)):
             return None
@@ -161,20 +174,22 @@ def _forward_plan(cls: type, feed_forward: str) -> tuple[str | None, str, str] |
     return plan
 
 
-def _parts(block: object) -> tuple[str, str] | None:
-    """(token mixer, feed-forward) a Llama-style block calls, or None: not such a block."""
-    if not (isinstance(block, nn.Module) and all(n in block for n in _NORMS)
-            and all(_is_rms_norm(block[n]) for n in _NORMS)):
+def _parts(block: object) -> _Parts | None:
+    """What a Llama-style block calls, or None: not such a block."""
+    if not isinstance(block, nn.Module):
         return None
+    naming = next((n for n in _NAMINGS if all(name in block for name in n[1:])), None)
     feed_forward = next((n for n in _FEED_FORWARD if n in block), None)
-    plan = _forward_plan(type(block), feed_forward) if feed_forward is not None else None
+    if naming is None or feed_forward is None or not all(_is_rms_norm(block[n]) for n in naming[1:]):
+        return None
+    plan = _forward_plan(type(block), naming, feed_forward)
     if plan is None:
         return None
     flag, when_set, otherwise = plan
-    mixer = otherwise if flag is None else when_set if getattr(block, flag, None) is True else otherwise
     if flag is not None and not isinstance(getattr(block, flag, None), bool):
         return None  # a flag that is not a plain per-layer constant
-    return (mixer, feed_forward) if mixer in block else None
+    mixer = when_set if flag is not None and getattr(block, flag) else otherwise
+    return _Parts(mixer, naming[1], naming[2], feed_forward) if mixer in block else None
 
 
 def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> int:
@@ -194,7 +209,7 @@ def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> i
     before = probe_logits(model, tokens)
     if before is None:
         return 0
-    norms = [layers[i + 1]["input_layernorm"] if i + 1 in chosen else None for i in range(len(layers))]
+    norms = [layers[i + 1][parts[i + 1].first_norm] if i + 1 in chosen else None for i in range(len(layers))]
     if _is_rms_norm(owner["norm"]):
         norms[-1] = owner["norm"]
     changed: list[tuple[nn.Module, type]] = []
@@ -211,13 +226,13 @@ def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> i
     for i in chosen:
         block = layers[i]
         swap(block, _fused_class(type(block)))
-        block.fused_links = _Links(reference, norms[i], *parts[i])
+        block.fused_links = _Links(reference, norms[i], parts[i])
     if not same_logits(before, probe_logits(model, tokens)):
         for module, cls in reversed(changed):
             module.__class__ = cls
         return 0
     if add_norm.use_kernel:
-        final = owner["norm"] if _is_rms_norm(owner["norm"]) else layers[chosen[0]]["post_attention_layernorm"]
+        final = owner["norm"] if _is_rms_norm(owner["norm"]) else layers[chosen[0]][parts[chosen[0]].second_norm]
         add_norm.problem = add_norm.check(final.weight.shape[0], final.weight.dtype)
         add_norm.use_kernel = add_norm.problem is None
     for i in chosen:
