@@ -127,6 +127,35 @@ def test_blocks_that_pick_their_mixer_by_a_layer_flag_fuse_with_it(model_dir, ar
     assert mx.array_equal(model(tokens), before).item()
 
 
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3_text"])
+def test_gemma_blocks_fuse_with_their_held_norm_weights(model_dir, arch):
+    """Gemma's norms scale by ``1 + weight`` (held once by ``norm_offsets``); Gemma 2 and 3 also
+    normalize each sublayer's output before its add, and the first add goes on to
+    ``pre_feedforward_layernorm``: the fused forward keeps all of it, bit for bit."""
+    from runtime.worker.model.norm_offsets import precompute_offsets
+
+    model, vocab = _fresh(model_dir, arch)
+    layers = _owner_layers(model)
+    tokens = mx.array([[5, 9, 2, 7, 11, 3]], dtype=mx.uint32)
+    before = model(tokens)
+    assert precompute_offsets(model, vocab) > 0
+    op = CountingAddNorm()
+    assert fuse_residuals(model, op, vocab) == len(layers)
+    op.calls = 0
+    assert mx.array_equal(model(tokens), before).item()
+    assert op.calls == 2 * len(layers)
+    assert all(type(layer.input_layernorm).__name__.startswith("Handoff") for layer in layers[1:])
+
+
+def test_gemma3_in_float16_keeps_its_clipped_residuals(model_dir):
+    from runtime.worker.model.norm_offsets import precompute_offsets
+
+    model, vocab = _fresh(model_dir, "gemma3_text")
+    model.set_dtype(mx.float16)  # clip_residual clips its sums here, which the fused add does not
+    precompute_offsets(model, vocab)
+    assert fuse_residuals(model, AddRmsNorm(False), vocab) == 0
+
+
 def _owner_layers(model) -> list:
     inner = getattr(model, "language_model", model)
     return inner.model.layers
@@ -146,7 +175,7 @@ def test_a_branch_on_anything_but_a_layer_flag_is_no_candidate():
             h = x + r
             return h + self.mlp(self.post_attention_layernorm(h))
 
-    naming = ("self_attn", "input_layernorm", "post_attention_layernorm")
+    naming = fused_residual._NAMINGS[1]  # Llama's
     assert fused_residual._forward_plan(qwen3_next.Qwen3NextDecoderLayer, naming, "mlp") == ("is_linear", "linear_attn",
                                                                                      "self_attn")
     assert fused_residual._forward_plan(Branching, naming, "mlp") is None
@@ -161,11 +190,11 @@ def test_a_handoff_norm_normalizes_any_other_array_itself(model_dir):
     assert mx.array_equal(norm(x), mx.fast.rms_norm(x, norm.weight, norm.eps)).item()
 
 
-@pytest.mark.parametrize("arch", ["granite", "olmo2", "gemma2", "cohere2"])
+@pytest.mark.parametrize("arch", ["granite", "olmo2", "cohere2"])
 def test_blocks_of_another_shape_are_left_as_they_were(model_dir, arch):
-    """Granite scales its residuals, OLMo 2 normalizes after each sub-block, Gemma 2 has four
-    norms a block, Cohere 2 runs attention and MLP side by side: the probe's logits differ or
-    the block is no candidate, nothing changes."""
+    """Granite scales its residuals, OLMo 2 normalizes after each sub-block, Cohere 2 runs
+    attention and MLP side by side: the probe's logits differ or the block is no candidate,
+    nothing changes."""
     model, vocab = _fresh(model_dir, arch)
     classes = [type(m) for _, m in model.named_modules()]
     assert fuse_residuals(model, AddRmsNorm(False), vocab) == 0

@@ -7,8 +7,9 @@ with ``norm2(h)``; ``out`` with the next norm's row, handed to that norm, which 
 when called on ``out`` itself). On a GPU that is one kernel for two (``paths/cuda/add_rms_norm``);
 elsewhere MLX's own two (the same bits, which is what the load-time probe checks). The attention
 may be a layer's own pick (Qwen3-Next's ``linear_attn`` or ``self_attn`` by ``is_linear``), the
-MLP Mixtral's ``block_sparse_moe`` or Llama 4's ``feed_forward``, and the parts InternLM2's
-names: 52 of the test factory's 123 model types take it.
+MLP Mixtral's ``block_sparse_moe`` or Llama 4's ``feed_forward``, the parts InternLM2's names,
+and Gemma 2's and 3's blocks, which also normalize each sublayer's output before its add (their
+norms' ``1 + weight`` held by ``norm_offsets``): 57 of the test factory's 123 model types take it.
 
 Only the instances' classes change (a subclass with another ``__call__``), never the module
 tree: parameters, discovery and the other wrappers see the model as loaded. A model is changed
@@ -27,22 +28,37 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from runtime.worker.model.logit_probe import probe_logits, probe_tokens, same_logits
+from runtime.worker.model.norm_offsets import effective_weight, is_offset_norm
 from runtime.worker.paths.cuda.add_rms_norm import AddRmsNorm
-
-# A block's parts: its attention and the norms before it and before the feed-forward, by one of
-# these namings (Llama's; InternLM2's), and its feed-forward (``mlp``; Mixtral's
-# ``block_sparse_moe``, Llama 4's and InternLM2's ``feed_forward``).
-_NAMINGS = (("self_attn", "input_layernorm", "post_attention_layernorm"), ("attention", "attention_norm", "ffn_norm"))
-_FEED_FORWARD = ("mlp", "block_sparse_moe", "feed_forward")
-
 
 class _Parts(NamedTuple):
     """The names of what a fused block calls."""
 
     mixer: str  # the attention (or what a layer flag picks in its place)
     first_norm: str  # before the mixer
-    second_norm: str  # before the feed-forward
-    feed_forward: str
+    second_norm: str  # after the first residual add, before the feed-forward
+    feed_forward: str = ""
+    mixer_out: str = ""  # a norm of the mixer's output before its add (Gemma 2 and 3), if any
+    feed_forward_out: str = ""  # a norm of the feed-forward's output before its add, if any
+
+    @property
+    def norms(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.first_norm, self.second_norm, self.mixer_out, self.feed_forward_out) if n)
+
+
+# How blocks name their parts: Gemma 2 and 3 (a norm on each sublayer's output too, the first
+# residual add followed by ``pre_feedforward_layernorm``), Llama's, InternLM2's; each with its
+# feed-forward as ``mlp`` (Mixtral's ``block_sparse_moe``, Llama 4's and InternLM2's ``feed_forward``).
+_NAMINGS = (
+    _Parts("self_attn", "input_layernorm", "pre_feedforward_layernorm", mixer_out="post_attention_layernorm",
+           feed_forward_out="post_feedforward_layernorm"),
+    _Parts("self_attn", "input_layernorm", "post_attention_layernorm"),
+    _Parts("attention", "attention_norm", "ffn_norm"),
+)
+_FEED_FORWARD = ("mlp", "block_sparse_moe", "feed_forward")
+# Module-level helpers a block's forward may call: Gemma 3's ``clip_residual`` is ``x + y`` except
+# in float16 (where it clips; such blocks are not fused).
+_HELPERS = ("clip_residual",)
 
 
 class _Handoff:
@@ -71,6 +87,36 @@ class HandoffRMSNorm(nn.RMSNorm):
         return super().__call__(x)
 
 
+def _handoff_call(self, x: mx.array) -> mx.array:
+    if self.handoff.h is x:
+        n = self.handoff.n
+        self.handoff.h = self.handoff.n = None  # nothing kept past its use
+        assert n is not None
+        return n
+    return type(self).inner_call(self, x)
+
+
+@functools.cache
+def _handoff_class(cls: type) -> type:
+    """``cls`` returning the row handed to it (as ``HandoffRMSNorm`` for MLX's RMSNorm)."""
+    if cls is nn.RMSNorm:
+        return HandoffRMSNorm
+    return type(f"Handoff{cls.__name__}", (cls,), {"__call__": _handoff_call, "inner_call": cls.__call__})
+
+
+def _is_handoff(module: object) -> bool:
+    return isinstance(module, HandoffRMSNorm) or getattr(type(module), "__call__", None) is _handoff_call
+
+
+def _is_rms_norm(module: object) -> bool:
+    """An RMSNorm whose weight ``_norm_weight`` knows: MLX's, or a norm holding its ``1 + weight``."""
+    return type(module) in (nn.RMSNorm, HandoffRMSNorm) or is_offset_norm(module)
+
+
+def _norm_weight(norm: nn.Module) -> mx.array:
+    return effective_weight(norm) if is_offset_norm(norm) else norm.weight
+
+
 class _Links:
     """What a fused block calls: the add-and-norm operation, the norm its output goes to and the
     names of its parts."""
@@ -86,13 +132,17 @@ def _fused_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
     links: _Links = self.fused_links
     parts = links.parts
     r = self[parts.mixer](self[parts.first_norm](x), mask, cache)
+    if parts.mixer_out:
+        r = self[parts.mixer_out](r)
     post = self[parts.second_norm]
-    h, n = links.add_norm(x, r, post.weight, post.eps)
+    h, n = links.add_norm(x, r, _norm_weight(post), post.eps)
     r = self[parts.feed_forward](n)
+    if parts.feed_forward_out:
+        r = self[parts.feed_forward_out](r)
     nxt = links.next_norm
     if nxt is None:
         return h + r
-    out, n = links.add_norm(h, r, nxt.weight, nxt.eps)
+    out, n = links.add_norm(h, r, _norm_weight(nxt), nxt.eps)
     nxt.handoff.h, nxt.handoff.n = out, n
     return out
 
@@ -109,10 +159,6 @@ def _layers_owner(model: nn.Module) -> nn.Module | None:
         if isinstance(owner, nn.Module) and isinstance(getattr(owner, "layers", None), list) and "norm" in owner:
             return owner
     return None
-
-
-def _is_rms_norm(module: object) -> bool:
-    return type(module) in (nn.RMSNorm, HandoffRMSNorm)
 
 
 def _self_attr(node: ast.AST) -> str | None:
@@ -138,14 +184,15 @@ def _branch(node: ast.If) -> tuple[str, str, str] | None:
 
 
 @functools.cache
-def _forward_plan(cls: type, naming: tuple[str, str, str], feed_forward: str) -> tuple[str | None, str, str] | None:
+def _forward_plan(cls: type, naming: _Parts, feed_forward: str) -> tuple[str | None, str, str] | None:
     """How ``cls.__call__`` picks its token mixer, if it has the shape the fused forward
     replaces: (None, attention, attention) for straight-line code that calls nothing but the
-    block's four parts (``naming``: attention, first and second norm); (flag, a, b) where it starts ``if self.flag: r = self.a(...) else: r =
-    self.b(...)`` (Qwen3-Next's linear and full attention layers, a per-layer constant) and is
-    straight-line after; None otherwise. The forward must take ``(x, mask, cache)`` as the fused
-    one does. The probe's logits check what the code does; this rules out branches on anything
-    one probe prompt could miss."""
+    block's parts (``naming``: its attention and norms; module-level ``_HELPERS`` too); (flag, a,
+    b) where it starts ``if self.flag: r = self.a(...) else: r = self.b(...)`` (Qwen3-Next's
+    linear and full attention layers, a per-layer constant) and is straight-line after; None
+    otherwise. The forward must take ``(x, mask, cache)`` as the fused one does. The probe's
+    logits check what the code does; this rules out branches on anything one probe prompt
+    could miss."""
     try:
         if list(inspect.signature(cls.__call__).parameters) != ["self", "x", "mask", "cache"]:
             return None
@@ -155,7 +202,7 @@ def _forward_plan(cls: type, naming: tuple[str, str, str], feed_forward: str) ->
     function = tree.body[0]
     if not isinstance(function, ast.FunctionDef) or not function.body:
         return None
-    plan: tuple[str | None, str, str] = (None, naming[0], naming[0])
+    plan: tuple[str | None, str, str] = (None, naming.mixer, naming.mixer)
     statements = list(function.body)
     if isinstance(statements[0], ast.If):
         branch = _branch(statements[0])
@@ -163,11 +210,12 @@ def _forward_plan(cls: type, naming: tuple[str, str, str], feed_forward: str) ->
             return None
         plan = branch
         statements = [*statements[0].body, *statements[0].orelse, *statements[1:]]
-    parts = {plan[1], plan[2], feed_forward, *naming[1:]}
+    parts = {plan[1], plan[2], feed_forward, *naming.norms}
     for node in ast.walk(ast.Module(body=statements, type_ignores=[])):
         if isinstance(node, (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.With, ast.Lambda, ast.comprehension)):
             return None
-        if isinstance(node, ast.Call) and _self_attr(node.func) not in parts:
+        helper = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _HELPERS
+        if isinstance(node, ast.Call) and not helper and _self_attr(node.func) not in parts:
             return None
         if isinstance(node, ast.Attribute) and node.attr not in parts:
             return None
@@ -175,13 +223,17 @@ def _forward_plan(cls: type, naming: tuple[str, str, str], feed_forward: str) ->
 
 
 def _parts(block: object) -> _Parts | None:
-    """What a Llama-style block calls, or None: not such a block."""
+    """What a pre-norm block calls, or None: not such a block."""
     if not isinstance(block, nn.Module):
         return None
-    naming = next((n for n in _NAMINGS if all(name in block for name in n[1:])), None)
+    naming = next((n for n in _NAMINGS if all(name in block for name in n.norms)), None)
     feed_forward = next((n for n in _FEED_FORWARD if n in block), None)
-    if naming is None or feed_forward is None or not all(_is_rms_norm(block[n]) for n in naming[1:]):
+    if naming is None or feed_forward is None:
         return None
+    if not (_is_rms_norm(block[naming.second_norm]) and _is_rms_norm(block[naming.first_norm])):
+        return None  # the fused norms (the first one is the previous block's handoff)
+    if naming.mixer_out and block[naming.second_norm].weight.dtype == mx.float16:
+        return None  # Gemma 3 clips its residual sums in float16
     plan = _forward_plan(type(block), naming, feed_forward)
     if plan is None:
         return None
@@ -189,7 +241,7 @@ def _parts(block: object) -> _Parts | None:
     if flag is not None and not isinstance(getattr(block, flag, None), bool):
         return None  # a flag that is not a plain per-layer constant
     mixer = when_set if flag is not None and getattr(block, flag) else otherwise
-    return _Parts(mixer, naming[1], naming[2], feed_forward) if mixer in block else None
+    return naming._replace(mixer=mixer, feed_forward=feed_forward) if mixer in block else None
 
 
 def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> int:
@@ -220,8 +272,8 @@ def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> i
 
     reference = AddRmsNorm(False)
     for norm in {id(n): n for n in norms if n is not None}.values():
-        if type(norm) is nn.RMSNorm:
-            swap(norm, HandoffRMSNorm)
+        if not _is_handoff(norm):
+            swap(norm, _handoff_class(type(norm)))
         norm.handoff = _Handoff()
     for i in chosen:
         block = layers[i]

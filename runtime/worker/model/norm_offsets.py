@@ -34,10 +34,20 @@ class _Held:
         self.source, self.value = source, value
 
 
+def is_offset_norm(module: object) -> bool:
+    """Whether ``module`` is a norm this module changed (it holds its ``1 + weight``)."""
+    return isinstance(module, nn.Module) and isinstance(getattr(module, "held_weight", None), _Held)
+
+
+def effective_weight(module: nn.Module) -> mx.array:
+    """The weight an offset norm normalizes with: its held ``1 + weight`` (computed again if the
+    weight was replaced since)."""
+    held: _Held = module.held_weight
+    return held.value if held.source is module.weight else 1.0 + module.weight
+
+
 def _offset_call(self, x: mx.array) -> mx.array:
-    held: _Held = self.held_weight
-    weight = held.value if held.source is self.weight else 1.0 + self.weight
-    return mx.fast.rms_norm(x, weight, self.eps)
+    return mx.fast.rms_norm(x, effective_weight(self), self.eps)
 
 
 @functools.cache
