@@ -97,10 +97,12 @@ def test_a_llama_model_takes_the_fused_blocks_and_keeps_its_logits_and_parameter
 
 
 @pytest.mark.parametrize(("arch", "feed_forward"), [("mixtral", "block_sparse_moe"), ("llama4_text", "feed_forward"),
-                                                   ("internlm2", "feed_forward")])
+                                                   ("internlm2", "feed_forward"), ("granite", "mlp"),
+                                                   ("granitemoe", "block_sparse_moe")])
 def test_blocks_fuse_around_parts_of_other_names(model_dir, arch, feed_forward):
     """Mixtral's MLP is ``block_sparse_moe``, Llama 4's ``feed_forward``; InternLM2 names all
-    four parts its own way (``attention``, ``attention_norm``, ``ffn_norm``, ``feed_forward``)."""
+    four parts its own way (``attention``, ``attention_norm``, ``ffn_norm``, ``feed_forward``);
+    Granite scales each sublayer's output by its ``residual_multiplier`` before the add."""
     model, vocab = _fresh(model_dir, arch)
     tokens = mx.array([[5, 9, 2, 7, 11]], dtype=mx.uint32)
     before = model(tokens)
@@ -190,11 +192,10 @@ def test_a_handoff_norm_normalizes_any_other_array_itself(model_dir):
     assert mx.array_equal(norm(x), mx.fast.rms_norm(x, norm.weight, norm.eps)).item()
 
 
-@pytest.mark.parametrize("arch", ["granite", "olmo2", "cohere2"])
+@pytest.mark.parametrize("arch", ["olmo2", "cohere2"])
 def test_blocks_of_another_shape_are_left_as_they_were(model_dir, arch):
-    """Granite scales its residuals, OLMo 2 normalizes after each sub-block, Cohere 2 runs
-    attention and MLP side by side: the probe's logits differ or the block is no candidate,
-    nothing changes."""
+    """OLMo 2 normalizes after each sub-block, Cohere 2 runs attention and MLP side by side: the
+    probe's logits differ or the block is no candidate, nothing changes."""
     model, vocab = _fresh(model_dir, arch)
     classes = [type(m) for _, m in model.named_modules()]
     assert fuse_residuals(model, AddRmsNorm(False), vocab) == 0

@@ -9,7 +9,8 @@ elsewhere MLX's own two (the same bits, which is what the load-time probe checks
 may be a layer's own pick (Qwen3-Next's ``linear_attn`` or ``self_attn`` by ``is_linear``), the
 MLP Mixtral's ``block_sparse_moe`` or Llama 4's ``feed_forward``, the parts InternLM2's names,
 and Gemma 2's and 3's blocks, which also normalize each sublayer's output before its add (their
-norms' ``1 + weight`` held by ``norm_offsets``): 57 of the test factory's 123 model types take it.
+norms' ``1 + weight`` held by ``norm_offsets``), and Granite's, which scale each sublayer's output by
+``residual_multiplier`` first: 59 of the test factory's 123 model types take it.
 
 Only the instances' classes change (a subclass with another ``__call__``), never the module
 tree: parameters, discovery and the other wrappers see the model as loaded. A model is changed
@@ -40,6 +41,7 @@ class _Parts(NamedTuple):
     feed_forward: str = ""
     mixer_out: str = ""  # a norm of the mixer's output before its add (Gemma 2 and 3), if any
     feed_forward_out: str = ""  # a norm of the feed-forward's output before its add, if any
+    residual_scale: str = ""  # a number each sublayer's output is scaled by before its add (Granite's), if any
 
     @property
     def norms(self) -> tuple[str, ...]:
@@ -134,11 +136,15 @@ def _fused_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
     r = self[parts.mixer](self[parts.first_norm](x), mask, cache)
     if parts.mixer_out:
         r = self[parts.mixer_out](r)
+    if parts.residual_scale:
+        r = r * getattr(self, parts.residual_scale)
     post = self[parts.second_norm]
     h, n = links.add_norm(x, r, _norm_weight(post), post.eps)
     r = self[parts.feed_forward](n)
     if parts.feed_forward_out:
         r = self[parts.feed_forward_out](r)
+    if parts.residual_scale:
+        r = r * getattr(self, parts.residual_scale)
     nxt = links.next_norm
     if nxt is None:
         return h + r
@@ -210,7 +216,7 @@ def _forward_plan(cls: type, naming: _Parts, feed_forward: str) -> tuple[str | N
             return None
         plan = branch
         statements = [*statements[0].body, *statements[0].orelse, *statements[1:]]
-    parts = {plan[1], plan[2], feed_forward, *naming.norms}
+    parts = {plan[1], plan[2], feed_forward, *naming.norms, *([naming.residual_scale] if naming.residual_scale else [])}
     for node in ast.walk(ast.Module(body=statements, type_ignores=[])):
         if isinstance(node, (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.With, ast.Lambda, ast.comprehension)):
             return None
@@ -234,6 +240,8 @@ def _parts(block: object) -> _Parts | None:
         return None  # the fused norms (the first one is the previous block's handoff)
     if naming.mixer_out and block[naming.second_norm].weight.dtype == mx.float16:
         return None  # Gemma 3 clips its residual sums in float16
+    if type(getattr(block, "residual_multiplier", None)) in (int, float):
+        naming = naming._replace(residual_scale="residual_multiplier")
     plan = _forward_plan(type(block), naming, feed_forward)
     if plan is None:
         return None
