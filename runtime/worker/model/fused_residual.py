@@ -74,28 +74,24 @@ class _Handoff:
         self.n: mx.array | None = None
 
 
-class HandoffRMSNorm(nn.RMSNorm):
-    """An RMSNorm that returns the row handed to it when called on the array it was computed
-    for (the previous block's output), and normalizes anything else itself."""
-
-    handoff: _Handoff
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if self.handoff.h is x:
-            n = self.handoff.n
-            self.handoff.h = self.handoff.n = None  # nothing kept past its use
-            assert n is not None
-            return n
-        return super().__call__(x)
-
-
 def _handoff_call(self, x: mx.array) -> mx.array:
+    """The row handed to the norm when called on the array it was computed for, else the norm's
+    own ``inner_call``."""
     if self.handoff.h is x:
         n = self.handoff.n
         self.handoff.h = self.handoff.n = None  # nothing kept past its use
         assert n is not None
         return n
     return type(self).inner_call(self, x)
+
+
+class HandoffRMSNorm(nn.RMSNorm):
+    """An RMSNorm that returns the row handed to it when called on the array it was computed
+    for (the previous block's output), and normalizes anything else itself."""
+
+    handoff: _Handoff
+    __call__ = _handoff_call
+    inner_call = nn.RMSNorm.__call__
 
 
 @functools.cache
@@ -107,7 +103,7 @@ def _handoff_class(cls: type) -> type:
 
 
 def _is_handoff(module: object) -> bool:
-    return isinstance(module, HandoffRMSNorm) or getattr(type(module), "__call__", None) is _handoff_call
+    return getattr(type(module), "__call__", None) is _handoff_call
 
 
 def _is_rms_norm(module: object) -> bool:
