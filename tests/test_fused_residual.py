@@ -98,11 +98,12 @@ def test_a_llama_model_takes_the_fused_blocks_and_keeps_its_logits_and_parameter
 
 @pytest.mark.parametrize(("arch", "feed_forward"), [("mixtral", "block_sparse_moe"), ("llama4_text", "feed_forward"),
                                                    ("internlm2", "feed_forward"), ("granite", "mlp"),
-                                                   ("granitemoe", "block_sparse_moe")])
+                                                   ("granitemoe", "block_sparse_moe"), ("glm4", "mlp")])
 def test_blocks_fuse_around_parts_of_other_names(model_dir, arch, feed_forward):
     """Mixtral's MLP is ``block_sparse_moe``, Llama 4's ``feed_forward``; InternLM2 names all
     four parts its own way (``attention``, ``attention_norm``, ``ffn_norm``, ``feed_forward``);
-    Granite scales each sublayer's output by its ``residual_multiplier`` before the add."""
+    Granite scales each sublayer's output by its ``residual_multiplier`` before the add; GLM-4
+    normalizes each sublayer's output before its add, as Gemma 2 and 3 do, under other names."""
     model, vocab = _fresh(model_dir, arch)
     tokens = mx.array([[5, 9, 2, 7, 11]], dtype=mx.uint32)
     before = model(tokens)

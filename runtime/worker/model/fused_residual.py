@@ -10,7 +10,8 @@ may be a layer's own pick (Qwen3-Next's ``linear_attn`` or ``self_attn`` by ``is
 MLP Mixtral's ``block_sparse_moe`` or Llama 4's ``feed_forward``, the parts InternLM2's names,
 and Gemma 2's and 3's blocks, which also normalize each sublayer's output before its add (their
 norms' ``1 + weight`` held by ``norm_offsets``), and Granite's, which scale each sublayer's output by
-``residual_multiplier`` first: 59 of the test factory's 123 model types take it.
+``residual_multiplier`` first, and GLM-4's (Gemma's shape under other names): 60 of the test
+factory's 123 model types take it.
 
 Only the instances' classes change (a subclass with another ``__call__``), never the module
 tree: parameters, discovery and the other wrappers see the model as loaded. A model is changed
@@ -49,11 +50,14 @@ class _Parts(NamedTuple):
 
 
 # How blocks name their parts: Gemma 2 and 3 (a norm on each sublayer's output too, the first
-# residual add followed by ``pre_feedforward_layernorm``), Llama's, InternLM2's; each with its
+# residual add followed by ``pre_feedforward_layernorm``), GLM-4 (the same under other names),
+# Llama's, InternLM2's; each with its
 # feed-forward as ``mlp`` (Mixtral's ``block_sparse_moe``, Llama 4's and InternLM2's ``feed_forward``).
 _NAMINGS = (
     _Parts("self_attn", "input_layernorm", "pre_feedforward_layernorm", mixer_out="post_attention_layernorm",
            feed_forward_out="post_feedforward_layernorm"),
+    _Parts("self_attn", "input_layernorm", "post_attention_layernorm", mixer_out="post_self_attn_layernorm",
+           feed_forward_out="post_mlp_layernorm"),  # GLM-4's
     _Parts("self_attn", "input_layernorm", "post_attention_layernorm"),
     _Parts("attention", "attention_norm", "ffn_norm"),
 )
