@@ -98,7 +98,8 @@ def test_a_llama_model_takes_the_fused_blocks_and_keeps_its_logits_and_parameter
 
 @pytest.mark.parametrize(("arch", "feed_forward"), [("mixtral", "block_sparse_moe"), ("llama4_text", "feed_forward"),
                                                    ("internlm2", "feed_forward"), ("granite", "mlp"),
-                                                   ("granitemoe", "block_sparse_moe"), ("glm4", "mlp")])
+                                                   ("granitemoe", "block_sparse_moe"), ("glm4", "mlp"),
+                                                   ("apertus", "mlp")])
 def test_blocks_fuse_around_parts_of_other_names(model_dir, arch, feed_forward):
     """Mixtral's MLP is ``block_sparse_moe``, Llama 4's ``feed_forward``; InternLM2 names all
     four parts its own way (``attention``, ``attention_norm``, ``ffn_norm``, ``feed_forward``);
@@ -115,18 +116,20 @@ def test_blocks_fuse_around_parts_of_other_names(model_dir, arch, feed_forward):
     assert op.calls == 2 * len(model.model.layers)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
-def test_blocks_that_pick_their_mixer_by_a_layer_flag_fuse_with_it(model_dir, arch):
-    """Qwen3-Next's blocks run ``linear_attn`` or ``self_attn`` by a per-layer ``is_linear``: the
-    fused forward calls the one its layer runs."""
+@pytest.mark.parametrize(("arch", "flag", "when_set", "otherwise"), [
+    ("qwen3_next", "is_linear", "linear_attn", "self_attn"), ("qwen3_5", "is_linear", "linear_attn", "self_attn"),
+    ("lfm2", "is_attention_layer", "self_attn", "conv")])
+def test_blocks_that_pick_their_mixer_by_a_layer_flag_fuse_with_it(model_dir, arch, flag, when_set, otherwise):
+    """Qwen3-Next's blocks run ``linear_attn`` or ``self_attn`` by a per-layer ``is_linear``,
+    LFM2's attention or a convolution: the fused forward calls the one its layer runs."""
     model, vocab = _fresh(model_dir, arch)
     layers = _owner_layers(model)
     tokens = mx.array([[5, 9, 2, 7, 11]], dtype=mx.uint32)
     before = model(tokens)
     assert fuse_residuals(model, AddRmsNorm(False), vocab) == len(layers)
     mixers = [layer.fused_links.parts.mixer for layer in layers]
-    assert mixers == ["linear_attn" if layer.is_linear else "self_attn" for layer in layers]
-    assert set(mixers) == {"linear_attn", "self_attn"}  # both kinds in the probe's model
+    assert mixers == [when_set if getattr(layer, flag) else otherwise for layer in layers]
+    assert set(mixers) == {when_set, otherwise}  # both kinds in the probe's model
     assert mx.array_equal(model(tokens), before).item()
 
 

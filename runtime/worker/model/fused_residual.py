@@ -10,8 +10,9 @@ may be a layer's own pick (Qwen3-Next's ``linear_attn`` or ``self_attn`` by ``is
 MLP Mixtral's ``block_sparse_moe`` or Llama 4's ``feed_forward``, the parts InternLM2's names,
 and Gemma 2's and 3's blocks, which also normalize each sublayer's output before its add (their
 norms' ``1 + weight`` held by ``norm_offsets``), and Granite's, which scale each sublayer's output by
-``residual_multiplier`` first, and GLM-4's (Gemma's shape under other names): 60 of the test
-factory's 123 model types take it.
+``residual_multiplier`` first, GLM-4's (Gemma's shape under other names), Apertus's and LFM2's
+(its mixer by layer: attention or a convolution; its last norm ``embedding_norm``): 65 of the
+test factory's 123 model types take it.
 
 Only the instances' classes change (a subclass with another ``__call__``), never the module
 tree: parameters, discovery and the other wrappers see the model as loaded. A model is changed
@@ -59,7 +60,9 @@ _NAMINGS = (
     _Parts("self_attn", "input_layernorm", "post_attention_layernorm", mixer_out="post_self_attn_layernorm",
            feed_forward_out="post_mlp_layernorm"),  # GLM-4's
     _Parts("self_attn", "input_layernorm", "post_attention_layernorm"),
-    _Parts("attention", "attention_norm", "ffn_norm"),
+    _Parts("attention", "attention_norm", "ffn_norm"),  # InternLM2's
+    _Parts("self_attn", "attention_layernorm", "feedforward_layernorm"),  # Apertus's
+    _Parts("self_attn", "operator_norm", "ffn_norm"),  # LFM2's (its mixer by layer: attention or a convolution)
 )
 _FEED_FORWARD = ("mlp", "block_sparse_moe", "feed_forward")
 # Module-level helpers a block's forward may call: Gemma 3's ``clip_residual`` is ``x + y`` except
@@ -159,12 +162,22 @@ def _fused_class(cls: type) -> type:
     return type(f"Fused{cls.__name__}", (cls,), {"__call__": _fused_call})
 
 
+# The model's norm after its last block: ``norm`` (LFM2: ``embedding_norm``).
+_FINAL_NORMS = ("norm", "embedding_norm")
+
+
 def _layers_owner(model: nn.Module) -> nn.Module | None:
-    """The module holding the decoder layers and the final ``norm`` (``model.model`` for Llama)."""
+    """The module holding the decoder layers (``model.model`` for Llama)."""
     for owner in (getattr(model, "model", None), getattr(getattr(model, "language_model", None), "model", None), model):
-        if isinstance(owner, nn.Module) and isinstance(getattr(owner, "layers", None), list) and "norm" in owner:
+        if isinstance(owner, nn.Module) and isinstance(getattr(owner, "layers", None), list):
             return owner
     return None
+
+
+def _final_norm(owner: nn.Module) -> nn.Module | None:
+    """The norm the last block's output goes to, where it is one the fused add can compute."""
+    found = next((owner[n] for n in _FINAL_NORMS if n in owner), None)
+    return found if _is_rms_norm(found) else None
 
 
 def _self_attr(node: ast.AST) -> str | None:
@@ -270,8 +283,9 @@ def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> i
     if before is None:
         return 0
     norms = [layers[i + 1][parts[i + 1].first_norm] if i + 1 in chosen else None for i in range(len(layers))]
-    if _is_rms_norm(owner["norm"]):
-        norms[-1] = owner["norm"]
+    final = _final_norm(owner)
+    if final is not None:
+        norms[-1] = final
     changed: list[tuple[nn.Module, type]] = []
 
     def swap(module: nn.Module, cls: type) -> None:
@@ -292,7 +306,8 @@ def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> i
             module.__class__ = cls
         return 0
     if add_norm.use_kernel:
-        final = owner["norm"] if _is_rms_norm(owner["norm"]) else layers[chosen[0]][parts[chosen[0]].second_norm]
+        if final is None:
+            final = layers[chosen[0]][parts[chosen[0]].second_norm]
         add_norm.problem = add_norm.check(final.weight.shape[0], final.weight.dtype)
         add_norm.use_kernel = add_norm.problem is None
     for i in chosen:
