@@ -170,7 +170,7 @@ def _owner_layers(model) -> list:
 def test_a_branch_on_anything_but_a_layer_flag_is_no_candidate():
     import mlx_lm.models.qwen3_next as qwen3_next
 
-    from runtime.worker.model import fused_residual
+    from runtime.worker.model import block_parts
 
     class Branching(qwen3_next.Qwen3NextDecoderLayer):
         def __call__(self, x, mask=None, cache=None):
@@ -181,10 +181,10 @@ def test_a_branch_on_anything_but_a_layer_flag_is_no_candidate():
             h = x + r
             return h + self.mlp(self.post_attention_layernorm(h))
 
-    naming = fused_residual._NAMINGS[1]  # Llama's
-    assert fused_residual._forward_plan(qwen3_next.Qwen3NextDecoderLayer, naming, "mlp") == ("is_linear", "linear_attn",
+    naming = block_parts.LLAMA
+    assert block_parts.forward_plan(qwen3_next.Qwen3NextDecoderLayer, naming, "mlp") == ("is_linear", "linear_attn",
                                                                                      "self_attn")
-    assert fused_residual._forward_plan(Branching, naming, "mlp") is None
+    assert block_parts.forward_plan(Branching, naming, "mlp") is None
 
 
 def test_a_handoff_norm_normalizes_any_other_array_itself(model_dir):

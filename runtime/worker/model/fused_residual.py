@@ -21,54 +21,15 @@ only where its forward's logits stay bit-identical on a probe prompt; else it is
 
 from __future__ import annotations
 
-import ast
 import functools
-import inspect
-import textwrap
-from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from runtime.worker.model.block_parts import FEED_FORWARD, NAMINGS, Parts, forward_plan
 from runtime.worker.model.logit_probe import probe_logits, probe_tokens, same_logits
 from runtime.worker.model.norm_offsets import effective_weight, is_offset_norm
 from runtime.worker.paths.cuda.add_rms_norm import AddRmsNorm
-
-class _Parts(NamedTuple):
-    """The names of what a fused block calls."""
-
-    mixer: str  # the attention (or what a layer flag picks in its place)
-    first_norm: str  # before the mixer
-    second_norm: str  # after the first residual add, before the feed-forward
-    feed_forward: str = ""
-    mixer_out: str = ""  # a norm of the mixer's output before its add (Gemma 2 and 3), if any
-    feed_forward_out: str = ""  # a norm of the feed-forward's output before its add, if any
-    residual_scale: str = ""  # a number each sublayer's output is scaled by before its add (Granite's), if any
-
-    @property
-    def norms(self) -> tuple[str, ...]:
-        return tuple(n for n in (self.first_norm, self.second_norm, self.mixer_out, self.feed_forward_out) if n)
-
-
-# How blocks name their parts: Gemma 2 and 3 (a norm on each sublayer's output too, the first
-# residual add followed by ``pre_feedforward_layernorm``), GLM-4 (the same under other names),
-# Llama's, InternLM2's; each with its
-# feed-forward as ``mlp`` (Mixtral's ``block_sparse_moe``, Llama 4's and InternLM2's ``feed_forward``).
-_NAMINGS = (
-    _Parts("self_attn", "input_layernorm", "pre_feedforward_layernorm", mixer_out="post_attention_layernorm",
-           feed_forward_out="post_feedforward_layernorm"),
-    _Parts("self_attn", "input_layernorm", "post_attention_layernorm", mixer_out="post_self_attn_layernorm",
-           feed_forward_out="post_mlp_layernorm"),  # GLM-4's
-    _Parts("self_attn", "input_layernorm", "post_attention_layernorm"),
-    _Parts("attention", "attention_norm", "ffn_norm"),  # InternLM2's
-    _Parts("self_attn", "attention_layernorm", "feedforward_layernorm"),  # Apertus's
-    _Parts("self_attn", "operator_norm", "ffn_norm"),  # LFM2's (its mixer by layer: attention or a convolution)
-)
-_FEED_FORWARD = ("mlp", "block_sparse_moe", "feed_forward")
-# Module-level helpers a block's forward may call: Gemma 3's ``clip_residual`` is ``x + y`` except
-# in float16 (where it clips; such blocks are not fused).
-_HELPERS = ("clip_residual",)
-
 
 class _Handoff:
     """The row a block computed for a norm (``n``) and the array it normalizes (``h``): a plain
@@ -128,7 +89,7 @@ class _Links:
 
     __slots__ = ("add_norm", "next_norm", "parts")
 
-    def __init__(self, add_norm: AddRmsNorm, next_norm: HandoffRMSNorm | None, parts: _Parts) -> None:
+    def __init__(self, add_norm: AddRmsNorm, next_norm: HandoffRMSNorm | None, parts: Parts) -> None:
         self.add_norm, self.next_norm, self.parts = add_norm, next_norm, parts
 
 
@@ -180,73 +141,12 @@ def _final_norm(owner: nn.Module) -> nn.Module | None:
     return found if _is_rms_norm(found) else None
 
 
-def _self_attr(node: ast.AST) -> str | None:
-    """``name`` for ``self.name``, else None."""
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
-        return node.attr
-    return None
-
-
-def _branch(node: ast.If) -> tuple[str, str, str] | None:
-    """(flag, mixer if set, mixer if not) for ``if self.flag: r = self.a(...) else: r = self.b(...)``."""
-    flag = _self_attr(node.test)
-    arms = []
-    for arm in (node.body, node.orelse):
-        if not (len(arm) == 1 and isinstance(arm[0], ast.Assign) and len(arm[0].targets) == 1
-                and isinstance(arm[0].targets[0], ast.Name) and isinstance(arm[0].value, ast.Call)):
-            return None
-        arms.append((arm[0].targets[0].id, _self_attr(arm[0].value.func)))
-    (target_a, mixer_a), (target_b, mixer_b) = arms
-    if flag is None or mixer_a is None or mixer_b is None or target_a != target_b:
-        return None
-    return flag, mixer_a, mixer_b
-
-
-@functools.cache
-def _forward_plan(cls: type, naming: _Parts, feed_forward: str) -> tuple[str | None, str, str] | None:
-    """How ``cls.__call__`` picks its token mixer, if it has the shape the fused forward
-    replaces: (None, attention, attention) for straight-line code that calls nothing but the
-    block's parts (``naming``: its attention and norms; module-level ``_HELPERS`` too); (flag, a,
-    b) where it starts ``if self.flag: r = self.a(...) else: r = self.b(...)`` (Qwen3-Next's
-    linear and full attention layers, a per-layer constant) and is straight-line after; None
-    otherwise. The forward must take ``(x, mask, cache)`` as the fused one does. The probe's
-    logits check what the code does; this rules out branches on anything one probe prompt
-    could miss."""
-    try:
-        if list(inspect.signature(cls.__call__).parameters) != ["self", "x", "mask", "cache"]:
-            return None
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__)))
-    except (OSError, TypeError, ValueError, SyntaxError):
-        return None
-    function = tree.body[0]
-    if not isinstance(function, ast.FunctionDef) or not function.body:
-        return None
-    plan: tuple[str | None, str, str] = (None, naming.mixer, naming.mixer)
-    statements = list(function.body)
-    if isinstance(statements[0], ast.If):
-        branch = _branch(statements[0])
-        if branch is None:
-            return None
-        plan = branch
-        statements = [*statements[0].body, *statements[0].orelse, *statements[1:]]
-    parts = {plan[1], plan[2], feed_forward, *naming.norms, *([naming.residual_scale] if naming.residual_scale else [])}
-    for node in ast.walk(ast.Module(body=statements, type_ignores=[])):
-        if isinstance(node, (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.With, ast.Lambda, ast.comprehension)):
-            return None
-        helper = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _HELPERS
-        if isinstance(node, ast.Call) and not helper and _self_attr(node.func) not in parts:
-            return None
-        if isinstance(node, ast.Attribute) and node.attr not in parts:
-            return None
-    return plan
-
-
-def _parts(block: object) -> _Parts | None:
+def _parts(block: object) -> Parts | None:
     """What a pre-norm block calls, or None: not such a block."""
     if not isinstance(block, nn.Module):
         return None
-    naming = next((n for n in _NAMINGS if all(name in block for name in n.norms)), None)
-    feed_forward = next((n for n in _FEED_FORWARD if n in block), None)
+    naming = next((n for n in NAMINGS if all(name in block for name in n.norms)), None)
+    feed_forward = next((n for n in FEED_FORWARD if n in block), None)
     if naming is None or feed_forward is None:
         return None
     if not (_is_rms_norm(block[naming.second_norm]) and _is_rms_norm(block[naming.first_norm])):
@@ -255,7 +155,7 @@ def _parts(block: object) -> _Parts | None:
         return None  # Gemma 3 clips its residual sums in float16
     if type(getattr(block, "residual_multiplier", None)) in (int, float):
         naming = naming._replace(residual_scale="residual_multiplier")
-    plan = _forward_plan(type(block), naming, feed_forward)
+    plan = forward_plan(type(block), naming, feed_forward)
     if plan is None:
         return None
     flag, when_set, otherwise = plan
