@@ -5,14 +5,14 @@ next layer (or the model's final norm) starts with ``norm(out)``. ``fuse_residua
 blocks a forward that asks one ``AddRmsNorm`` call for each add and the norm after it (``h``
 with ``norm2(h)``; ``out`` with the next norm's row, handed to that norm, which returns it
 when called on ``out`` itself). On a GPU that is one kernel for two (``paths/cuda/add_rms_norm``);
-elsewhere MLX's own two (the same bits, which is what the load-time probe checks). The attention
-may be a layer's own pick (Qwen3-Next's ``linear_attn`` or ``self_attn`` by ``is_linear``), the
-MLP Mixtral's ``block_sparse_moe`` or Llama 4's ``feed_forward``, the parts InternLM2's names,
-and Gemma 2's and 3's blocks, which also normalize each sublayer's output before its add (their
-norms' ``1 + weight`` held by ``norm_offsets``), and Granite's, which scale each sublayer's output by
-``residual_multiplier`` first, GLM-4's (Gemma's shape under other names), Apertus's and LFM2's
-(its mixer by layer: attention or a convolution; its last norm ``embedding_norm``): 65 of the
-test factory's 123 model types take it.
+elsewhere MLX's own two (the same bits, which is what the load-time probe checks).
+
+Which blocks qualify, and what their parts are called, is read from their code
+(``block_parts``): Llama's shape under several namings (Mixtral's, Llama 4's, InternLM2's,
+Apertus's, LFM2's), a norm on each sublayer's output before its add (Gemma 2 and 3, GLM-4; the
+Gemma norms' ``1 + weight`` held by ``norm_offsets``), Granite's residual multiplier, and a mixer
+picked by a per-layer flag (Qwen3-Next's and LFM2's). 65 of the test factory's 123 model types
+take it.
 
 Only the instances' classes change (a subclass with another ``__call__``), never the module
 tree: parameters, discovery and the other wrappers see the model as loaded. A model is changed
