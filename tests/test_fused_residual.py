@@ -99,12 +99,13 @@ def test_a_llama_model_takes_the_fused_blocks_and_keeps_its_logits_and_parameter
 @pytest.mark.parametrize(("arch", "feed_forward"), [("mixtral", "block_sparse_moe"), ("llama4_text", "feed_forward"),
                                                    ("internlm2", "feed_forward"), ("granite", "mlp"),
                                                    ("granitemoe", "block_sparse_moe"), ("glm4", "mlp"),
-                                                   ("apertus", "mlp")])
+                                                   ("apertus", "mlp"), ("ministral3", "mlp"), ("mistral4", "mlp")])
 def test_blocks_fuse_around_parts_of_other_names(model_dir, arch, feed_forward):
     """Mixtral's MLP is ``block_sparse_moe``, Llama 4's ``feed_forward``; InternLM2 names all
     four parts its own way (``attention``, ``attention_norm``, ``ffn_norm``, ``feed_forward``);
     Granite scales each sublayer's output by its ``residual_multiplier`` before the add; GLM-4
-    normalizes each sublayer's output before its add, as Gemma 2 and 3 do, under other names."""
+    normalizes each sublayer's output before its add, as Gemma 2 and 3 do, under other names;
+    Ministral 3's and Mistral 4's blocks take an ``attn_scale`` for their attention."""
     model, vocab = _fresh(model_dir, arch)
     tokens = mx.array([[5, 9, 2, 7, 11]], dtype=mx.uint32)
     before = model(tokens)
@@ -182,8 +183,8 @@ def test_a_branch_on_anything_but_a_layer_flag_is_no_candidate():
             return h + self.mlp(self.post_attention_layernorm(h))
 
     naming = block_parts.LLAMA
-    assert block_parts.forward_plan(qwen3_next.Qwen3NextDecoderLayer, naming, "mlp") == ("is_linear", "linear_attn",
-                                                                                     "self_attn")
+    assert block_parts.forward_plan(qwen3_next.Qwen3NextDecoderLayer, naming, "mlp") == block_parts.Plan(
+        "is_linear", "linear_attn", "self_attn")
     assert block_parts.forward_plan(Branching, naming, "mlp") is None
 
 

@@ -26,6 +26,7 @@ class Parts(NamedTuple):
     mixer_out: str = ""  # a norm of the mixer's output before its add (Gemma 2 and 3), if any
     feed_forward_out: str = ""  # a norm of the feed-forward's output before its add, if any
     residual_scale: str = ""  # a number each sublayer's output is scaled by before its add (Granite's), if any
+    extra: tuple[str, ...] = ()  # what the forward takes besides (x, mask, cache): ``SIGNATURES``
 
     @property
     def norms(self) -> tuple[str, ...]:
@@ -76,18 +77,34 @@ def flag_branch(node: ast.If) -> tuple[str, str, str] | None:
     return flag, mixer_a, mixer_b
 
 
+# What a fused forward takes: ``(x, mask, cache)``, or Ministral 3's and Mistral 4's ``(x,
+# attn_scale, mask, cache)`` (the attention takes ``attn_scale`` after its input).
+SIGNATURES = (("self", "x", "mask", "cache"), ("self", "x", "attn_scale", "mask", "cache"))
+
+
+class Plan(NamedTuple):
+    """How a block's forward picks its mixer (``flag``: None, or the per-layer attribute that
+    picks ``when_set`` over ``otherwise``) and what it takes besides ``(x, mask, cache)``."""
+
+    flag: str | None
+    when_set: str
+    otherwise: str
+    extra: tuple[str, ...] = ()
+
+
 @functools.cache
-def forward_plan(cls: type, naming: Parts, feed_forward: str) -> tuple[str | None, str, str] | None:
+def forward_plan(cls: type, naming: Parts, feed_forward: str) -> Plan | None:
     """How ``cls.__call__`` picks its token mixer, if it has the shape the fused forward
     replaces: (None, attention, attention) for straight-line code that calls nothing but the
     block's parts (``naming``: its attention and norms; module-level ``HELPERS`` too); (flag, a,
     b) where it starts ``if self.flag: r = self.a(...) else: r = self.b(...)`` (Qwen3-Next's
     linear and full attention layers, a per-layer constant) and is straight-line after; None
-    otherwise. The forward must take ``(x, mask, cache)`` as the fused one does. The probe's
+    otherwise. The forward must take one of ``SIGNATURES``, as the fused one does. The probe's
     logits check what the code does; this rules out branches on anything one probe prompt
     could miss."""
     try:
-        if list(inspect.signature(cls.__call__).parameters) != ["self", "x", "mask", "cache"]:
+        params = tuple(inspect.signature(cls.__call__).parameters)
+        if params not in SIGNATURES:
             return None
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__)))
     except (OSError, TypeError, ValueError, SyntaxError):
@@ -95,13 +112,13 @@ def forward_plan(cls: type, naming: Parts, feed_forward: str) -> tuple[str | Non
     function = tree.body[0]
     if not isinstance(function, ast.FunctionDef) or not function.body:
         return None
-    plan: tuple[str | None, str, str] = (None, naming.mixer, naming.mixer)
+    plan = Plan(None, naming.mixer, naming.mixer, params[2:-2])
     statements = list(function.body)
     if isinstance(statements[0], ast.If):
         branch = flag_branch(statements[0])
         if branch is None:
             return None
-        plan = branch
+        plan = Plan(*branch, params[2:-2])
         statements = [*statements[0].body, *statements[0].orelse, *statements[1:]]
     parts = {plan[1], plan[2], feed_forward, *naming.norms, *([naming.residual_scale] if naming.residual_scale else [])}
     for node in ast.walk(ast.Module(body=statements, type_ignores=[])):

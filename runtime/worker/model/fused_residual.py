@@ -10,9 +10,9 @@ elsewhere MLX's own two (the same bits, which is what the load-time probe checks
 Which blocks qualify, and what their parts are called, is read from their code
 (``block_parts``): Llama's shape under several namings (Mixtral's, Llama 4's, InternLM2's,
 Apertus's, LFM2's), a norm on each sublayer's output before its add (Gemma 2 and 3, GLM-4; the
-Gemma norms' ``1 + weight`` held by ``norm_offsets``), Granite's residual multiplier, and a mixer
-picked by a per-layer flag (Qwen3-Next's and LFM2's). 65 of the test factory's 123 model types
-take it.
+Gemma norms' ``1 + weight`` held by ``norm_offsets``), Granite's residual multiplier, a mixer
+picked by a per-layer flag (Qwen3-Next's and LFM2's), and Ministral 3's and Mistral 4's
+``attn_scale`` passed on to the attention. 67 of the test factory's 123 model types take it.
 
 Only the instances' classes change (a subclass with another ``__call__``), never the module
 tree: parameters, discovery and the other wrappers see the model as loaded. A model is changed
@@ -93,11 +93,12 @@ class _Links:
         self.add_norm, self.next_norm, self.parts = add_norm, next_norm, parts
 
 
-def _fused_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
-    """A pre-norm block's forward with each residual add fused with the norm after it."""
+def _fused_forward(self, x: mx.array, extra: tuple, mask, cache) -> mx.array:
+    """A pre-norm block's forward with each residual add fused with the norm after it;
+    ``extra``: what the attention takes after its input besides the mask and cache."""
     links: _Links = self.fused_links
     parts = links.parts
-    r = self[parts.mixer](self[parts.first_norm](x), mask, cache)
+    r = self[parts.mixer](self[parts.first_norm](x), *extra, mask, cache)
     if parts.mixer_out:
         r = self[parts.mixer_out](r)
     if parts.residual_scale:
@@ -117,10 +118,21 @@ def _fused_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
     return out
 
 
+def _fused_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
+    return _fused_forward(self, x, (), mask, cache)
+
+
+def _fused_call_scaled(self, x: mx.array, attn_scale=None, mask=None, cache=None) -> mx.array:
+    return _fused_forward(self, x, (attn_scale,), mask, cache)
+
+
+_FUSED_CALLS = {(): _fused_call, ("attn_scale",): _fused_call_scaled}
+
+
 @functools.cache
-def _fused_class(cls: type) -> type:
-    """``cls`` with the fused forward (one subclass per block class)."""
-    return type(f"Fused{cls.__name__}", (cls,), {"__call__": _fused_call})
+def _fused_class(cls: type, extra: tuple[str, ...]) -> type:
+    """``cls`` with the fused forward taking what its own takes (one subclass per block class)."""
+    return type(f"Fused{cls.__name__}", (cls,), {"__call__": _FUSED_CALLS[extra]})
 
 
 # The model's norm after its last block: ``norm`` (LFM2: ``embedding_norm``).
@@ -158,11 +170,11 @@ def _parts(block: object) -> Parts | None:
     plan = forward_plan(type(block), naming, feed_forward)
     if plan is None:
         return None
-    flag, when_set, otherwise = plan
-    if flag is not None and not isinstance(getattr(block, flag, None), bool):
+    if plan.flag is not None and not isinstance(getattr(block, plan.flag, None), bool):
         return None  # a flag that is not a plain per-layer constant
-    mixer = when_set if flag is not None and getattr(block, flag) else otherwise
-    return naming._replace(mixer=mixer, feed_forward=feed_forward) if mixer in block else None
+    mixer = plan.when_set if plan.flag is not None and getattr(block, plan.flag) else plan.otherwise
+    found = naming._replace(mixer=mixer, feed_forward=feed_forward, extra=plan.extra)
+    return found if mixer in block else None
 
 
 def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> int:
@@ -199,7 +211,7 @@ def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> i
         norm.handoff = _Handoff()
     for i in chosen:
         block = layers[i]
-        swap(block, _fused_class(type(block)))
+        swap(block, _fused_class(type(block), parts[i].extra))
         block.fused_links = _Links(reference, norms[i], parts[i])
     if not same_logits(before, probe_logits(model, tokens)):
         for module, cls in reversed(changed):
