@@ -89,3 +89,11 @@ def test_a_model_whose_logits_would_change_is_left_as_it_was(model_dir, monkeypa
     assert precompute_offsets(model, vocab) == 0
     assert not any(hasattr(m, "held_weight") for _, m in model.named_modules())
     assert mx.array_equal(probe_logits(model, probe_tokens(vocab)), before).item()
+
+
+def test_the_service_reports_the_norms_and_the_fused_gemma_blocks(model_dir, service_factory):
+    with service_factory(model_dir("gemma3_text")) as svc:
+        norms = next(ln for ln in svc.lines if "RMSNorms of 1 + weight" in ln)
+        blocks = next(ln for ln in svc.lines if "add their residuals" in ln)
+    # Four layers: six norms each (four around the sublayers, q and k), and the final norm.
+    assert "25 RMSNorms" in norms and "4 blocks" in blocks
