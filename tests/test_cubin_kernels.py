@@ -104,7 +104,7 @@ def test_the_shape_arguments_follow_the_declared_ints():
     signature = unit[start:unit.index(") {", start)]
     declared = re.findall(r"int (\w+)_shape_(\d+)", signature)
     arrays = [mx.zeros(tuple(range(2, 2 + _NDIMS[n])), dtype=_dtype(n)) for n in inputs]
-    values = cubin_kernels.shape_arguments(source, inputs, arrays)
+    values = cubin_kernels.shape_arguments(cubin_kernels.shaped_inputs(source, inputs), arrays)
     assert [int(d) + 2 for _, d in declared] == values  # each input's dims, in the order declared
     assert {n for n, _ in declared} == {n for n in inputs if re.search(rf"\b{n}_shape\b", source)}
     assert "keys" not in {n for n, _ in declared}  # ``tail_keys_shape`` is not ``keys_shape``

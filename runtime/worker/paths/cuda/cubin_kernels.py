@@ -70,13 +70,14 @@ def translation_unit(func: str, source: str, header: str, input_names: Sequence[
             + "\n".join(constants + locals_) + "\n" + source + "\n}\n")
 
 
-def shape_arguments(source: str, input_names: Sequence[str], inputs: Sequence[mx.array]) -> list[int]:
-    """The int arguments ``translation_unit`` declares, from the inputs' shapes."""
-    values: list[int] = []
-    for name, arr in zip(input_names, inputs):
-        if _reads_shape(source, name):
-            values += [int(n) for n in arr.shape]
-    return values
+def shaped_inputs(source: str, input_names: Sequence[str]) -> tuple[int, ...]:
+    """The indices of the inputs whose ``NAME_shape`` the source reads."""
+    return tuple(i for i, name in enumerate(input_names) if _reads_shape(source, name))
+
+
+def shape_arguments(shaped: Sequence[int], inputs: Sequence[mx.array]) -> list[int]:
+    """The int arguments ``translation_unit`` declares: each ``shaped`` input's dimensions."""
+    return [int(n) for i in shaped for n in inputs[i].shape]
 
 
 def _reads_shape(source: str, name: str) -> bool:
@@ -205,6 +206,7 @@ class CubinKernel:
         self.source = source
         self.header = header
         self.store = store
+        self.shaped = shaped_inputs(source, input_names)  # once: the launch is on the decode step's path
         self._variants: dict[tuple, tuple[str, bytes] | None] = {}
         self._mlx = None
 
@@ -236,7 +238,7 @@ class CubinKernel:
         func, cubin = built
         return mx.fast.precompiled_cuda_kernel(
             name=func, compiled_source=cubin, inputs=list(inputs), output_shapes=[tuple(s) for s in output_shapes],
-            output_dtypes=list(output_dtypes), scalars=shape_arguments(self.source, self.input_names, inputs),
+            output_dtypes=list(output_dtypes), scalars=shape_arguments(self.shaped, inputs),
             grid=grid, threadgroup=threadgroup, ensure_row_contiguous=True)  # as cuda_kernel's default
 
 
