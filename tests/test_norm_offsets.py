@@ -97,3 +97,17 @@ def test_the_service_reports_the_norms_and_the_fused_gemma_blocks(model_dir, ser
         blocks = next(ln for ln in svc.lines if "add their residuals" in ln)
     # Four layers: six norms each (four around the sublayers, q and k), and the final norm.
     assert "25 RMSNorms" in norms and "4 blocks" in blocks
+
+
+def test_the_loaders_transformations_share_one_reference_forward(model_dir, monkeypatch):
+    from runtime.worker.model import logit_probe
+    from runtime.worker.model.fused_residual import fuse_residuals
+    from runtime.worker.paths.cuda.add_rms_norm import AddRmsNorm
+
+    model, vocab = _fresh(model_dir, "gemma3_text")
+    calls = []
+    real = logit_probe.probe_logits
+    monkeypatch.setattr(logit_probe, "probe_logits", lambda m, t: calls.append(1) or real(m, t))
+    probe = logit_probe.LogitProbe(model, vocab)
+    assert precompute_offsets(model, vocab, probe) > 0 and fuse_residuals(model, AddRmsNorm(False), vocab, probe) > 0
+    assert len(calls) == 3  # the reference once, then one check after each transformation

@@ -24,6 +24,7 @@ from runtime.worker.model.fused_projections import (
     transpose_stacked,
 )
 from runtime.worker.model.fused_residual import fuse_residuals
+from runtime.worker.model.logit_probe import LogitProbe
 from runtime.worker.model.norm_offsets import precompute_offsets
 from runtime.worker.model.transposed_linear import transpose_linears
 from runtime.worker.paths.cuda.add_rms_norm import AddRmsNorm
@@ -147,11 +148,12 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
     mx.eval(model.parameters())
     text_config = model_config.get("text_config", model_config)
     vocab_size = int(text_config.get("vocab_size", 0))
-    norm_offsets = precompute_offsets(model, vocab_size) if group is None else 0  # a sharded forward is collective
+    probe = LogitProbe(model, vocab_size)  # the load-time transformations' logits check, computed once
+    norm_offsets = precompute_offsets(model, vocab_size, probe) if group is None else 0  # a sharded forward is collective
     residual_blocks, residual_kernel = 0, ""
     if group is None:  # a sharded model's blocks add partial sums across ranks first
         add_norm = AddRmsNorm(on_gpu and mx.cuda.is_available())
-        residual_blocks = fuse_residuals(model, add_norm, vocab_size)
+        residual_blocks = fuse_residuals(model, add_norm, vocab_size, probe)
         residual_kernel = ("one kernel for each" if add_norm.use_kernel else
                            f"MLX's kernels ({add_norm.problem})" if add_norm.problem else "MLX's kernels")
     aux_templates = AuxPool.probe(model, layout) if layout.has_aux else None

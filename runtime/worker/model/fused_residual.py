@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from runtime.worker.model.block_parts import FEED_FORWARD, NAMINGS, Parts, forward_plan
-from runtime.worker.model.logit_probe import probe_logits, probe_tokens, same_logits
+from runtime.worker.model.logit_probe import LogitProbe
 from runtime.worker.model.norm_offsets import effective_weight, is_offset_norm
 from runtime.worker.paths.cuda.add_rms_norm import AddRmsNorm
 
@@ -177,22 +177,22 @@ def _parts(block: object) -> Parts | None:
     return found if mixer in block else None
 
 
-def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> int:
+def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int, probe: LogitProbe | None = None) -> int:
     """Give every Llama-style block of ``model`` the fused forward where the model's logits on a
     probe prompt stay bit-identical (with MLX's own kernels for the fused operation); the number
     of blocks changed (0: the model is as it was). ``add_norm``'s kernel, if it has one, is then
-    checked against MLX's bits at the model's width and dropped if it differs (``problem``)."""
+    checked against MLX's bits at the model's width and dropped if it differs (``problem``).
+    ``probe``: the loader's, shared by its transformations (its reference computed once)."""
     owner = _layers_owner(model)
-    if owner is None or vocab_size <= 0:
+    if owner is None:
         return 0
     layers = owner.layers
     parts = [_parts(block) for block in layers]
     chosen = [i for i, found in enumerate(parts) if found is not None]
     if not chosen:
         return 0
-    tokens = probe_tokens(vocab_size)
-    before = probe_logits(model, tokens)
-    if before is None:
+    probe = probe or LogitProbe(model, vocab_size)
+    if probe.reference() is None:
         return 0
     norms = [layers[i + 1][parts[i + 1].first_norm] if i + 1 in chosen else None for i in range(len(layers))]
     final = _final_norm(owner)
@@ -213,7 +213,7 @@ def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int) -> i
         block = layers[i]
         swap(block, _fused_class(type(block), parts[i].extra))
         block.fused_links = _Links(reference, norms[i], parts[i])
-    if not same_logits(before, probe_logits(model, tokens)):
+    if not probe.unchanged():
         for module, cls in reversed(changed):
             module.__class__ = cls
         return 0

@@ -21,7 +21,7 @@ import textwrap
 import mlx.core as mx
 import mlx.nn as nn
 
-from runtime.worker.model.logit_probe import probe_logits, probe_tokens, same_logits
+from runtime.worker.model.logit_probe import LogitProbe
 
 
 class _Held:
@@ -97,24 +97,24 @@ def adds_one(cls: type) -> bool:
     return (one_plus or plus_one) and _self_attr(eps, "eps")
 
 
-def precompute_offsets(model: nn.Module, vocab_size: int) -> int:
+def precompute_offsets(model: nn.Module, vocab_size: int, probe: LogitProbe | None = None) -> int:
     """Give every ``1 + weight`` RMSNorm of ``model`` its sum computed once, where the model's
-    logits on a probe prompt stay bit-identical (else none); how many norms were changed."""
+    logits on a probe prompt stay bit-identical (else none); how many norms were changed.
+    ``probe``: the loader's, shared by its transformations (its reference computed once)."""
     chosen = [m for _, m in model.named_modules()
               if isinstance(m, nn.Module) and isinstance(m.get("weight"), mx.array)
               and not hasattr(m, "held_weight") and adds_one(type(m))]
-    if not chosen or vocab_size <= 0:
+    if not chosen:
         return 0
-    tokens = probe_tokens(vocab_size)
-    before = probe_logits(model, tokens)
-    if before is None:
+    probe = probe or LogitProbe(model, vocab_size)
+    if probe.reference() is None:
         return 0
     originals = [type(m) for m in chosen]
     for module in chosen:
         module.held_weight = _Held(module["weight"], 1.0 + module["weight"])
         module.__class__ = _offset_class(type(module))
     mx.eval([m.held_weight.value for m in chosen])
-    if not same_logits(before, probe_logits(model, tokens)):
+    if not probe.unchanged():
         for module, cls in zip(chosen, originals):
             module.__class__ = cls
             del module.held_weight
