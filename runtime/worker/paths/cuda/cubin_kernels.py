@@ -52,11 +52,11 @@ def translation_unit(func: str, source: str, header: str, input_names: Sequence[
     params = [f"const {cuda_type(dt)}* {name}" for name, dt in zip(input_names, input_dtypes)]
     params += [f"{cuda_type(dt)}* {name}" for name, dt in zip(output_names, output_dtypes)]
     locals_ = []
-    for name, ndim in zip(input_names, input_ndims):
-        if _reads_shape(source, name):
-            dims = [f"{name}_shape_{i}" for i in range(ndim)]
-            params += [f"int {d}" for d in dims]
-            locals_.append(f"    const int {name}_shape[{max(ndim, 1)}] = {{{', '.join(dims) or '0'}}};")
+    for i in shaped_inputs(source, input_names):  # the order ``shape_arguments`` passes them in
+        name, ndim = input_names[i], input_ndims[i]
+        dims = [f"{name}_shape_{d}" for d in range(ndim)]
+        params += [f"int {d}" for d in dims]
+        locals_.append(f"    const int {name}_shape[{max(ndim, 1)}] = {{{', '.join(dims) or '0'}}};")
     constants = []
     for name, value in template:
         if isinstance(value, mx.Dtype):
