@@ -52,6 +52,10 @@ def test_service_toml_is_a_valid_config(tmp_path):
     assert config.worker.fuse_projections == "auto"
     off = ServiceSpec(model=tmp_path, max_running=1, max_context=64, kv_slots=100, fuse_projections="off")
     assert parse_config(tomllib.loads(off.toml())).worker.fuse_projections == "off"
+    user = ServiceSpec(model=tmp_path, max_running=0, max_context=0, kv_slots=0)  # --service-defaults
+    assert not any(key in user.toml() for key in ("max_running", "max_context", "kv_slots"))
+    defaults = parse_config(tomllib.loads(user.toml()))
+    assert (defaults.scheduler.max_running, defaults.scheduler.max_context, defaults.cache.kv_slots) == (0, 0, 0)
 
 
 def test_synthetic_tiny_loads_with_mlx_lm_and_transformers(tmp_path):

@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-slots", type=int, default=0,
                    help="runtime [cache] kv_slots; 0: just enough for the workloads (a service's default pool is "
                         "a share of device memory, far larger)")
+    p.add_argument("--service-defaults", action="store_true",
+                   help="first: leave max_running, max_context and kv_slots out of the config, so the service "
+                        "sizes itself for its device as a user's would (the start-up a user meets)")
     p.add_argument("--mlx-prefill-batch", type=int, default=8, help="mlx-lm BatchGenerator prefill_batch_size")
     p.add_argument("--blas", choices=("auto", "bundled"), default="auto",
                    help="runtime [worker] blas; the bench process (mlx-lm) is re-run with the same BLAS")

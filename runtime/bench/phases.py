@@ -4,6 +4,7 @@ that need their own services (paired, mixed)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,6 +93,8 @@ def first_phase(args: argparse.Namespace, model: Path, bench: Any, services: dic
     from runtime.bench.service import Service
 
     spec = service_spec(args, model, ["single"], cache=True)
+    if args.service_defaults:
+        spec = dataclasses.replace(spec, max_running=0, max_context=0, kv_slots=0)
     services["first"] = vars(spec) | {"model": str(model)}
     first = FirstRequest(bench, args.prompt_len, args.gen_len, args.pairs)
     log(f"first: {args.pairs} pairs of a fresh service's first request and a fresh mlx-lm's: {spec}")

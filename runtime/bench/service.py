@@ -24,8 +24,8 @@ class ServiceSpec:
 
     model: Path
     max_running: int  # 0: left out of the config (the service's default for its device)
-    max_context: int
-    kv_slots: int
+    max_context: int  # 0: left out (the model's own context, bounded by the pool)
+    kv_slots: int  # 0: left out (a share of device memory)
     cache_enabled: bool = True
     max_step_tokens: int = 0  # 0: left out of the config, so the service picks its own default
     prefill_chunk: int = 0  # 0: likewise
@@ -35,8 +35,8 @@ class ServiceSpec:
     http_workers: int = 1  # [http] workers: gateway processes
 
     def toml(self) -> str:
-        """The config file text (keys as in runtime/config/sections.py); a 0 row count, step budget or chunk is left out."""
-        scheduler = [f"max_context = {self.max_context}"]
+        """The config file text (keys as in runtime/config/sections.py); any knob that is 0 is left out."""
+        scheduler = [f"max_context = {self.max_context}"] if self.max_context else []
         if self.max_running:
             scheduler.append(f"max_running = {self.max_running}")
         # Left out, not written as 0: the service then picks the value measured best on its device.
@@ -50,7 +50,7 @@ class ServiceSpec:
             "[scheduler]\n" + "".join(line + "\n" for line in scheduler) + "\n"
             "[cache]\n"
             f"enabled = {'true' if self.cache_enabled else 'false'}\n"
-            f"kv_slots = {self.kv_slots}\n\n"
+            + (f"kv_slots = {self.kv_slots}\n" if self.kv_slots else "") + "\n"
             f"[worker]\nblas = {self.blas!r}\nfuse_projections = {self.fuse_projections!r}\n"
             + (f'\n[http]\naddress = "127.0.0.1:{self.http_port}"\n' if self.http_port else "")
             + (f"workers = {self.http_workers}\n" if self.http_port and self.http_workers != 1 else "")
