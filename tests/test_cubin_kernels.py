@@ -130,3 +130,66 @@ def test_mlx_builds_the_kernel_while_precompile_is_off_or_the_source_reads_strid
     assert cubin_kernels.cuda_kernel(name="c", input_names=["x"], output_names=["y"],
                                      source="y[0] = x_strides[0];") == "mlx"
     assert made == ["a", "c"]
+
+
+@needs_nvrtc
+def test_prefetched_units_build_on_threads_to_the_same_bits(tmp_path):
+    units = [_unit(paged_kernels.COMBINE, "", ["part_acc", "part_m", "part_l"], ["out"],
+                   [("T", mx.bfloat16), ("D", d), ("NREP", r)]) for d in (64, 128) for r in (1, 2)]
+    ahead = cubin_kernels.CubinStore(tmp_path / "ahead", _store(tmp_path).nvrtc, "sm_90",
+                                     cubin_kernels.include_folders({}), threads=4)
+    for unit in units + units[:1]:  # a unit already under way is not started twice
+        ahead.prefetch(unit)
+    assert len(ahead._pending) == len(units)
+    built = [ahead.cubin(unit)[0] for unit in units]
+    assert ahead.built == len(units) and not ahead._pending  # each build waited for, none run again
+    one_by_one = _store(tmp_path / "serial")
+    assert built == [one_by_one.cubin(unit)[0] for unit in units]  # threads give NVRTC's own bits
+    again = cubin_kernels.CubinStore(tmp_path / "ahead", ahead.nvrtc, "sm_90", cubin_kernels.include_folders({}))
+    again.prefetch(units[0])  # on disk: nothing to start
+    assert not again._pending and again.cubin(units[0])[0] == built[0] and again.read == 1
+
+
+@needs_nvrtc
+def test_a_deferred_launch_starts_its_build_and_returns_zeros(tmp_path):
+    store = _store(tmp_path)
+    kernel = cubin_kernels.CubinKernel("runtime_combine", ["part_acc", "part_m", "part_l"], ["out"],
+                                       paged_kernels.COMBINE, "", store)
+    inputs = [mx.ones((4 * 64,)), mx.ones((4,)), mx.ones((4,))]
+    template = [("T", mx.bfloat16), ("D", 64), ("NREP", 1)]
+    with store.deferred():
+        (out,) = kernel(inputs=inputs, template=template, grid=(256, 1, 1), threadgroup=(64, 1, 1),
+                        output_shapes=[(1, 2, 1, 64)], output_dtypes=[mx.bfloat16])
+        with pytest.raises(AssertionError):
+            with store.deferred():
+                pass
+    assert out.shape == (1, 2, 1, 64) and out.dtype == mx.bfloat16 and not mx.any(out).item()
+    assert len(store._pending) == 1 and not store.deferring
+    func, cubin = kernel.variant([a.dtype for a in inputs], [1, 1, 1], [mx.bfloat16], template)
+    assert cubin[:4] == b"\x7fELF" and func.startswith("runtime_combine_")
+    assert store.built == 1 and not store._pending  # the launch took the prefetched build
+
+
+def test_nothing_is_prefetched_while_precompile_is_off(monkeypatch):
+    monkeypatch.setattr(cubin_kernels, "PRECOMPILE", False)
+    with cubin_kernels.prefetching() as ahead:
+        assert ahead is False
+
+
+@needs_nvrtc
+def test_a_deferred_warm_up_starts_one_build_per_kernel_it_would_launch(tmp_path, monkeypatch):
+    from runtime.worker.paths import paged_attention
+
+    store = _store(tmp_path)
+    monkeypatch.setattr(cubin_kernels, "PRECOMPILE", True)
+    monkeypatch.setattr(cubin_kernels, "default_store", lambda: store)
+    monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: True)
+    attention = paged_attention.PagedAttention(True, loop="mma", split_registers=0)
+    with cubin_kernels.prefetching() as ahead:
+        assert ahead
+        # (splits, warps): one unsplit launch, two split ones whose mma blocks both take 4 warps
+        attention.warm_up(mx.bfloat16, 8, 4, 128, {(1, 4), (4, 4), (8, 8)})
+    assert sorted(k[0] for k in attention._kernels) == ["combine", "single", "split"]
+    assert len(store._pending) == 3 and store.built <= 3  # one build each, started, none launched
+    for future in list(store._pending.values()):
+        assert future.result()[0][:4] == b"\x7fELF"

@@ -21,6 +21,7 @@ from runtime.protocol.worker import DecodeBatch, PrefillChunk
 from runtime.worker.model import attention_patch
 from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.model.kernel_rope import RopeSpec, defer_rope
+from runtime.worker.paths.cuda.cubin_kernels import prefetching
 from runtime.worker.paths.cuda.decode_tail import DecodeTail
 from runtime.worker.paths.cuda.kernel_check import check_kernel_rope, check_paged_kernel
 from runtime.worker.paths.cuda.kernel_launch import launch_shape
@@ -105,8 +106,24 @@ class AttentionPaths:
         assert self.attention is not None
         shape = self.pool.shape
         n_rep = shape.n_heads // shape.n_kv_heads
+        launches = self._kernel_launches(length_bucket)
+        self._prefetch(launches, tail)
         return check_paged_kernel(self.attention, self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim,
-                                  self._kernel_launches(length_bucket), tail)
+                                  launches, tail)
+
+    def _prefetch(self, launches: list[tuple[int, int]], tail: bool, specs: tuple[RopeSpec, ...] = ()) -> None:
+        """Start the NVRTC builds of the kernels ``launches`` use (rotating as each of ``specs``
+        says, if any) side by side on threads, so the check after them waits for builds that ran
+        together; only where our kernels are kept as CUBINs (``cubin_kernels.prefetching``)."""
+        assert self.attention is not None
+        shape = self.pool.shape
+        n_rep = shape.n_heads // shape.n_kv_heads
+        with prefetching() as ahead:
+            if not ahead:
+                return
+            for spec in specs or (None,):
+                self.attention.warm_up(self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, set(launches),
+                                       tail=tail, rope=spec)
 
     def _kernel_launches(self, length_bucket: int) -> list[tuple[int, int]]:
         """One launch of every kernel decode builds (one per warps count, unsplit and split)."""
@@ -129,10 +146,12 @@ class AttentionPaths:
         if specs is None:
             return None
         shape = self.pool.shape
+        launches = self._kernel_launches(self.length_bucket)
+        kinds = {(s.mode, s.dims, s.traditional): s for s in specs if s is not None}  # each rotating kernel
+        self._prefetch(launches, True, tuple(kinds.values()))
         problem = check_kernel_rope(self.attention, self.pool.dtype, shape.n_kv_heads,
                                     shape.n_heads // shape.n_kv_heads, shape.head_dim,
-                                    tuple(s for s in specs if s is not None),
-                                    self._kernel_launches(self.length_bucket), self.max_context)
+                                    tuple(s for s in specs if s is not None), launches, self.max_context)
         if problem is not None:
             print(f"runtime worker: the paged kernel's RoPE failed its start-up check ({problem}); "
                   "the model rotates its queries and keys itself", file=sys.stderr, flush=True)

@@ -11,19 +11,26 @@ process's NVRTC, keeps the CUBIN under the kernel cache folder (keyed by a hash 
 the options and NVRTC's version) and launches it with ``mx.fast.precompiled_cuda_kernel``.
 Anything it cannot do falls back to MLX's own build.
 
+A warm-up pass run under ``CubinStore.deferred()`` launches nothing: each launch hands its unit
+to a pool of NVRTC threads (ctypes lets go of the GIL while NVRTC compiles) and returns zeros,
+so the real pass after it waits for builds that ran side by side, not one after another.
+
 ``PRECOMPILE`` stays off until a GPU run has shown the launches right (the start-up checks of
 ``kernel_check`` and ``AddRmsNorm.check`` compare every kernel with MLX's own operations).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import re
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -159,34 +166,71 @@ def include_folders(env: dict[str, str] | os._Environ) -> list[Path]:
 
 
 class CubinStore:
-    """CUBINs on disk by content hash: a unit built once is read back by every later start."""
+    """CUBINs on disk by content hash: a unit built once is read back by every later start.
+    ``prefetch`` starts a unit's build on a thread; ``cubin`` then waits for it."""
 
-    def __init__(self, folder: Path | None, nvrtc: Nvrtc, arch: str, includes: list[Path]) -> None:
+    def __init__(self, folder: Path | None, nvrtc: Nvrtc, arch: str, includes: list[Path], threads: int = 0) -> None:
         self.folder = folder
         self.nvrtc = nvrtc
         self.options = ["--device-as-default-execution-space", f"--gpu-architecture={arch}",
                         *[f"--include-path={p}" for p in includes]]
         self.built = 0  # units compiled by NVRTC in this process
         self.read = 0  # units read back from the folder
+        self.threads = threads or min(8, os.cpu_count() or 1)
+        self.deferring = False  # inside ``deferred()``: launches only prefetch their units
+        self._lock = threading.Lock()  # the counters, from the build threads
+        self._pending: dict[str, Future[tuple[bytes, str]]] = {}
+        self._executor: ThreadPoolExecutor | None = None
 
     def key(self, unit: str) -> str:
         digest = hashlib.sha256("\0".join([unit, *self.options, self.nvrtc.version]).encode())
         return digest.hexdigest()[:20]
 
+    def _path(self, unit: str) -> Path | None:
+        return self.folder / f"{self.key(unit)}.cubin" if self.folder is not None else None
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Launches inside only start their units' builds (``CubinKernel`` returns zeros); not nestable."""
+        assert not self.deferring, "deferred() does not nest"
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+
+    def prefetch(self, unit: str) -> None:
+        """Start building ``unit`` on a thread, unless it is on disk or already under way."""
+        key = self.key(unit)
+        path = self._path(unit)
+        if key in self._pending or (path is not None and path.is_file()):
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="runtime-nvrtc")
+        self._pending[key] = self._executor.submit(self._build, unit, path)
+
     def cubin(self, unit: str) -> tuple[bytes, str]:
         """(the unit's CUBIN, b"" if it does not build; the build log or "")."""
-        path = self.folder / f"{self.key(unit)}.cubin" if self.folder is not None else None
+        future = self._pending.pop(self.key(unit), None)
+        if future is not None:
+            return future.result()
+        path = self._path(unit)
         if path is not None and path.is_file():
             data = path.read_bytes()
             if data[:4] == b"\x7fELF":
                 self.read += 1
                 return data, ""
+        return self._build(unit, path)
+
+    def _build(self, unit: str, path: Path | None) -> tuple[bytes, str]:
+        """NVRTC's build of ``unit``, written to ``path`` (on a build thread or the caller's)."""
         data, log = self.nvrtc.compile(unit, self.options)
-        self.built += 1
+        with self._lock:
+            self.built += 1
         if data and path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                partial = path.with_suffix(f".{os.getpid()}.part")
+                partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.part")
                 partial.write_bytes(data)
                 partial.replace(path)  # whole or absent: a reader never sees half a file
             except OSError:
@@ -215,9 +259,7 @@ class CubinKernel:
         """(the function's name, its CUBIN) for these arguments, or None where it did not build."""
         key = (tuple(input_dtypes), tuple(input_ndims), tuple(output_dtypes), tuple(template))
         if key not in self._variants:
-            func = f"{self.name}_{hashlib.sha256(repr((key, self.source, self.header)).encode()).hexdigest()[:16]}"
-            unit = translation_unit(func, self.source, self.header, self.input_names, input_dtypes, input_ndims,
-                                    self.output_names, output_dtypes, template)
+            func, unit = self._unit(key)
             cubin, log = self.store.cubin(unit)
             if not cubin:
                 print(f"runtime worker: {func} did not build as a CUBIN, MLX builds it instead: {log[:300]}",
@@ -225,9 +267,21 @@ class CubinKernel:
             self._variants[key] = (func, cubin) if cubin else None
         return self._variants[key]
 
+    def _unit(self, key: tuple) -> tuple[str, str]:
+        """(the function's name, its translation unit) for a ``variant`` key."""
+        input_dtypes, input_ndims, output_dtypes, template = key
+        func = f"{self.name}_{hashlib.sha256(repr((key, self.source, self.header)).encode()).hexdigest()[:16]}"
+        return func, translation_unit(func, self.source, self.header, self.input_names, input_dtypes, input_ndims,
+                                      self.output_names, output_dtypes, template)
+
     def __call__(self, *, inputs: Sequence[mx.array], template: Sequence[tuple[str, object]],
                  grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
                  output_shapes: Sequence[Sequence[int]], output_dtypes: Sequence[mx.Dtype]) -> list[mx.array]:
+        if self.store.deferring:  # a prefetching pass: start the build, launch nothing
+            key = (tuple(a.dtype for a in inputs), tuple(a.ndim for a in inputs), tuple(output_dtypes), tuple(template))
+            if key not in self._variants:
+                self.store.prefetch(self._unit(key)[1])
+            return [mx.zeros(tuple(s), dtype=dt) for s, dt in zip(output_shapes, output_dtypes)]
         built = self.variant([a.dtype for a in inputs], [a.ndim for a in inputs], output_dtypes, template)
         if built is None:
             if self._mlx is None:
@@ -268,6 +322,19 @@ def cuda_kernel(name: str, input_names: Sequence[str], output_names: Sequence[st
         return mx.fast.cuda_kernel(name=name, input_names=list(input_names), output_names=list(output_names),
                                    source=source, header=header)
     return CubinKernel(name, input_names, output_names, source, header, store)
+
+
+@contextlib.contextmanager
+def prefetching() -> Iterator[bool]:
+    """A pass whose launches of our kernels only start their NVRTC builds on threads (and
+    return zeros), where the CUBIN store is in use; yields whether it is (if not, the caller
+    should skip the pass: MLX's own builds cannot be started ahead)."""
+    store = default_store() if PRECOMPILE else None
+    if store is None:
+        yield False
+        return
+    with store.deferred():
+        yield True
 
 
 def summary() -> str | None:
