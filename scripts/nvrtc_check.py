@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.worker.paths.cuda import cubin_kernels  # noqa: E402
+from runtime.worker.paths.cuda import nvrtc  # noqa: E402
 from runtime.worker.paths.cuda import paged_kernels as pk  # noqa: E402
 from runtime.worker.paths.cuda.kernel_launch import (  # noqa: E402
     REGISTERS,
@@ -82,13 +82,13 @@ def kernel_source(name: str, appending: bool, split: bool, loop: str, d: int, n_
 
 
 class Nvrtc:
-    """The worker's NVRTC calls (``cubin_kernels.Nvrtc``), answering (built, the log, the CUBIN)."""
+    """The worker's NVRTC calls (``paths/cuda/nvrtc.Nvrtc``), answering (built, the log, the CUBIN)."""
 
     def __init__(self, library: Path) -> None:
-        self.nvrtc = cubin_kernels.Nvrtc(str(library))
+        self.nvrtc = nvrtc.Nvrtc(str(library))
 
     def compile(self, source: str, options: list[str]) -> tuple[bool, str, bytes]:
-        cubin, log = self.nvrtc.compile(source, options)
+        cubin, log, _ = self.nvrtc.compile(source, options)
         return bool(cubin), log, cubin
 
 

@@ -33,6 +33,16 @@ def test_large_gpu_gets_big_steps_many_rows_and_the_models_context():
     assert lim.max_context == 131072
 
 
+def test_the_pool_leaves_what_is_free_after_the_weights_less_a_reserve():
+    # An 80 GB card with 16 GiB of weights loaded and another 36 GiB held by another process
+    lim = choose(_config(), Device("cuda", 80 * GIB, free_bytes=28 * GIB), model_context=131072,
+                 bytes_per_slot=128 * KIB)
+    assert lim.num_slots == (28 * GIB - int(80 * GIB * 0.15)) // (128 * KIB)  # not 20 GiB: that would not fit
+    roomy = choose(_config(), Device("cuda", 80 * GIB, free_bytes=64 * GIB), model_context=131072,
+                   bytes_per_slot=128 * KIB)
+    assert roomy.num_slots == 20 * GIB // (128 * KIB)  # the share of memory, where it fits
+
+
 def test_small_gpu_context_is_bounded_by_the_pool():
     lim = choose(_config(), Device("metal", 16 * GIB), model_context=131072, bytes_per_slot=128 * KIB)
     assert lim.max_running == 64

@@ -12,7 +12,8 @@ A user who sets nothing gets the configuration measured fastest on their device:
   row's whole context, laid out as mlx-lm's cache) still fits.
 
 The KV pool (``cache.kv_slots`` 0) is ``kv_memory_fraction`` of memory, capped by
-``max_running * max_context``. The scheduler lets a prompt's chunk grow to the whole step
+``max_running * max_context`` and, where the device says how much is free once the weights are
+loaded (CUDA), by that less a reserve for the steps' own buffers (``FREE_RESERVE``). The scheduler lets a prompt's chunk grow to the whole step
 budget while no row decodes (``Scheduler.next_step``), so a lone long prompt prefills in
 ``max_step_tokens`` chunks without raising decode latency under load.
 """
@@ -25,6 +26,7 @@ from runtime.config import Config
 
 CPU_MAX_CONTEXT = 4096
 GIB = 2**30
+FREE_RESERVE = 0.15  # of the device's memory, kept free of the pool: activations, the buffer cache
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Device:
 
     kind: str  # "cpu", "cuda" or "metal"
     memory_bytes: int
+    free_bytes: int = 0  # free once the weights are loaded; 0: not known
 
     @property
     def gpu(self) -> bool:
@@ -90,7 +93,10 @@ def choose(config: Config, device: Device, model_context: int, bytes_per_slot: i
     num_slots = c.kv_slots
     if not num_slots:
         auto.append("num_slots")
-        budget = int(device.memory_bytes * c.kv_memory_fraction) // max(bytes_per_slot, 1)
+        pool_bytes = int(device.memory_bytes * c.kv_memory_fraction)
+        if device.free_bytes:  # another process (or our own weights) may hold much of the device
+            pool_bytes = min(pool_bytes, max(device.free_bytes - int(device.memory_bytes * FREE_RESERVE), 0))
+        budget = pool_bytes // max(bytes_per_slot, 1)
         num_slots = min(budget, max_running * wanted_context + 1)
     # A context the pool cannot hold would refuse nothing at admission and stall later.
     max_context = s.max_context or max(2, min(wanted_context, num_slots - 1))

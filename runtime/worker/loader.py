@@ -74,18 +74,30 @@ def device() -> defaults.Device:
         kind = "cpu"
     else:
         kind = "cuda" if mx.cuda.is_available() else "metal"
-    return defaults.Device(kind, _total_memory())
+    return defaults.Device(kind, _total_memory(), _free_memory())
+
+
+def _device_info() -> dict:
+    try:
+        return dict(mx.device_info())
+    except Exception:  # device_info is missing on some backends
+        return {}
 
 
 def _total_memory() -> int:
-    try:
-        info = mx.device_info()
-        size = int(info.get("memory_size", 0))
+    """The device's memory: CUDA's ``total_memory``, Metal's ``memory_size`` (unified), else the host's."""
+    info = _device_info()
+    for key in ("total_memory", "memory_size"):
+        size = int(info.get(key, 0) or 0)
         if size:
             return size
-    except Exception:  # device_info is missing on some backends
-        pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _free_memory() -> int:
+    """The device memory free now (CUDA's ``free_memory``: other processes' use and this one's
+    weights already taken), 0 where the device does not say."""
+    return int(_device_info().get("free_memory", 0) or 0)
 
 
 def buffer_cache_bytes(configured_mb: int, default_bytes: int, pool_bytes: int) -> int:

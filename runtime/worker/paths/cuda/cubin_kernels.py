@@ -1,33 +1,28 @@
-"""Our CUDA kernels compiled once to machine code (CUBIN) and kept on disk.
+"""Our CUDA kernels' builds kept in MLX's own kernel cache, and made side by side.
 
-MLX's ``mx.fast.cuda_kernel`` runs NVRTC on a kernel's source at the first launch in every
-process: MLX keeps custom kernels in memory only (its disk cache holds its own kernels). The
-paged decode kernels, their combine and the fused add + norm are a few NVRTC seconds each, at
-every start of the worker. This module's ``cuda_kernel`` returns a callable with
-``mx.fast.cuda_kernel``'s call signature that, where ``PRECOMPILE`` is on and NVRTC can be
-loaded, builds the translation unit itself (the template arguments as constants, each
-``NAME_shape`` the source reads as int arguments), compiles it once per variant with the
-process's NVRTC, keeps the CUBIN under the kernel cache folder (keyed by a hash of the unit,
-the options and NVRTC's version) and launches it with ``mx.fast.precompiled_cuda_kernel``.
-Anything it cannot do falls back to MLX's own build.
+MLX's ``mx.fast.cuda_kernel`` runs NVRTC on a kernel's unit at its first launch in every
+process: for custom kernels MLX reads its disk cache but never writes it. The paged decode
+kernels, their combine and the fused add + norm are a few NVRTC seconds each, at every start
+of the worker. Where ``PRECOMPILE`` is on and NVRTC can be loaded, ``cuda_kernel`` returns a
+callable with ``mx.fast.cuda_kernel``'s call signature that, before a variant's first launch,
+writes the module MLX would build (``mlx_source``: the same unit, compiled with MLX's NVRTC
+options) to the file MLX reads first. The launch itself stays MLX's own: no cost per launch.
 
-A warm-up pass run under ``CubinStore.deferred()`` launches nothing: each launch hands its unit
-to a pool of NVRTC threads (ctypes lets go of the GIL while NVRTC compiles) and returns zeros,
-so the real pass after it waits for builds that ran side by side, not one after another.
+A warm-up pass run under ``KernelStore.deferred()`` launches nothing: each launch hands its
+unit to a pool of NVRTC threads and returns zeros, so the real pass after it waits for builds
+that ran side by side, not one after another.
 
-``PRECOMPILE`` stays off until a GPU run has shown the launches right (the start-up checks of
-``kernel_check`` and ``AddRmsNorm.check`` compare every kernel with MLX's own operations).
+Anything that does not line up (a unit that does not build with the stand-in for MLX's device
+header, an MLX whose wrapper no longer matches ``mlx_source``) leaves the build to MLX.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
-import hashlib
 import os
-import re
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,163 +30,58 @@ from pathlib import Path
 
 import mlx.core as mx
 
-PRECOMPILE = False
-CACHE_SUBDIR = "runtime-cubin"
-_CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.int32: "int",
-               mx.uint32: "unsigned int", mx.bool_: "bool", mx.int64: "long long", mx.uint8: "unsigned char"}
-# What MLX's wrapper gives every custom kernel that ours use: the 16-bit float types,
-# cooperative groups (as ``cg``), ``INFINITY`` and ``inf``.
-PRELUDE = ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cooperative_groups.h>\n"
-           "#ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif\n#define inf INFINITY\n")
+from runtime.worker.paths.cuda import mlx_source
+from runtime.worker.paths.cuda.nvrtc import Nvrtc, find_nvrtc, include_folders
+
+PRECOMPILE = False  # on once a GPU run has shown the modules it writes are the ones MLX loads
+# What our kernels need of MLX's device header (not shipped in its wheel): the float types, the
+# Shape / Strides parameters of its wrapper (MAX_NDIM from the config.h the wheel does ship).
+UTILS_STAND_IN = """#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cuda/std/cstdint>
+#include "mlx/backend/cuda/device/config.h"
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}
+"""
+UTILS = "mlx/backend/cuda/device/utils.cuh"
+CONFIG = "mlx/backend/cuda/device/config.h"
+CONFIG_STAND_IN = "#pragma once\n#define MAX_NDIM 10\n"  # only where MLX's own config.h is not installed
 
 
-def cuda_type(dtype: mx.Dtype) -> str:
-    """The CUDA spelling of an MLX dtype (KeyError for one our kernels never take)."""
-    return _CUDA_TYPES[dtype]
+class KernelStore:
+    """Modules written where MLX reads them (``mlx_source.module_path``); a module already
+    there is MLX's to read. ``prefetch`` starts a build on a thread; ``prepare`` waits for it."""
 
-
-def translation_unit(func: str, source: str, header: str, input_names: Sequence[str],
-                     input_dtypes: Sequence[mx.Dtype], input_ndims: Sequence[int], output_names: Sequence[str],
-                     output_dtypes: Sequence[mx.Dtype], template: Sequence[tuple[str, object]]) -> str:
-    """The kernel as one ``extern "C"`` function: input pointers, output pointers, then one int
-    per dimension of each input whose ``NAME_shape`` the source reads (``shape_arguments``
-    gives their values in this order), rebuilt as a local array under that name."""
-    params = [f"const {cuda_type(dt)}* {name}" for name, dt in zip(input_names, input_dtypes)]
-    params += [f"{cuda_type(dt)}* {name}" for name, dt in zip(output_names, output_dtypes)]
-    locals_ = []
-    for i in shaped_inputs(source, input_names):  # the order ``shape_arguments`` passes them in
-        name, ndim = input_names[i], input_ndims[i]
-        dims = [f"{name}_shape_{d}" for d in range(ndim)]
-        params += [f"int {d}" for d in dims]
-        locals_.append(f"    const int {name}_shape[{max(ndim, 1)}] = {{{', '.join(dims) or '0'}}};")
-    constants = []
-    for name, value in template:
-        if isinstance(value, mx.Dtype):
-            constants.append(f"    using {name} = {cuda_type(value)};")
-        elif isinstance(value, bool):
-            constants.append(f"    constexpr bool {name} = {str(value).lower()};")
-        else:
-            constants.append(f"    constexpr int {name} = {int(value)};")
-    return (PRELUDE + header + "namespace cg = cooperative_groups;\n\n"
-            f'extern "C" __global__ void {func}(\n    ' + ",\n    ".join(params) + ") {\n"
-            + "\n".join(constants + locals_) + "\n" + source + "\n}\n")
-
-
-def shaped_inputs(source: str, input_names: Sequence[str]) -> tuple[int, ...]:
-    """The indices of the inputs whose ``NAME_shape`` the source reads."""
-    return tuple(i for i, name in enumerate(input_names) if _reads_shape(source, name))
-
-
-def shape_arguments(shaped: Sequence[int], inputs: Sequence[mx.array]) -> list[int]:
-    """The int arguments ``translation_unit`` declares: each ``shaped`` input's dimensions."""
-    return [int(n) for i in shaped for n in inputs[i].shape]
-
-
-def _reads_shape(source: str, name: str) -> bool:
-    return re.search(rf"\b{re.escape(name)}_shape\b", source) is not None
-
-
-def uses_unsupported(source: str, input_names: Sequence[str]) -> bool:
-    """Whether the source reads what only MLX's wrapper passes (strides, ndim)."""
-    return any(re.search(rf"\b{re.escape(n)}_(strides|ndim)\b", source) for n in input_names)
-
-
-class Nvrtc:
-    """The NVRTC calls a build needs, through ctypes (the library MLX itself loaded)."""
-
-    def __init__(self, library: str) -> None:
-        self.lib = ctypes.CDLL(library)
-        major, minor = ctypes.c_int(), ctypes.c_int()
-        self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
-        self.version = f"{major.value}.{minor.value}"
-
-    def compile(self, source: str, options: list[str]) -> tuple[bytes, str]:
-        """(the CUBIN, b"" if the build failed; NVRTC's log)."""
-        prog = ctypes.c_void_p()
-        if self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None):
-            return b"", "nvrtcCreateProgram failed"
-        try:
-            opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
-            result = self.lib.nvrtcCompileProgram(prog, len(options), opts)
-            size = ctypes.c_size_t()
-            self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value + 1)
-            self.lib.nvrtcGetProgramLog(prog, log)
-            if result != 0:
-                return b"", log.value.decode(errors="replace")
-            self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-            cubin = ctypes.create_string_buffer(size.value)
-            self.lib.nvrtcGetCUBIN(prog, cubin)
-            return cubin.raw, log.value.decode(errors="replace")
-        finally:
-            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
-
-def find_nvrtc() -> str | None:
-    """The NVRTC library to load: the one already in the process (MLX's), else pip's."""
-    for name in ("libnvrtc.so.13", "libnvrtc.so.12"):
-        try:
-            ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # only if already loaded
-            return name
-        except OSError:
-            continue
-    folder = cuda_folder()
-    if folder is not None:
-        found = sorted((folder / "lib").glob("libnvrtc.so.*"))
-        if found:
-            return str(found[0])
-    return None
-
-
-def cuda_folder() -> Path | None:
-    """pip's CUDA 13 folder (``nvidia/cu13``: NVRTC, the runtime's headers, CCCL), or None."""
-    for root in (Path(p) for p in sys.path if p):
-        folder = root / "nvidia" / "cu13"
-        if (folder / "include" / "cuda_bf16.h").exists():
-            return folder
-    return None
-
-
-def include_folders(env: dict[str, str] | os._Environ) -> list[Path]:
-    """Where the CUDA and CCCL headers are: MLX's bundled CCCL, pip's CUDA folder, CUDA_HOME."""
-    folders = [Path(mx.__file__).parent / "include" / "cccl"]
-    pip = cuda_folder()
-    if pip is not None:
-        folders += [pip / "include", pip / "include" / "cccl"]
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if env.get(var):
-            folders.append(Path(env[var]) / "include")
-    folders.append(Path("/usr/local/cuda/include"))
-    return [f for f in folders if f.is_dir()]
-
-
-class CubinStore:
-    """CUBINs on disk by content hash: a unit built once is read back by every later start.
-    ``prefetch`` starts a unit's build on a thread; ``cubin`` then waits for it."""
-
-    def __init__(self, folder: Path | None, nvrtc: Nvrtc, arch: str, includes: list[Path], threads: int = 0) -> None:
+    def __init__(self, folder: Path, nvrtc: Nvrtc, arch: str, includes: list[Path], threads: int = 0) -> None:
         self.folder = folder
         self.nvrtc = nvrtc
+        # MLX's options (jit_module.cpp); sm_90a on Hopper, as MLX asks for
         self.options = ["--device-as-default-execution-space", f"--gpu-architecture={arch}",
                         *[f"--include-path={p}" for p in includes]]
-        self.built = 0  # units compiled by NVRTC in this process
-        self.read = 0  # units read back from the folder
+        self.headers = {UTILS: UTILS_STAND_IN}
+        if not any((p / CONFIG).is_file() for p in includes):
+            self.headers[CONFIG] = CONFIG_STAND_IN
+        self.built = 0  # modules compiled by NVRTC in this process
+        self.found = 0  # modules already in the folder
+        self.failed = 0  # units that did not build here (MLX builds them)
         self.threads = threads or min(8, os.cpu_count() or 1)
         self.deferring = False  # inside ``deferred()``: launches only prefetch their units
+        self.verified = False  # MLX's printed unit compared with ``mlx_source``'s (``verify``)
+        self.mismatch: str | None = None  # set when MLX's wrapper differs from ``mlx_source``'s
         self._lock = threading.Lock()  # the counters, from the build threads
-        self._pending: dict[str, Future[tuple[bytes, str]]] = {}
+        self._pending: dict[str, Future[bool]] = {}
         self._executor: ThreadPoolExecutor | None = None
-
-    def key(self, unit: str) -> str:
-        digest = hashlib.sha256("\0".join([unit, *self.options, self.nvrtc.version]).encode())
-        return digest.hexdigest()[:20]
-
-    def _path(self, unit: str) -> Path | None:
-        return self.folder / f"{self.key(unit)}.cubin" if self.folder is not None else None
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
-        """Launches inside only start their units' builds (``CubinKernel`` returns zeros); not nestable."""
+        """Launches inside only start their units' builds (``CachedKernel`` returns zeros); not nestable."""
         assert not self.deferring, "deferred() does not nest"
         self.deferring = True
         try:
@@ -199,108 +89,133 @@ class CubinStore:
         finally:
             self.deferring = False
 
-    def prefetch(self, unit: str) -> None:
-        """Start building ``unit`` on a thread, unless it is on disk or already under way."""
-        key = self.key(unit)
-        path = self._path(unit)
-        if key in self._pending or (path is not None and path.is_file()):
+    def prefetch(self, func: str, unit: str) -> None:
+        """Start building ``unit`` on a thread, unless its module is on disk or under way."""
+        module = mlx_source.module_name(func, unit)
+        if module in self._pending or mlx_source.module_path(self.folder, module).is_file():
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="runtime-nvrtc")
-        self._pending[key] = self._executor.submit(self._build, unit, path)
+        self._pending[module] = self._executor.submit(self._build, func, unit, module)
 
-    def cubin(self, unit: str) -> tuple[bytes, str]:
-        """(the unit's CUBIN, b"" if it does not build; the build log or "")."""
-        future = self._pending.pop(self.key(unit), None)
+    def prepare(self, func: str, unit: str) -> bool:
+        """Make sure MLX finds ``unit``'s module on disk; False where it will build it itself."""
+        module = mlx_source.module_name(func, unit)
+        future = self._pending.pop(module, None)
         if future is not None:
             return future.result()
-        path = self._path(unit)
-        if path is not None and path.is_file():
-            data = path.read_bytes()
-            if data[:4] == b"\x7fELF":
-                self.read += 1
-                return data, ""
-        return self._build(unit, path)
+        if mlx_source.module_path(self.folder, module).is_file():
+            with self._lock:
+                self.found += 1
+            return True
+        return self._build(func, unit, module)
 
-    def _build(self, unit: str, path: Path | None) -> tuple[bytes, str]:
-        """NVRTC's build of ``unit``, written to ``path`` (on a build thread or the caller's)."""
-        data, log = self.nvrtc.compile(unit, self.options)
+    def _build(self, func: str, unit: str, module: str) -> bool:
+        """Compile ``unit`` as MLX would and write the module (the kernel names first, then the
+        code, renamed into place: MLX never reads a module without its names)."""
+        qualified = mlx_source.NAMESPACE + func
+        cubin, log, lowered = self.nvrtc.compile(unit, self.options, self.headers, [qualified], module + ".cu")
+        if not cubin or qualified not in lowered:
+            with self._lock:
+                self.failed += 1
+            print(f"runtime worker: {func} did not build ahead, MLX builds it: {log[:300]}", file=sys.stderr,
+                  flush=True)
+            return False
+        path = mlx_source.module_path(self.folder, module)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_suffix(".txt").write_text(f"{qualified}\t{lowered[qualified]}\n")
+            partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.part")
+            partial.write_bytes(cubin)
+            partial.replace(path)
+        except OSError:
+            return False  # a folder that cannot be written costs MLX a build, nothing else
         with self._lock:
             self.built += 1
-        if data and path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.part")
-                partial.write_bytes(data)
-                partial.replace(path)  # whole or absent: a reader never sees half a file
-            except OSError:
-                pass  # a cache that cannot be written costs the next start a build, nothing else
-        return data, log
+        return True
 
 
-class CubinKernel:
-    """``mx.fast.cuda_kernel``'s callable, launching CUBINs from a ``CubinStore`` (one per
-    template, dtypes and ranks of the inputs); a variant that does not build takes MLX's path."""
+class CachedKernel:
+    """``mx.fast.cuda_kernel``'s callable whose variants' modules the store writes ahead of
+    their first launch (one per template, dtypes and ranks of the inputs)."""
 
     def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str], source: str, header: str,
-                 store: CubinStore) -> None:
+                 store: KernelStore) -> None:
         self.name = name
         self.input_names = list(input_names)
         self.output_names = list(output_names)
         self.source = source
         self.header = header
         self.store = store
-        self.shaped = shaped_inputs(source, input_names)  # once: the launch is on the decode step's path
-        self._variants: dict[tuple, tuple[str, bytes] | None] = {}
-        self._mlx = None
+        self.mlx = mx.fast.cuda_kernel(name=name, input_names=self.input_names, output_names=self.output_names,
+                                       source=source, header=header)
+        self._ready: set[tuple] = set()
 
-    def variant(self, input_dtypes: Sequence[mx.Dtype], input_ndims: Sequence[int], output_dtypes: Sequence[mx.Dtype],
-                template: Sequence[tuple[str, object]]) -> tuple[str, bytes] | None:
-        """(the function's name, its CUBIN) for these arguments, or None where it did not build."""
-        key = (tuple(input_dtypes), tuple(input_ndims), tuple(output_dtypes), tuple(template))
-        if key not in self._variants:
-            func, unit = self._unit(key)
-            cubin, log = self.store.cubin(unit)
-            if not cubin:
-                print(f"runtime worker: {func} did not build as a CUBIN, MLX builds it instead: {log[:300]}",
-                      file=sys.stderr, flush=True)
-            self._variants[key] = (func, cubin) if cubin else None
-        return self._variants[key]
-
-    def _unit(self, key: tuple) -> tuple[str, str]:
-        """(the function's name, its translation unit) for a ``variant`` key."""
+    def unit(self, key: tuple) -> tuple[str, str]:
+        """(the kernel's name, MLX's unit) for a variant key."""
         input_dtypes, input_ndims, output_dtypes, template = key
-        func = f"{self.name}_{hashlib.sha256(repr((key, self.source, self.header)).encode()).hexdigest()[:16]}"
-        return func, translation_unit(func, self.source, self.header, self.input_names, input_dtypes, input_ndims,
-                                      self.output_names, output_dtypes, template)
+        func = mlx_source.kernel_name(self.name, template)
+        return func, mlx_source.mlx_unit(func, self.header, self.source, self.input_names, input_dtypes, input_ndims,
+                                         self.output_names, output_dtypes, template)
 
     def __call__(self, *, inputs: Sequence[mx.array], template: Sequence[tuple[str, object]],
                  grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
                  output_shapes: Sequence[Sequence[int]], output_dtypes: Sequence[mx.Dtype]) -> list[mx.array]:
-        if self.store.deferring:  # a prefetching pass: start the build, launch nothing
-            key = (tuple(a.dtype for a in inputs), tuple(a.ndim for a in inputs), tuple(output_dtypes), tuple(template))
-            if key not in self._variants:
-                self.store.prefetch(self._unit(key)[1])
-            return [mx.zeros(tuple(s), dtype=dt) for s, dt in zip(output_shapes, output_dtypes)]
-        built = self.variant([a.dtype for a in inputs], [a.ndim for a in inputs], output_dtypes, template)
-        if built is None:
-            if self._mlx is None:
-                self._mlx = mx.fast.cuda_kernel(name=self.name, input_names=self.input_names,
-                                                output_names=self.output_names, source=self.source, header=self.header)
-            return self._mlx(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
-                             output_shapes=output_shapes, output_dtypes=output_dtypes)
-        func, cubin = built
-        return mx.fast.precompiled_cuda_kernel(
-            name=func, compiled_source=cubin, inputs=list(inputs), output_shapes=[tuple(s) for s in output_shapes],
-            output_dtypes=list(output_dtypes), scalars=shape_arguments(self.shaped, inputs),
-            grid=grid, threadgroup=threadgroup, ensure_row_contiguous=True)  # as cuda_kernel's default
+        launch = dict(inputs=list(inputs), template=list(template), grid=grid, threadgroup=threadgroup,
+                      output_shapes=[tuple(s) for s in output_shapes], output_dtypes=list(output_dtypes))
+        key = (tuple(a.dtype for a in inputs), tuple(a.ndim for a in inputs), tuple(output_dtypes), tuple(template))
+        if key not in self._ready and self.store.mismatch is None:
+            func, unit = self.unit(key)
+            if verify(self.store, self.mlx, launch, func, unit):  # else MLX builds every kernel itself
+                if self.store.deferring:
+                    self.store.prefetch(func, unit)
+                else:
+                    self.store.prepare(func, unit)
+                    self._ready.add(key)
+        if self.store.deferring:
+            return [mx.zeros(s, dtype=dt) for s, dt in zip(launch["output_shapes"], output_dtypes)]
+        return self.mlx(**launch)
+
+
+def verify(store: KernelStore, kernel, launch: dict, func: str, unit: str) -> bool:
+    """Once per store: whether MLX's own unit for this launch (what it prints with
+    ``verbose=True``, nothing launched) is ``mlx_source``'s; if not, ``store.mismatch`` says why."""
+    if store.verified:
+        return store.mismatch is None
+    store.verified = True
+    printed = mlx_source.printed_unit(_stdout_of(lambda: kernel(**launch, verbose=True)))
+    if printed != (func, unit):
+        store.mismatch = (f"MLX {mx.__version__} wraps custom kernels differently from mlx_source "
+                          f"({'nothing printed' if printed is None else 'the name or unit differs'})")
+    return store.mismatch is None
+
+
+def _stdout_of(call) -> str:
+    """What ``call`` writes to file descriptor 1 (MLX prints from C++)."""
+    sys.stdout.flush()
+    with tempfile.TemporaryFile() as sink:
+        saved = os.dup(1)
+        try:
+            os.dup2(sink.fileno(), 1)
+            call()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        sink.seek(0)
+        return sink.read().decode(errors="replace")
+
+
+def mlx_cache_folder(env: dict[str, str] | os._Environ) -> Path:
+    """MLX's kernel cache folder (``ptx_cache_dir``): MLX_PTX_CACHE_DIR, set by the worker."""
+    if env.get("MLX_PTX_CACHE_DIR"):
+        return Path(env["MLX_PTX_CACHE_DIR"])
+    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
 
 
 @functools.cache
-def default_store() -> CubinStore | None:
-    """The worker's store: NVRTC as loaded in this process, this GPU's architecture, the
-    folder beside MLX's kernel cache (``MLX_PTX_CACHE_DIR``, set by the worker); None where
-    NVRTC cannot be loaded."""
+def default_store() -> KernelStore | None:
+    """The worker's store: NVRTC as loaded in this process, this GPU's architecture as MLX
+    names it, MLX's cache folder; None where NVRTC cannot be loaded."""
     library = find_nvrtc()
     if library is None:
         return None
@@ -309,28 +224,28 @@ def default_store() -> CubinStore | None:
     except OSError:
         return None
     info = mx.device_info()
-    arch = f"sm_{info.get('compute_capability_major', 8)}{info.get('compute_capability_minor', 0)}"
-    cache = os.environ.get("MLX_PTX_CACHE_DIR")
-    return CubinStore(Path(cache) / CACHE_SUBDIR if cache else None, nvrtc, arch, include_folders(os.environ))
+    major, minor = int(info.get("compute_capability_major", 8)), int(info.get("compute_capability_minor", 0))
+    arch = f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+    return KernelStore(mlx_cache_folder(os.environ), nvrtc, arch, include_folders(os.environ))
 
 
 def cuda_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str, header: str = ""):
-    """A custom kernel's callable (``mx.fast.cuda_kernel``'s call signature): from the CUBIN
-    store where ``PRECOMPILE`` is on and it can serve this source, else MLX's own."""
+    """A custom kernel's callable (``mx.fast.cuda_kernel``'s call signature): modules written
+    ahead where ``PRECOMPILE`` is on and NVRTC loads, else MLX's own kernel as it is."""
     store = default_store() if PRECOMPILE else None
-    if store is None or uses_unsupported(source, input_names):
+    if store is None:
         return mx.fast.cuda_kernel(name=name, input_names=list(input_names), output_names=list(output_names),
                                    source=source, header=header)
-    return CubinKernel(name, input_names, output_names, source, header, store)
+    return CachedKernel(name, input_names, output_names, source, header, store)
 
 
 @contextlib.contextmanager
 def prefetching() -> Iterator[bool]:
     """A pass whose launches of our kernels only start their NVRTC builds on threads (and
-    return zeros), where the CUBIN store is in use; yields whether it is (if not, the caller
-    should skip the pass: MLX's own builds cannot be started ahead)."""
+    return zeros), where the store is in use; yields whether it is (if not, the caller should
+    skip the pass: MLX's own builds cannot be started ahead)."""
     store = default_store() if PRECOMPILE else None
-    if store is None:
+    if store is None or store.mismatch is not None:
         yield False
         return
     with store.deferred():
@@ -342,5 +257,8 @@ def summary() -> str | None:
     store = default_store() if PRECOMPILE else None
     if store is None:
         return None
-    where = f"kept in {store.folder}" if store.folder is not None else "kept in memory only"
-    return f"our CUDA kernels: {store.built} built by NVRTC, {store.read} read back as CUBINs ({where})"
+    if store.mismatch is not None:
+        return f"our CUDA kernels: MLX builds them ({store.mismatch})"
+    failed = f", {store.failed} left to MLX" if store.failed else ""
+    return (f"our CUDA kernels: {store.built} built by NVRTC ({store.threads} threads), {store.found} found in "
+            f"MLX's kernel cache{failed} ({store.folder})")
