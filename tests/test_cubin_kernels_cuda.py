@@ -70,7 +70,8 @@ print(json.dumps(None if store is None else {"built": store.built, "found": stor
 
 
 def _run(mode: str, cache: Path, result: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(cache), PYTHONPATH=path)
     return subprocess.run([sys.executable, "-c", LAUNCHES, mode, str(result)], env=env, capture_output=True,
                           text=True, timeout=600)
 

@@ -115,6 +115,7 @@ for item in "$@"; do
     kernel-32k) run "$item" 120 python3 scripts/profile_decode.py --shape llama-8b --kernel 1,8 --context 32768 --modes "" ;;
     8b-first) run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads first --pairs 1 --json "$OUT/$item$tag.json" ;;
     8b-first-user) run "$item" 400 python3 -m runtime.bench --synthetic llama-8b --workloads first --pairs 2 --service-defaults --json "$OUT/$item$tag.json" ;;
+    8b-first-user-1) run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads first --pairs 1 --service-defaults --json "$OUT/$item$tag.json" ;;
     8b-long) run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads long --long-lens 32768 --json "$OUT/$item$tag.json" ;;
     8b-long-warm) run "$item" 400 python3 -m runtime.bench --synthetic llama-8b --workloads long --long-lens 32768 --long-warm --json "$OUT/$item$tag.json" ;;
     8b-long-trace) RUNTIME_WORKER_TRACE="$OUT/8b-long-worker-trace" run "$item" 300 python3 -m runtime.bench --synthetic llama-8b --workloads long --long-lens 32768 ;;
