@@ -33,7 +33,7 @@ import mlx.core as mx
 from runtime.worker.paths.cuda import mlx_source
 from runtime.worker.paths.cuda.nvrtc import Nvrtc, find_nvrtc, include_folders
 
-PRECOMPILE = False  # on once a GPU run has shown the modules it writes are the ones MLX loads
+PRECOMPILE = True  # H100, session 30: MLX loaded the modules written, the start-up bit checks passed on them
 # What our kernels need of MLX's device header (not shipped in its wheel): the float types, the
 # Shape / Strides parameters of its wrapper (MAX_NDIM from the config.h the wheel does ship).
 UTILS_STAND_IN = """#pragma once
@@ -215,7 +215,9 @@ def mlx_cache_folder(env: dict[str, str] | os._Environ) -> Path:
 @functools.cache
 def default_store() -> KernelStore | None:
     """The worker's store: NVRTC as loaded in this process, this GPU's architecture as MLX
-    names it, MLX's cache folder; None where NVRTC cannot be loaded."""
+    names it, MLX's cache folder; None off a CUDA GPU or where NVRTC cannot be loaded."""
+    if not mx.cuda.is_available():
+        return None
     library = find_nvrtc()
     if library is None:
         return None
