@@ -9,8 +9,8 @@ writes the module MLX would build (``mlx_source``: the same unit, compiled with 
 options) to the file MLX reads first. The launch itself stays MLX's own: no cost per launch.
 
 A warm-up pass run under ``KernelStore.deferred()`` launches nothing: each launch hands its
-unit to a pool of NVRTC threads and returns zeros, so the real pass after it waits for builds
-that ran side by side, not one after another.
+unit to a build process (NVRTC compiles one program at a time a process; threads measured no
+faster) and returns zeros, so the real pass after it waits for builds that ran side by side.
 
 Anything that does not line up (a unit that does not build with the stand-in for MLX's device
 header, an MLX whose wrapper no longer matches ``mlx_source``) leaves the build to MLX.
@@ -31,7 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from runtime.worker.paths.cuda import mlx_source
-from runtime.worker.paths.cuda.nvrtc import Nvrtc, find_nvrtc, include_folders
+from runtime.worker.paths.cuda.nvrtc import Nvrtc, build_apart, find_nvrtc, include_folders, library_path
 
 PRECOMPILE = True  # H100, session 30: MLX loaded the modules written, the start-up bit checks passed on them
 # What our kernels need of MLX's device header (not shipped in its wheel): the float types, the
@@ -59,9 +59,11 @@ class KernelStore:
     """Modules written where MLX reads them (``mlx_source.module_path``); a module already
     there is MLX's to read. ``prefetch`` starts a build on a thread; ``prepare`` waits for it."""
 
-    def __init__(self, folder: Path, nvrtc: Nvrtc, arch: str, includes: list[Path], threads: int = 0) -> None:
+    def __init__(self, folder: Path, nvrtc: Nvrtc, arch: str, includes: list[Path], threads: int = 0,
+                 library: str = "") -> None:
         self.folder = folder
         self.nvrtc = nvrtc
+        self.library = library  # set: prefetched builds run in processes of their own (``build_apart``)
         # MLX's options (jit_module.cpp); sm_90a on Hopper, as MLX asks for
         self.options = ["--device-as-default-execution-space", f"--gpu-architecture={arch}",
                         *[f"--include-path={p}" for p in includes]]
@@ -96,7 +98,7 @@ class KernelStore:
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="runtime-nvrtc")
-        self._pending[module] = self._executor.submit(self._build, func, unit, module)
+        self._pending[module] = self._executor.submit(self._build, func, unit, module, bool(self.library))
 
     def prepare(self, func: str, unit: str) -> bool:
         """Make sure MLX finds ``unit``'s module on disk; False where it will build it itself."""
@@ -110,11 +112,13 @@ class KernelStore:
             return True
         return self._build(func, unit, module)
 
-    def _build(self, func: str, unit: str, module: str) -> bool:
-        """Compile ``unit`` as MLX would and write the module (the kernel names first, then the
-        code, renamed into place: MLX never reads a module without its names)."""
+    def _build(self, func: str, unit: str, module: str, apart: bool = False) -> bool:
+        """Compile ``unit`` as MLX would (``apart``: in a process of its own) and write the module
+        (the kernel names first, then the code, renamed into place: MLX never reads a module
+        without its names)."""
         qualified = mlx_source.NAMESPACE + func
-        cubin, log, lowered = self.nvrtc.compile(unit, self.options, self.headers, [qualified], module + ".cu")
+        args = (unit, self.options, self.headers, [qualified], module + ".cu")
+        cubin, log, lowered = build_apart(self.library, *args) if apart else self.nvrtc.compile(*args)
         if not cubin or qualified not in lowered:
             with self._lock:
                 self.failed += 1
@@ -228,7 +232,8 @@ def default_store() -> KernelStore | None:
     info = mx.device_info()
     major, minor = int(info.get("compute_capability_major", 8)), int(info.get("compute_capability_minor", 0))
     arch = f"sm_{major}{minor}{'a' if major >= 9 else ''}"
-    return KernelStore(mlx_cache_folder(os.environ), nvrtc, arch, include_folders(os.environ))
+    return KernelStore(mlx_cache_folder(os.environ), nvrtc, arch, include_folders(os.environ),
+                       library=library_path(library))
 
 
 def cuda_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str, header: str = ""):
@@ -243,7 +248,7 @@ def cuda_kernel(name: str, input_names: Sequence[str], output_names: Sequence[st
 
 @contextlib.contextmanager
 def prefetching() -> Iterator[bool]:
-    """A pass whose launches of our kernels only start their NVRTC builds on threads (and
+    """A pass whose launches of our kernels only start their NVRTC builds in processes (and
     return zeros), where the store is in use; yields whether it is (if not, the caller should
     skip the pass: MLX's own builds cannot be started ahead)."""
     store = default_store() if PRECOMPILE else None
@@ -262,5 +267,5 @@ def summary() -> str | None:
     if store.mismatch is not None:
         return f"our CUDA kernels: MLX builds them ({store.mismatch})"
     failed = f", {store.failed} left to MLX" if store.failed else ""
-    return (f"our CUDA kernels: {store.built} built by NVRTC ({store.threads} threads), {store.found} found in "
+    return (f"our CUDA kernels: {store.built} built by NVRTC (up to {store.threads} at once), {store.found} found in "
             f"MLX's kernel cache{failed} ({store.folder})")

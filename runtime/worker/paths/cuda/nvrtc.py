@@ -1,14 +1,23 @@
 """NVRTC through ctypes (the library MLX itself loaded, else pip's), and the folders MLX's own
-builds include, so a unit we compile is compiled as MLX would compile it."""
+builds include, so a unit we compile is compiled as MLX would compile it.
+
+NVRTC compiles one program at a time in a process (threads measured no faster), so builds run
+side by side in processes (``build``, for a spawned pool): this module imports no MLX.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+import pickle
+import subprocess
 import sys
 from pathlib import Path
 
-import mlx.core as mx
+ROOT = Path(__file__).resolve().parents[4]  # the folder holding the ``runtime`` package
+_CHILD = ("import pickle, sys\nfrom runtime.worker.paths.cuda.nvrtc import build\n"
+          "sys.stdout.buffer.write(pickle.dumps(build(*pickle.loads(sys.stdin.buffer.read()))))\n")
 
 
 class Nvrtc:
@@ -59,6 +68,41 @@ class Nvrtc:
             self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+@functools.cache
+def _loaded(library: str) -> Nvrtc:
+    return Nvrtc(library)
+
+
+def build(library: str, source: str, options: list[str], headers: dict[str, str], names: list[str],
+          program: str) -> tuple[bytes, str, dict[str, str]]:
+    """``Nvrtc.compile`` with ``library`` loaded once per process (a build process's entry point)."""
+    return _loaded(library).compile(source, options, headers, names, program)
+
+
+def build_apart(library: str, source: str, options: list[str], headers: dict[str, str], names: list[str],
+                program: str) -> tuple[bytes, str, dict[str, str]]:
+    """``build`` in a fresh Python process (NVRTC compiles one program at a time a process, so
+    builds side by side need processes); a process that fails answers with no CUBIN and why."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    job = pickle.dumps((library, source, options, headers, names, program))
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD], input=job, capture_output=True, env=env, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return b"", f"the build process failed: {exc}", {}
+    if done.returncode != 0:
+        return b"", done.stderr.decode(errors="replace")[-2000:], {}
+    return pickle.loads(done.stdout)
+
+
+def library_path(library: str) -> str:
+    """``library`` as a path another process can load: MLX's NVRTC is found by its own run path."""
+    if os.sep in library:
+        return library
+    folder = cuda_folder()
+    found = sorted((folder / "lib").glob(f"{library}*")) if folder is not None else []
+    return str(found[0]) if found else library
+
+
 def find_nvrtc() -> str | None:
     """The NVRTC library to load: the one already in the process (MLX's), else pip's."""
     for name in ("libnvrtc.so.13", "libnvrtc.so.12"):
@@ -87,6 +131,8 @@ def cuda_folder() -> Path | None:
 def include_folders(env: dict[str, str] | os._Environ) -> list[Path]:
     """MLX's include folders (``jit_module.cpp``: its bundled headers, CCCL, the CUDA runtime's
     headers from pip or CUDA_HOME), then pip's CCCL for a machine whose MLX bundles none."""
+    import mlx.core as mx
+
     mlx_include = Path(mx.__file__).parent / "include"
     folders = [mlx_include, mlx_include / "cccl"]
     pip = cuda_folder()
