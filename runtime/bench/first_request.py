@@ -46,6 +46,7 @@ class FirstRequest:
                     started = time.perf_counter()
                     with service() as svc:
                         self.startup_s.append(time.perf_counter() - started)
+                        self.bench.log(svc.banner)  # its limits and pool: what the start-up prepared for
                         timings[side] = runtime_side.run_together(svc.address, [prompt], [self.gen_len])[0]
                 else:
                     mlx = load_mlx()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,4 +85,5 @@ class MlxLm:
     def release(self) -> None:
         """Drop the model and MLX's buffer cache, so a service started next gets the memory."""
         del self.model
+        gc.collect()  # a cycle through the model would keep its weights on the device
         mx.clear_cache()
