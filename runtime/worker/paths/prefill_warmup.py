@@ -7,11 +7,21 @@ chunks, a prefix hit's suffix) one row of each power-of-two query length at each
 length up to ``CONTINUATION_KEYS``. The list is fixed by the step limits (about 110 + 70
 shapes for 2048-token steps and 512-token chunks, 50-90 ms each on an H200), not by a clock,
 so every tensor-parallel rank runs the same forwards. Rarer shapes build on first use.
+
+Where every decoder layer is alike (the same attention, no window, no recurrent state), the
+forwards run through the first layer only (``first_layer_only``): a layer's kernels and plans
+are the same at every depth, and the other layers' compute was most of the warm-up's time
+(181 shapes of an 8B: 20 s on an H100). Prefill is never traced, so nothing built here
+outlives the warm-up but the kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Callable, Iterator
+
+import mlx.nn as nn
 
 from runtime.protocol.worker import PrefillChunk, Step
 from runtime.worker.paths.prefill_shapes import (
@@ -41,11 +51,53 @@ def common_shapes(max_step_tokens: int, prefill_chunk: int, max_rows: int, max_c
     yield from ((1, n, k - n) for n in queries for k in keys if k - n > 0 and k <= limit)
 
 
+def _layers_owner(model: nn.Module) -> nn.Module | None:
+    """The module whose own ``layers`` entry is the decoder layer list (``model.model`` for Llama)."""
+    language = getattr(model, "language_model", None)
+    for owner in (getattr(model, "model", None), getattr(language, "model", None), language, model):
+        if isinstance(owner, nn.Module) and isinstance(dict.get(owner, "layers"), list):
+            return owner
+    return None
+
+
+def alike_layers(layout) -> bool:
+    """Every layer full attention of one K/V shape: no window, no recurrent state, no sharing."""
+    return (len(layout.attention_layers) == layout.num_layers and not layout.has_aux and not layout.shares_kv
+            and len(set(layout.kv_shapes)) == 1 and all(w is None for w in layout.windows))
+
+
+@contextlib.contextmanager
+def first_layer_only(model: nn.Module, layout) -> Iterator[bool]:
+    """The model's forward through its first decoder layer only, where its layers are alike
+    (``alike_layers``); yields whether it is."""
+    owner = _layers_owner(model)
+    if owner is None or not alike_layers(layout) or len(owner["layers"]) < 2:
+        yield False
+        return
+    layers = owner["layers"]
+    owner["layers"] = layers[:1]
+    try:
+        yield True
+    finally:
+        owner["layers"] = layers
+
+
 def warm_prefill(engine, max_step_tokens: int, prefill_chunk: int, log: Callable[[str], None] | None = None) -> int:
     """Run ``common_shapes``; how many ran. Uses rows from 0 and pool slots from 1, which no
     request holds yet (the engine's own warm-up does too)."""
     if engine.max_padding <= 0 or engine.aux_pool is not None:
         return 0
+    try:
+        with first_layer_only(engine.model, engine.layout) as short:
+            return _warm(engine, max_step_tokens, prefill_chunk, log, short)
+    except Exception as exc:  # noqa: BLE001 - a forward that needs every layer: warm them all
+        print(f"runtime worker: prefill warm-up through one layer failed ({str(exc)[:200]}); all layers run",
+              file=sys.stderr, flush=True)
+        engine.reset_chain()
+        return _warm(engine, max_step_tokens, prefill_chunk, log, False)
+
+
+def _warm(engine, max_step_tokens: int, prefill_chunk: int, log: Callable[[str], None] | None, short: bool) -> int:
     limit = min(engine.max_context, engine.pool.num_slots - 1)
     done = 0
     for rows, n, start in common_shapes(min(max_step_tokens, limit), prefill_chunk, engine.paths.max_rows, limit):
@@ -58,6 +110,6 @@ def warm_prefill(engine, max_step_tokens: int, prefill_chunk: int, log: Callable
         engine.finalize(engine.launch(Step(step_id=0, prefills=chunks, decode=None)))
         done += 1
         if log is not None and done % 20 == 0:
-            log(f"runtime worker: warmed {done} prefill shapes")
+            log(f"runtime worker: warmed {done} prefill shapes{' (through one layer)' if short else ''}")
     engine.reset_chain()
     return done
