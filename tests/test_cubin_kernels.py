@@ -202,3 +202,27 @@ def test_a_deferred_warm_up_starts_one_build_per_kernel_it_would_launch(tmp_path
     assert len(store._pending) == 3  # one build each, started, none launched
     assert all(future.result() for future in list(store._pending.values()))
     assert store.built == 3 and "3 built by NVRTC" in cubin_kernels.summary()
+
+
+def test_the_store_is_used_only_where_mlx_prints_our_unit(tmp_path, monkeypatch):
+    store = cubin_kernels.KernelStore(tmp_path, object(), "sm_90a", [])
+    func, unit = "custom_kernel_k_4", "the unit\n"
+    printed = f"Generated source code for `{func}`:\n```\n{unit}\n```\n"
+    monkeypatch.setattr(cubin_kernels, "_stdout_of", lambda call: printed)
+    assert cubin_kernels.verify(store, None, {}, func, unit) and store.mismatch is None
+    other = cubin_kernels.KernelStore(tmp_path, object(), "sm_90a", [])
+    assert not cubin_kernels.verify(other, None, {}, func, unit + "// MLX changed its wrapper\n")
+    assert "differs" in other.mismatch and not cubin_kernels.verify(other, None, {}, func, unit)  # once a store
+
+    def closed(call):
+        raise OSError("Bad file descriptor")
+
+    monkeypatch.setattr(cubin_kernels, "_stdout_of", closed)
+    third = cubin_kernels.KernelStore(tmp_path, object(), "sm_90a", [])
+    assert not cubin_kernels.verify(third, None, {}, func, unit) and "could not be read" in third.mismatch
+
+
+def test_stdout_of_reads_what_is_written_to_descriptor_one():
+    import os
+
+    assert cubin_kernels._stdout_of(lambda: os.write(1, b"from C++ as it were\n")) == "from C++ as it were\n"
