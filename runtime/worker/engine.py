@@ -50,6 +50,9 @@ KERNEL_ROPE = True
 # the decode rows only, ``OutputHead``), which pays where a step's fixed host cost dominates:
 # 38-47 ms for 1-512 prefill tokens against 13 ms for the decode alone (session 21's trace).
 FUSE_MAX_TOKENS = 512
+# The row-cache decode step compiled on a GPU too (sliding-window models on CUDA, Metal): off
+# until a GPU run shows it token-exact and faster (plan item ``rows-compiled``); the CPU's is on.
+COMPILE_ROWS_ON_GPU = False
 
 
 class Engine:
@@ -96,8 +99,9 @@ class Engine:
         compile_decode = compile_decode and layout.traceable
         self.compiled: CompiledDecode | None = None
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
-        # CPU only: on Metal the row-cache path is not yet measured or checked token-exact compiled.
-        if compile_decode and on_cpu and self.paths.row_cache is not None and CompiledDecode.supports(layout):
+        # On a GPU only with COMPILE_ROWS_ON_GPU: not yet measured or checked token-exact there.
+        if (compile_decode and (on_cpu or COMPILE_ROWS_ON_GPU) and self.paths.row_cache is not None
+                and CompiledDecode.supports(layout)):
             self.compiled = CompiledDecode.with_exact_folding(model, layout, self.paths.row_cache,
                                                               self.COMPILED_LENGTH_BUCKET, max_context, aux_pool,
                                                               attention_streams)
