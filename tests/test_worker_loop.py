@@ -105,3 +105,11 @@ def test_a_step_that_waited_for_masks_is_reported_at_once_and_every_step_once():
     events = engine.events
     assert [e for e in events if e.startswith("send")] == [f"send {i}" for i in range(1, 6)]
     assert events.index("masks 3") < events.index("send 3") < events.index("submit 4")
+
+
+def test_a_load_that_runs_out_of_device_memory_says_what_to_change():
+    from runtime.worker.main import load_error
+
+    oom = load_error(RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory"))
+    assert oom.startswith("RuntimeError: cudaMallocAsync") and "[cache] kv_slots" in oom
+    assert load_error(ValueError("no config.json")) == "ValueError: no config.json"  # others as they are

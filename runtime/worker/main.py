@@ -43,6 +43,16 @@ if TYPE_CHECKING:
     from runtime.worker.ranks import RankRole
 
 PARENT_POLL_MS = 500
+OOM_HINT = ("; the device ran out of memory while the worker started: another process may hold some of it, or "
+            "set [cache] kv_slots (or lower cache.kv_memory_fraction, scheduler.max_running or max_context) to "
+            "leave more room")
+
+
+def load_error(exc: BaseException) -> str:
+    """The load failure as the client and ``runtime up`` show it, with what to change where the
+    device ran out of memory."""
+    text = f"{type(exc).__name__}: {exc}"
+    return text + OOM_HINT if "out of memory" in str(exc).lower() else text
 
 
 def serve(config: Config, address: str, trace_path: str | None = None, role: RankRole | None = None) -> int:
@@ -160,7 +170,7 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
             fanout.wait_ready(ready, parent, config.worker.startup_timeout_s)
         freeze_startup_heap()
     except Exception as exc:  # report the loader's error, then exit non-zero
-        sock.send(worker_encoder.encode(LoadFailed(error=f"{type(exc).__name__}: {exc}")))
+        sock.send(worker_encoder.encode(LoadFailed(error=load_error(exc))))
         time.sleep(0.2)
         return 1
     sock.send(worker_encoder.encode(ready))
