@@ -128,15 +128,20 @@ class KernelStore:
         path = mlx_source.module_path(self.folder, module)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.with_suffix(".txt").write_text(f"{qualified}\t{lowered[qualified]}\n")
-            partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.part")
-            partial.write_bytes(cubin)
-            partial.replace(path)
+            # each file whole or absent (another worker on this machine may read or write it)
+            _write_whole(path.with_suffix(".txt"), f"{qualified}\t{lowered[qualified]}\n".encode())
+            _write_whole(path, cubin)
         except OSError:
             return False  # a folder that cannot be written costs MLX a build, nothing else
         with self._lock:
             self.built += 1
         return True
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.part")
+    partial.write_bytes(data)
+    partial.replace(path)
 
 
 class CachedKernel:
