@@ -113,8 +113,8 @@ class AttentionPaths:
 
     def _prefetch(self, launches: list[tuple[int, int]], tail: bool, specs: tuple[RopeSpec, ...] = ()) -> None:
         """Start the NVRTC builds of the kernels ``launches`` use (rotating as each of ``specs``
-        says, if any) side by side on threads, so the check after them waits for builds that ran
-        together; only where our kernels' modules are written ahead (``cubin_kernels.prefetching``)."""
+        says, if any) side by side in build processes, so the check after them waits for builds that
+        ran together; only where our kernels' modules are written ahead (``cubin_kernels.prefetching``)."""
         assert self.attention is not None
         shape = self.pool.shape
         n_rep = shape.n_heads // shape.n_kv_heads
