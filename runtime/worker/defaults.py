@@ -14,8 +14,9 @@ A user who sets nothing gets the configuration measured fastest on their device:
 The KV pool (``cache.kv_slots`` 0) is ``kv_memory_fraction`` of memory, capped by
 ``max_running * max_context`` and, where the device says how much is free once the weights are
 loaded (CUDA), by that less a reserve for the steps' own buffers (``FREE_RESERVE``). The
-scheduler lets a prompt's chunk grow to the whole step budget while no row decodes (``Scheduler.next_step``), so a lone long prompt prefills in
-``max_step_tokens`` chunks without raising decode latency under load.
+scheduler lets a prompt's chunk grow to the whole step budget while no row decodes
+(``Scheduler.next_step``), so a lone long prompt prefills in ``max_step_tokens`` chunks
+without raising decode latency under load.
 """
 
 from __future__ import annotations
