@@ -170,19 +170,21 @@ class CachedKernel:
     def __call__(self, *, inputs: Sequence[mx.array], template: Sequence[tuple[str, object]],
                  grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
                  output_shapes: Sequence[Sequence[int]], output_dtypes: Sequence[mx.Dtype]) -> list[mx.array]:
-        launch = dict(inputs=list(inputs), template=list(template), grid=grid, threadgroup=threadgroup,
-                      output_shapes=[tuple(s) for s in output_shapes], output_dtypes=list(output_dtypes))
-        key = (tuple(a.dtype for a in inputs), tuple(a.ndim for a in inputs), tuple(output_dtypes), tuple(template))
-        if key not in self._ready and self.store.mismatch is None:
-            func, unit = self.unit(key)
-            if verify(self.store, self.mlx, launch, func, unit):  # else MLX builds every kernel itself
-                if self.store.deferring:
-                    self.store.prefetch(func, unit)
-                else:
-                    self.store.prepare(func, unit)
-                    self._ready.add(key)
-        if self.store.deferring:
-            return [mx.zeros(s, dtype=dt) for s, dt in zip(launch["output_shapes"], output_dtypes)]
+        launch = dict(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
+                      output_shapes=output_shapes, output_dtypes=output_dtypes)
+        if self.store.deferring or self.store.mismatch is None:  # else MLX builds every kernel itself
+            key = (tuple(a.dtype for a in inputs), tuple(a.ndim for a in inputs), tuple(output_dtypes),
+                   tuple(template))
+            if key not in self._ready and self.store.mismatch is None:
+                func, unit = self.unit(key)
+                if verify(self.store, self.mlx, launch, func, unit):
+                    if self.store.deferring:
+                        self.store.prefetch(func, unit)
+                    else:
+                        self.store.prepare(func, unit)
+                        self._ready.add(key)
+            if self.store.deferring:
+                return [mx.zeros(tuple(s), dtype=dt) for s, dt in zip(output_shapes, output_dtypes)]
         return self.mlx(**launch)
 
 
