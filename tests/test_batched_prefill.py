@@ -165,19 +165,20 @@ def test_prefill_warm_up_runs_the_common_shapes_and_leaves_the_service_exact(fol
 
 
 def test_prefill_warm_up_runs_one_layer_where_layers_are_alike_and_stays_exact(folder, monkeypatch):
+    from runtime.worker.model.discovery import layers_owner
     from runtime.worker.paths import prefill_warmup
 
     svc = InProcessService(folder, max_step_tokens=64, prefill_chunk=32, max_running=8, row_cache=False)
     svc.engine.max_padding = 0.25
-    layers = prefill_warmup._layers_owner(svc.engine.model)["layers"]
+    layers = layers_owner(svc.engine.model)["layers"]
     seen = []
     launch = svc.engine.launch
     monkeypatch.setattr(svc.engine, "launch", lambda step: seen.append(
-        len(prefill_warmup._layers_owner(svc.engine.model)["layers"])) or launch(step))
+        len(layers_owner(svc.engine.model)["layers"])) or launch(step))
     shapes = list(prefill_warmup.common_shapes(64, 32, 8, 512))
     assert prefill_warmup.warm_prefill(svc.engine, 64, 32) == len(shapes)
     assert seen == [1] * len(shapes) and len(layers) > 1  # every warm-up forward through the first layer
-    assert prefill_warmup._layers_owner(svc.engine.model)["layers"] is layers  # the model whole again
+    assert layers_owner(svc.engine.model)["layers"] is layers  # the model whole again
     monkeypatch.undo()
     rng = random.Random(9)
     reqs = [svc.request(f"w{i}", [50 + i] + [rng.randrange(3, 250) for _ in range(24 + 9 * i)], 8) for i in range(3)]
@@ -187,10 +188,11 @@ def test_prefill_warm_up_runs_one_layer_where_layers_are_alike_and_stays_exact(f
 
 
 def test_layers_that_differ_keep_the_whole_model_in_the_warm_up(model_dir):
+    from runtime.worker.model.discovery import layers_owner
     from runtime.worker.paths import prefill_warmup
 
     svc = InProcessService(model_dir("gemma3_text"), max_running=2, row_cache=False)
     assert not prefill_warmup.alike_layers(svc.engine.layout)  # sliding and global layers
     with prefill_warmup.first_layer_only(svc.engine.model, svc.engine.layout) as short:
         assert short is False
-        assert len(prefill_warmup._layers_owner(svc.engine.model)["layers"]) == svc.engine.layout.num_layers
+        assert len(layers_owner(svc.engine.model)["layers"]) == svc.engine.layout.num_layers

@@ -117,6 +117,14 @@ class CacheLayout:
         return self.windows[entry] if self.windows else None
 
 
+def layers_owner(model: nn.Module) -> nn.Module | None:
+    """The module holding the decoder layer list (``model.model`` for Llama), or None."""
+    for owner in (getattr(model, "model", None), getattr(getattr(model, "language_model", None), "model", None), model):
+        if isinstance(owner, nn.Module) and isinstance(getattr(owner, "layers", None), list):
+            return owner
+    return None
+
+
 def model_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of a model or of its language model."""
     for owner in (model, getattr(model, "language_model", None), getattr(model, "model", None)):

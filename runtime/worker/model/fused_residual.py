@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from runtime.worker.model.block_parts import FEED_FORWARD, NAMINGS, Parts, forward_plan
+from runtime.worker.model.discovery import layers_owner
 from runtime.worker.model.logit_probe import LogitProbe
 from runtime.worker.model.norm_offsets import effective_weight, is_offset_norm
 from runtime.worker.paths.cuda.add_rms_norm import AddRmsNorm
@@ -139,14 +140,6 @@ def _fused_class(cls: type, extra: tuple[str, ...]) -> type:
 _FINAL_NORMS = ("norm", "embedding_norm")
 
 
-def _layers_owner(model: nn.Module) -> nn.Module | None:
-    """The module holding the decoder layers (``model.model`` for Llama)."""
-    for owner in (getattr(model, "model", None), getattr(getattr(model, "language_model", None), "model", None), model):
-        if isinstance(owner, nn.Module) and isinstance(getattr(owner, "layers", None), list):
-            return owner
-    return None
-
-
 def _final_norm(owner: nn.Module) -> nn.Module | None:
     """The norm the last block's output goes to, where it is one the fused add can compute."""
     found = next((owner[n] for n in _FINAL_NORMS if n in owner), None)
@@ -183,7 +176,7 @@ def fuse_residuals(model: nn.Module, add_norm: AddRmsNorm, vocab_size: int, prob
     of blocks changed (0: the model is as it was). ``add_norm``'s kernel, if it has one, is then
     checked against MLX's bits at the model's width and dropped if it differs (``problem``).
     ``probe``: the loader's, shared by its transformations (its reference computed once)."""
-    owner = _layers_owner(model)
+    owner = layers_owner(model)
     if owner is None:
         return 0
     layers = owner.layers

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 import mlx.nn as nn
 
 from runtime.protocol.worker import PrefillChunk, Step
+from runtime.worker.model.discovery import layers_owner
 from runtime.worker.paths.prefill_shapes import (
     continuation_length,
     key_length,
@@ -51,15 +52,6 @@ def common_shapes(max_step_tokens: int, prefill_chunk: int, max_rows: int, max_c
     yield from ((1, n, k - n) for n in queries for k in keys if k - n > 0 and k <= limit)
 
 
-def _layers_owner(model: nn.Module) -> nn.Module | None:
-    """The module whose own ``layers`` entry is the decoder layer list (``model.model`` for Llama)."""
-    language = getattr(model, "language_model", None)
-    for owner in (getattr(model, "model", None), getattr(language, "model", None), language, model):
-        if isinstance(owner, nn.Module) and isinstance(dict.get(owner, "layers"), list):
-            return owner
-    return None
-
-
 def alike_layers(layout) -> bool:
     """Every layer full attention of one K/V shape: no window, no recurrent state, no sharing."""
     return (len(layout.attention_layers) == layout.num_layers and not layout.has_aux and not layout.shares_kv
@@ -70,8 +62,9 @@ def alike_layers(layout) -> bool:
 def first_layer_only(model: nn.Module, layout) -> Iterator[bool]:
     """The model's forward through its first decoder layer only, where its layers are alike
     (``alike_layers``); yields whether it is."""
-    owner = _layers_owner(model)
-    if owner is None or not alike_layers(layout) or len(owner["layers"]) < 2:
+    owner = layers_owner(model)
+    # the list must be the owner's own entry (not a property reading another module's) to swap it
+    if owner is None or not alike_layers(layout) or len(dict.get(owner, "layers") or ()) < 2:
         yield False
         return
     layers = owner["layers"]

@@ -57,7 +57,8 @@ CONFIG_STAND_IN = "#pragma once\n#define MAX_NDIM 10\n"  # only where MLX's own 
 
 class KernelStore:
     """Modules written where MLX reads them (``mlx_source.module_path``); a module already
-    there is MLX's to read. ``prefetch`` starts a build on a thread; ``prepare`` waits for it."""
+    there is MLX's to read. ``prefetch`` starts a build (in a process of its own where
+    ``library`` is set); ``prepare`` waits for it."""
 
     def __init__(self, folder: Path, nvrtc: Nvrtc, arch: str, includes: list[Path], threads: int = 0,
                  library: str = "") -> None:
@@ -92,7 +93,7 @@ class KernelStore:
             self.deferring = False
 
     def prefetch(self, func: str, unit: str) -> None:
-        """Start building ``unit`` on a thread, unless its module is on disk or under way."""
+        """Start building ``unit``, unless its module is on disk or under way."""
         module = mlx_source.module_name(func, unit)
         if module in self._pending or mlx_source.module_path(self.folder, module).is_file():
             return
