@@ -33,7 +33,7 @@ class InProcessService:
         row_cache: bool | None = None,
         compile_decode: bool = True,
         attention_streams: int = 1,
-        fuse: bool = False,
+        fuse: bool | str = False,
     ) -> None:
         from runtime.worker.engine import Engine
         from runtime.worker.loader import load
@@ -41,7 +41,7 @@ class InProcessService:
         config = parse_config(
             {
                 "model": {"path": str(folder)},
-                "worker": {"fuse_projections": "on" if fuse else "off"},
+                "worker": {"fuse_projections": fuse if isinstance(fuse, str) else "on" if fuse else "off"},
                 "cache": {"enabled": cache, "kv_slots": kv_slots, "aux_slots": aux_slots, "track_chunk": track_chunk},
                 "scheduler": {
                     "max_running": max_running,
