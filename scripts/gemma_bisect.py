@@ -26,7 +26,7 @@ from harness import InProcessService  # noqa: E402
 
 from runtime.bench.models import synthetic_model  # noqa: E402
 from runtime.config import parse_config  # noqa: E402
-from runtime.worker import loader  # noqa: E402
+from runtime.worker import engine, loader  # noqa: E402
 from runtime.worker.paths import attention_paths  # noqa: E402
 
 
@@ -115,9 +115,12 @@ def main() -> None:
     no_residuals = (loader, "fuse_residuals", lambda *a, **k: 0)
     no_offsets = (loader, "precompute_offsets", lambda *a, **k: 0)
     no_mask = (attention_paths, "decode_mask", lambda *a, **k: None)  # safe only inside the window
+    rows_compiled = (engine, "COMPILE_ROWS_ON_GPU", True)  # the row-cache decode step compiled on a GPU too
     variants = [
         ("service", "auto", []),
         ("service, prefill unpadded", "auto", ["unpadded"]),
+        ("service, rows compiled", "auto", [rows_compiled]),
+        ("service, rows compiled, unpadded", "auto", [rows_compiled, "unpadded"]),
         ("service, projections apart", "off", []),
         ("service, no fused residual", "auto", [no_residuals]),
         ("service, no norm offsets", "auto", [no_offsets]),

@@ -38,7 +38,7 @@ for item in "$@"; do
     *@nographs) item=${item%@*}; tag=-nographs; export MLX_USE_CUDA_GRAPHS=0 ;;
     *@graphs) item=${item%@*}; tag=-graphs; export MLX_USE_CUDA_GRAPHS=1 ;;
   esac
-  tag=$tag${fuse_tag:-}${cubin_tag:-}${rows_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
+  tag=$tag${fuse_tag:-}${cubin_tag:-}${rows_tag:-}${pad_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
   case $item in
     kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
     gemv-ab) run "$item" 150 python3 scripts/gemv_ab.py ;;
@@ -60,6 +60,9 @@ for item in "$@"; do
     fuse-prefill)  # on this device copy only: the items after it run prefill and decode as one forward
       sed -i 's/^FUSE_PREFILL = False/FUSE_PREFILL = True/' runtime/worker/engine.py; fuse_tag=-fused
       echo "== fuse-prefill: $(grep -E '^FUSE_PREFILL =' runtime/worker/engine.py)" ;;
+    unpadded)  # on this device copy only: the items after it run prefill forwards at their own lengths (no padding)
+      sed -i 's/self.max_padding = 0.25 if/self.max_padding = 0.0 if/' runtime/worker/engine.py; pad_tag=-unpadded
+      echo "== unpadded: $(grep -E 'self.max_padding = ' runtime/worker/engine.py)" ;;
     rows-compiled)  # on this device copy only: the items after it compile the row-cache decode step on the GPU
       sed -i 's/^COMPILE_ROWS_ON_GPU = False/COMPILE_ROWS_ON_GPU = True/' runtime/worker/engine.py; rows_tag=-rows
       echo "== rows-compiled: $(grep -E '^COMPILE_ROWS_ON_GPU =' runtime/worker/engine.py)" ;;
@@ -128,6 +131,7 @@ for item in "$@"; do
     8b-4bit-sweep) run "$item" 400 python3 -m runtime.bench --synthetic llama-8b-4bit --workloads sweep --concurrency 64 --json "$OUT/$item$tag.json" ;;
     8b-sweep) run "$item" 400 python3 -m runtime.bench --synthetic llama-8b --workloads sweep --concurrency 128 --json "$OUT/$item$tag.json" ;;
     1b-sweep) run "$item" 300 python3 -m runtime.bench --synthetic llama-1b --workloads sweep --concurrency 64,256 --json "$OUT/$item$tag.json" ;;
+    1b-mixed-rt-short) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --mixed-runtime-only --mixed-requests 150 --mixed-prefix-requests 32 --json "$OUT/$item$tag.json" ;;
     1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item$tag.json" ;;
     gemma-sweep) run "$item" 300 python3 -m runtime.bench --synthetic gemma3-1b --workloads sweep --concurrency 16,64 --json "$OUT/$item$tag.json" ;;
     gemma-bisect) run "$item" 240 python3 scripts/gemma_bisect.py --shape gemma3-1b --prompt 256 --new 48 ;;
@@ -140,7 +144,7 @@ for item in "$@"; do
     pytest-residual) run "$item" 200 python3 -m pytest -q tests/test_fused_residual.py tests/test_service_exact.py ;;
     pytest-shapes)  # attention layers of several shapes, KV-shared layers (Gemma 4, Gemma 3n): token-exact on CUDA too
       run "$item" 400 python3 -m pytest -q tests/test_layer_shapes_exact.py tests/test_kv_read_back.py tests/test_kv_shared_paths.py ;;
-    *) echo "== $item: unknown (pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
+    *) echo "== $item: unknown (unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then
