@@ -42,8 +42,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"config key 'server.address' must start with ipc:// or tcp://, got {addr!r}")
     if config.worker.blas not in ("auto", "bundled"):
         raise ConfigError("config key 'worker.blas' must be 'auto' or 'bundled'")
-    if config.worker.fuse_projections not in ("auto", "on", "off"):
-        raise ConfigError("config key 'worker.fuse_projections' must be 'auto', 'on' or 'off'")
+    for key in ("fuse_projections", "pad_prefill"):
+        if getattr(config.worker, key) not in ("auto", "on", "off"):
+            raise ConfigError(f"config key 'worker.{key}' must be 'auto', 'on' or 'off'")
     _validate_distributed(config)
     if config.server.curve_client_keys and not config.server.curve_secret_key:
         raise ConfigError("config key 'server.curve_client_keys' needs 'server.curve_secret_key' (`runtime keygen`)")

@@ -123,6 +123,14 @@ class WorkerConfig:
     step is host-bound, for models whose decode step is compiled (attention layers only,
     ``compile_decode`` on); ``on``; ``off``.
 
+    ``pad_prefill``: round prefill forwards up to a few dozen shapes (query lengths, row counts,
+    key lengths; ``runtime/worker/paths/prefill_shapes.py``) so that their kernels, built on a
+    GPU at a shape's first use (50-90 ms each), recur. Padding changes the shapes of the
+    prefill's matrix products and attention, so on a GPU its rounding can differ from mlx-lm's
+    own in the last bits (as mlx-lm's own ``prefill_step_size`` does), enough to part greedy
+    tokens at near-ties. ``auto``: on a GPU; ``on``; ``off``: every forward at its own
+    length, as mlx-lm runs it.
+
     ``tensor_parallel``: worker ranks that share the model through mlx.distributed (each holds
     1/N of the heads and MLP columns; ``[distributed]`` says how they connect); 1 = one process.
     """
@@ -136,6 +144,7 @@ class WorkerConfig:
     compile_decode: bool = True
     attention_threads: int = 0
     fuse_projections: str = "auto"
+    pad_prefill: str = "auto"
     tensor_parallel: int = 1
 
 

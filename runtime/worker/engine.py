@@ -80,6 +80,7 @@ class Engine:
         row_cache: bool | None = None,
         compile_decode: bool = True,
         attention_streams: int = 1,
+        pad_prefill: bool | None = None,
     ) -> None:
         self.model = model
         self.layout = layout
@@ -119,9 +120,12 @@ class Engine:
         self.fuse_prefill = FUSE_PREFILL and self.compiled_paged is not None and layout.mask_rank == 4
         self.output_head = OutputHead(model)
         self.sampler = RowSampler(max_rows)
-        # Share of padding a batched prefill may carry: on a GPU, where a step costs its launch
-        # overhead more than its arithmetic, batching pays for some; on the CPU it does not.
-        self.max_padding = 0.25 if mx.default_device().type == mx.DeviceType.gpu else 0.0
+        # Share of padding a batched prefill may carry, and whether prefill shapes are padded at
+        # all (``worker.pad_prefill``; None: on a GPU, where a step costs its launch overhead
+        # more than its arithmetic and every new shape costs kernel builds; not on the CPU).
+        if pad_prefill is None:
+            pad_prefill = mx.default_device().type == mx.DeviceType.gpu
+        self.max_padding = 0.25 if pad_prefill else 0.0
         self.prefill_shapes: set[tuple[int, int, int]] = set()  # (rows, queries, keys) of every prefill forward run
 
     def _caches(self, batch: ForwardBatch, aux: list | None = None) -> list:

@@ -77,7 +77,7 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
             lift_graph_size_limit,
         )
         from runtime.worker.paths.cuda.kernel_cache import keep_kernel_cache
-        from runtime.worker.paths.prefill_shapes import keep_attention_graphs
+        from runtime.worker.paths.prefill_shapes import keep_attention_graphs, padding_wanted
         from runtime.worker.paths.prefill_warmup import warm_prefill
         from runtime.worker.paths.rows.parallel_attention import default_streams
 
@@ -126,6 +126,7 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         mx.set_cache_limit(buffer_cache_bytes(config.worker.buffer_cache_mb, default_cache, pool_bytes))
         engine = Engine(loaded.model, layout, pool, loaded.limits.max_running, loaded.max_context, aux_pool,
                         compile_decode=config.worker.compile_decode,
+                        pad_prefill=padding_wanted(config.worker.pad_prefill, mx.default_device().type == mx.DeviceType.gpu),
                         attention_streams=config.worker.attention_threads or default_streams(os.cpu_count()))
         # The pools' allocation and, on a GPU, the paged kernels' builds and start-up check.
         rope = "; the decode kernel rotates queries and keys (RoPE)" if engine.paths.rope else ""

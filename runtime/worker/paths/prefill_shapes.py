@@ -17,6 +17,11 @@ import mlx.core as mx
 import numpy as np
 
 
+def padding_wanted(setting: str, on_gpu: bool) -> bool:
+    """Whether prefill shapes are padded, from ``worker.pad_prefill`` ("auto": on a GPU)."""
+    return setting == "on" or (setting == "auto" and on_gpu)
+
+
 def prefill_length(n: int) -> int:
     """A padded prefill forward's token count for ``n`` real tokens: a multiple of 16 up to
     128, then of an eighth of the power of two below ``n`` (at most 12.5% padding). About 40
