@@ -26,7 +26,7 @@ from harness import InProcessService  # noqa: E402
 
 from runtime.bench.models import synthetic_model  # noqa: E402
 from runtime.config import parse_config  # noqa: E402
-from runtime.worker import engine, loader  # noqa: E402
+from runtime.worker import loader  # noqa: E402
 from runtime.worker.paths import attention_paths  # noqa: E402
 
 
@@ -60,11 +60,14 @@ def patched(obj, name: str, value):
         setattr(obj, name, old)
 
 
-def service_tokens(folder: Path, prompt: list[int], new: int, fuse: str, padded: bool = True) -> list[int]:
+def service_tokens(folder: Path, prompt: list[int], new: int, fuse: str, padded: str = "auto") -> list[int]:
+    """``padded``: "auto" (the device's default), "off" (``worker.pad_shapes = "off"``) or
+    "decode" (shapes padded, but prefill forwards at the prompt's own length)."""
     svc = InProcessService(folder, kv_slots=len(prompt) + new + 1024, max_running=1, max_context=len(prompt) + new + 16,
-                           max_step_tokens=2048, prefill_chunk=512, fuse=fuse)
-    if not padded:
-        svc.engine.max_padding = 0.0  # prefill forwards of the prompt's own length, as mlx-lm runs them
+                           max_step_tokens=2048, prefill_chunk=512, fuse=fuse,
+                           pad_shapes={"auto": None, "off": False, "decode": True}[padded])
+    if padded == "decode":
+        svc.engine.max_padding = 0.0
     req = svc.request("r0", prompt, new)
     svc.run({0: [req]})
     return list(req.output_ids)
@@ -115,12 +118,10 @@ def main() -> None:
     no_residuals = (loader, "fuse_residuals", lambda *a, **k: 0)
     no_offsets = (loader, "precompute_offsets", lambda *a, **k: 0)
     no_mask = (attention_paths, "decode_mask", lambda *a, **k: None)  # safe only inside the window
-    rows_compiled = (engine, "COMPILE_ROWS_ON_GPU", True)  # the row-cache decode step compiled on a GPU too
     variants = [
         ("service", "auto", []),
-        ("service, prefill unpadded", "auto", ["unpadded"]),
-        ("service, rows compiled", "auto", [rows_compiled]),
-        ("service, rows compiled, unpadded", "auto", [rows_compiled, "unpadded"]),
+        ("service, pad_shapes off", "auto", ["off"]),
+        ("service, prefill unpadded only", "auto", ["decode"]),
         ("service, projections apart", "off", []),
         ("service, no fused residual", "auto", [no_residuals]),
         ("service, no norm offsets", "auto", [no_offsets]),
@@ -130,10 +131,11 @@ def main() -> None:
     for name, fuse, patches in variants:
         t = time.perf_counter()
         with contextlib.ExitStack() as stack:
-            for obj, attr, value in (p for p in patches if p != "unpadded"):
+            for obj, attr, value in (p for p in patches if isinstance(p, tuple)):
                 stack.enter_context(patched(obj, attr, value))
+            padded = next((p for p in patches if isinstance(p, str)), "auto")
             try:
-                ours = service_tokens(folder, prompt, args.new, fuse, padded="unpadded" not in patches)
+                ours = service_tokens(folder, prompt, args.new, fuse, padded)
             except Exception as e:  # noqa: BLE001 - a diagnosis script reports and goes on
                 print(f"{name:28s} failed: {type(e).__name__}: {e}", flush=True)
                 continue

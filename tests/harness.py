@@ -34,7 +34,7 @@ class InProcessService:
         compile_decode: bool = True,
         attention_streams: int = 1,
         fuse: bool | str = False,
-        pad_prefill: bool | None = None,
+        pad_shapes: bool | None = None,
     ) -> None:
         from runtime.worker.engine import Engine
         from runtime.worker.loader import load
@@ -57,7 +57,7 @@ class InProcessService:
         self.pool, self.aux_pool = loaded.make_pools()
         self.engine = Engine(
             loaded.model, layout, self.pool, max_running, loaded.max_context, self.aux_pool, row_cache=row_cache,
-            compile_decode=compile_decode, attention_streams=attention_streams, pad_prefill=pad_prefill,
+            compile_decode=compile_decode, attention_streams=attention_streams, pad_shapes=pad_shapes,
         )
         self.tokenizer = Tokenizer(str(folder))
         limits = Limits(

@@ -42,7 +42,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"config key 'server.address' must start with ipc:// or tcp://, got {addr!r}")
     if config.worker.blas not in ("auto", "bundled"):
         raise ConfigError("config key 'worker.blas' must be 'auto' or 'bundled'")
-    for key in ("fuse_projections", "pad_prefill"):
+    for key in ("fuse_projections", "pad_shapes"):
         if getattr(config.worker, key) not in ("auto", "on", "off"):
             raise ConfigError(f"config key 'worker.{key}' must be 'auto', 'on' or 'off'")
     _validate_distributed(config)

@@ -123,13 +123,14 @@ class WorkerConfig:
     step is host-bound, for models whose decode step is compiled (attention layers only,
     ``compile_decode`` on); ``on``; ``off``.
 
-    ``pad_prefill``: round prefill forwards up to a few dozen shapes (query lengths, row counts,
-    key lengths; ``runtime/worker/paths/prefill_shapes.py``) so that their kernels, built on a
-    GPU at a shape's first use (50-90 ms each), recur. Padding changes the shapes of the
-    prefill's matrix products and attention, so on a GPU its rounding can differ from mlx-lm's
-    own in the last bits (as mlx-lm's own ``prefill_step_size`` does), enough to part greedy
-    tokens at near-ties. ``auto``: on a GPU; ``on``; ``off``: every forward at its own
-    length, as mlx-lm runs it.
+    ``pad_shapes``: round forwards up to a few dozen recurring shapes, so that the kernels a GPU
+    builds at a shape's first use (50-90 ms each) recur: prefill query lengths, row counts and
+    key lengths (``runtime/worker/paths/prefill_shapes.py``), and on a GPU the row-cache decode
+    step compiled over bucketed lengths. On a GPU, padded products and attention round
+    differently from mlx-lm's unpadded ones in the last bits (as mlx-lm's own
+    ``prefill_step_size`` does), enough to part greedy tokens at near-ties. ``auto``: on a GPU;
+    ``on``; ``off``: every forward at its own length, as mlx-lm runs it (on a GPU, mixed traffic
+    then pays a kernel build for most new prompts: an H100 served half the tokens, session 31).
 
     ``tensor_parallel``: worker ranks that share the model through mlx.distributed (each holds
     1/N of the heads and MLP columns; ``[distributed]`` says how they connect); 1 = one process.
@@ -144,7 +145,7 @@ class WorkerConfig:
     compile_decode: bool = True
     attention_threads: int = 0
     fuse_projections: str = "auto"
-    pad_prefill: str = "auto"
+    pad_shapes: str = "auto"
     tensor_parallel: int = 1
 
 

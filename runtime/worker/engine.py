@@ -50,9 +50,16 @@ KERNEL_ROPE = True
 # the decode rows only, ``OutputHead``), which pays where a step's fixed host cost dominates:
 # 38-47 ms for 1-512 prefill tokens against 13 ms for the decode alone (session 21's trace).
 FUSE_MAX_TOKENS = 512
-# The row-cache decode step compiled on a GPU too (sliding-window models on CUDA, Metal): off
-# until a GPU run shows it token-exact and faster (plan item ``rows-compiled``); the CPU's is on.
-COMPILE_ROWS_ON_GPU = False
+
+
+def row_step_compiled(on_cpu: bool, padded: bool) -> bool:
+    """Whether the row-cache decode step is compiled (``compile_decode`` on). Compiled, its
+    attention reads a bucketed length under a mask, so its shapes recur. The CPU's kernels give
+    the same bits either way; a GPU's round a padded length differently in the last bits, so
+    there it is compiled only where shapes are padded (``worker.pad_shapes``): Gemma 3 1B on an
+    H100 ran 1.20x mlx-lm compiled against 0.81x uncompiled, whose host builds a graph of every
+    layer each step (session 31)."""
+    return on_cpu or padded
 
 
 class Engine:
@@ -80,8 +87,13 @@ class Engine:
         row_cache: bool | None = None,
         compile_decode: bool = True,
         attention_streams: int = 1,
-        pad_prefill: bool | None = None,
+        pad_shapes: bool | None = None,
     ) -> None:
+        on_gpu = mx.default_device().type == mx.DeviceType.gpu
+        # Whether forwards are padded to recurring shapes (``worker.pad_shapes``; None: on a GPU,
+        # where a step costs its launch overhead more than its arithmetic and every new shape
+        # costs kernel builds; not on the CPU).
+        self.padded_shapes = on_gpu if pad_shapes is None else pad_shapes
         self.model = model
         self.layout = layout
         self.pool = pool
@@ -100,8 +112,7 @@ class Engine:
         compile_decode = compile_decode and layout.traceable
         self.compiled: CompiledDecode | None = None
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
-        # On a GPU only with COMPILE_ROWS_ON_GPU: not yet measured or checked token-exact there.
-        if (compile_decode and (on_cpu or COMPILE_ROWS_ON_GPU) and self.paths.row_cache is not None
+        if (compile_decode and row_step_compiled(on_cpu, self.padded_shapes) and self.paths.row_cache is not None
                 and CompiledDecode.supports(layout)):
             self.compiled = CompiledDecode.with_exact_folding(model, layout, self.paths.row_cache,
                                                               self.COMPILED_LENGTH_BUCKET, max_context, aux_pool,
@@ -120,12 +131,8 @@ class Engine:
         self.fuse_prefill = FUSE_PREFILL and self.compiled_paged is not None and layout.mask_rank == 4
         self.output_head = OutputHead(model)
         self.sampler = RowSampler(max_rows)
-        # Share of padding a batched prefill may carry, and whether prefill shapes are padded at
-        # all (``worker.pad_prefill``; None: on a GPU, where a step costs its launch overhead
-        # more than its arithmetic and every new shape costs kernel builds; not on the CPU).
-        if pad_prefill is None:
-            pad_prefill = mx.default_device().type == mx.DeviceType.gpu
-        self.max_padding = 0.25 if pad_prefill else 0.0
+        # Share of padding a batched prefill may carry (0: none, and prefill shapes unpadded).
+        self.max_padding = 0.25 if self.padded_shapes else 0.0
         self.prefill_shapes: set[tuple[int, int, int]] = set()  # (rows, queries, keys) of every prefill forward run
 
     def _caches(self, batch: ForwardBatch, aux: list | None = None) -> list:

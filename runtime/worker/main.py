@@ -126,7 +126,7 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         mx.set_cache_limit(buffer_cache_bytes(config.worker.buffer_cache_mb, default_cache, pool_bytes))
         engine = Engine(loaded.model, layout, pool, loaded.limits.max_running, loaded.max_context, aux_pool,
                         compile_decode=config.worker.compile_decode,
-                        pad_prefill=padding_wanted(config.worker.pad_prefill, mx.default_device().type == mx.DeviceType.gpu),
+                        pad_shapes=padding_wanted(config.worker.pad_shapes, mx.default_device().type == mx.DeviceType.gpu),
                         attention_streams=config.worker.attention_threads or default_streams(os.cpu_count()))
         # The pools' allocation and, on a GPU, the paged kernels' builds and start-up check.
         rope = "; the decode kernel rotates queries and keys (RoPE)" if engine.paths.rope else ""

@@ -38,7 +38,7 @@ for item in "$@"; do
     *@nographs) item=${item%@*}; tag=-nographs; export MLX_USE_CUDA_GRAPHS=0 ;;
     *@graphs) item=${item%@*}; tag=-graphs; export MLX_USE_CUDA_GRAPHS=1 ;;
   esac
-  tag=$tag${fuse_tag:-}${cubin_tag:-}${rows_tag:-}${pad_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
+  tag=$tag${fuse_tag:-}${cubin_tag:-}${pad_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
   case $item in
     kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
     gemv-ab) run "$item" 150 python3 scripts/gemv_ab.py ;;
@@ -60,12 +60,9 @@ for item in "$@"; do
     fuse-prefill)  # on this device copy only: the items after it run prefill and decode as one forward
       sed -i 's/^FUSE_PREFILL = False/FUSE_PREFILL = True/' runtime/worker/engine.py; fuse_tag=-fused
       echo "== fuse-prefill: $(grep -E '^FUSE_PREFILL =' runtime/worker/engine.py)" ;;
-    unpadded)  # on this device copy only: the items after it run prefill forwards at their own lengths (no padding)
-      sed -i 's/self.max_padding = 0.25 if/self.max_padding = 0.0 if/' runtime/worker/engine.py; pad_tag=-unpadded
-      echo "== unpadded: $(grep -E 'self.max_padding = ' runtime/worker/engine.py)" ;;
-    rows-compiled)  # on this device copy only: the items after it compile the row-cache decode step on the GPU
-      sed -i 's/^COMPILE_ROWS_ON_GPU = False/COMPILE_ROWS_ON_GPU = True/' runtime/worker/engine.py; rows_tag=-rows
-      echo "== rows-compiled: $(grep -E '^COMPILE_ROWS_ON_GPU =' runtime/worker/engine.py)" ;;
+    unpadded)  # on this device copy only: the items after it run with worker.pad_shapes = "off" (mlx-lm's shapes)
+      sed -i 's/self.padded_shapes = on_gpu if pad_shapes is None/self.padded_shapes = False if pad_shapes is None/' runtime/worker/engine.py; pad_tag=-unpadded
+      echo "== unpadded: $(grep -E 'self.padded_shapes = ' runtime/worker/engine.py)" ;;
     no-fuse-prefill)  # and back
       sed -i 's/^FUSE_PREFILL = True/FUSE_PREFILL = False/' runtime/worker/engine.py; fuse_tag=-apart
       echo "== no-fuse-prefill: $(grep -E '^FUSE_PREFILL =' runtime/worker/engine.py)" ;;

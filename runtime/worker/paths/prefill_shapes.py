@@ -18,7 +18,7 @@ import numpy as np
 
 
 def padding_wanted(setting: str, on_gpu: bool) -> bool:
-    """Whether prefill shapes are padded, from ``worker.pad_prefill`` ("auto": on a GPU)."""
+    """Whether forwards are padded to recurring shapes, from ``worker.pad_shapes`` ("auto": on a GPU)."""
     return setting == "on" or (setting == "auto" and on_gpu)
 
 
