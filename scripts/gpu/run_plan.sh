@@ -111,6 +111,7 @@ for item in "$@"; do
                   python3 scripts/kernel_bench.py --rows 1 --context 32768 --no-trace --calls 2 ;;
     imports) run "$item" 60 bash -c "python3 -X importtime -c 'import mlx.core, runtime.worker.loader, runtime.worker.engine' 2>&1 | sort -t'|' -k2 -n | tail -30; python3 -c 'import sys, time; t = time.perf_counter(); import mlx.core; a = time.perf_counter(); import runtime.worker.loader; print(\"mlx.core %.2f s, loader %.2f s, torch imported: %s\" % (a - t, time.perf_counter() - a, \"torch\" in sys.modules))'" ;;
     1b-paired) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads paired --pairs 5 --json "$OUT/$item$tag.json" ;;
+    1b-paired-short) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads paired --pairs 5 --prompt-len 128 --gen-len 100 --json "$OUT/$item$tag.json" ;;
     1b-paired-trace) RUNTIME_WORKER_TRACE="$OUT/1b-paired-worker-trace$tag" run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads paired --pairs 3 --json "$OUT/$item$tag.json" ;;
     profile-8b-64) run "$item" 200 python3 scripts/profile_decode.py --shape llama-8b --batch 32,64 --context 1024 --steps 64 --modes mlx,engine,engine-overlap ;;
     profile-1b-1) run "$item" 150 python3 scripts/profile_decode.py --shape llama-1b --batch 1 --context 256 --steps 128 --modes mlx,engine-fused,engine-overlap --kernels ;;
@@ -141,7 +142,7 @@ for item in "$@"; do
     pytest-residual) run "$item" 200 python3 -m pytest -q tests/test_fused_residual.py tests/test_service_exact.py ;;
     pytest-shapes)  # attention layers of several shapes, KV-shared layers (Gemma 4, Gemma 3n): token-exact on CUDA too
       run "$item" 400 python3 -m pytest -q tests/test_layer_shapes_exact.py tests/test_kv_read_back.py tests/test_kv_shared_paths.py ;;
-    *) echo "== $item: unknown (unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
+    *) echo "== $item: unknown (1b-paired-short unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then
