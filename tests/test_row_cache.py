@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import mlx.core as mx
 import pytest
 from harness import InProcessService
 from model_factory import reference_greedy
@@ -108,4 +109,30 @@ def test_scattered_rows_run_as_padded_compact_batches_exactly(model_dir, monkeyp
     svc.run({0: reqs, 6: late})
     assert any(len(rows) < padded for rows, padded in padded_calls), padded_calls
     for r in reqs + late:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+@pytest.mark.parametrize("failing", ["trace", "forward"])
+def test_a_compiled_step_that_fails_at_start_up_leaves_decode_uncompiled(model_dir, monkeypatch, capsys, failing):
+    """A device on which MLX cannot compile or run the row-cache decode step (tracing it, or its
+    first real run) starts serving uncompiled, with the reason on stderr, and stays exact."""
+    folder = model_dir("llama")
+    svc = InProcessService(folder, max_running=4)
+    assert svc.engine.compiled is not None
+
+    def fail(self, *args, **kwargs):
+        if failing == "forward":  # a run that fails after writing its outputs into the row cache
+            c = self.row_cache
+            c.keys[:] = [mx.full(k.shape, float("nan"), dtype=k.dtype) for k in c.keys]
+        raise RuntimeError("no kernel for this step")
+
+    monkeypatch.setattr(cd.CompiledDecode, failing, fail)
+    warm_decode(svc.engine)
+    assert svc.engine.compiled is None
+    assert "the compiled decode step failed at start-up (no kernel for this step)" in capsys.readouterr().err
+    assert not any(mx.isnan(k).any().item() for k in svc.engine.paths.row_cache.keys)
+    rng = random.Random(4)
+    reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(6 + 5 * i)], 7) for i in range(3)]
+    svc.run({0: reqs[:1], 2: reqs[1:]})
+    for r in reqs:
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid

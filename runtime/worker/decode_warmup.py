@@ -8,6 +8,7 @@ The prefill shapes have their own warm-up (``paths/prefill_warmup.py``).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -37,8 +38,19 @@ def warm_decode(engine: Engine, progress: Callable[[str], None] | None = None) -
         return count
 
     variants = stage("decode kernel variants", engine.paths.warm_up(engine.LENGTH_BUCKET))
+    ran = False
     if engine.compiled is not None:
-        variants += stage("one-row decode traces", engine.compiled.trace(1))
+        try:
+            variants += stage("one-row decode traces", engine.compiled.trace(1))
+            _run_request(engine)  # the compiled step's first real run
+            ran = True
+        except Exception as exc:  # noqa: BLE001 - a step MLX cannot compile on this device: serve uncompiled
+            print(f"runtime worker: the compiled decode step failed at start-up ({str(exc)[:200]}); "
+                  "decode runs uncompiled", file=sys.stderr, flush=True)
+            engine.compiled = None
+            engine.reset_chain()
+            if engine.paths.row_cache is not None:
+                engine.paths.row_cache.zero()
     if engine.compiled_paged is not None:
         assert engine.paths.device_table is not None
         lengths = bucket_lengths(engine.LENGTH_BUCKET, engine.max_context)
@@ -51,10 +63,17 @@ def warm_decode(engine: Engine, progress: Callable[[str], None] | None = None) -
         classes = row_classes(engine.paths.max_rows, smallest=2)
         variants += stage(f"first decode steps of {len(classes)} row classes",
                           engine.compiled_paged.warm_rows(classes, engine.paths.device_table, launches, ROW_WARM_S))
+    if not ran:
+        _run_request(engine)
+    return variants
+
+
+def _run_request(engine: Engine) -> None:
+    """One short request (prefill, chained decode, a decode-tail flush) on row 0 and low slots."""
     steps = (engine.paths.tail.capacity_for(1) if engine.paths.tail is not None else 0) + 2  # through a flush
     n = min(64, engine.max_context - steps, engine.pool.num_slots - 1 - steps)
     if engine.aux_pool is not None or n < 1:
-        return variants  # a hybrid model's aux slots belong to the scheduler
+        return  # a hybrid model's aux slots belong to the scheduler
     slots = list(range(1, n + steps + 1))
     prefill = PrefillChunk(row=0, start=0, token_ids=[0] * n, slot_ids=slots[:n])
     engine.finalize(engine.launch(Step(step_id=0, prefills=[prefill], decode=None)))
@@ -65,4 +84,3 @@ def warm_decode(engine: Engine, progress: Callable[[str], None] | None = None) -
     engine.paths.flush()
     mx.eval(engine.state_arrays())
     engine.reset_chain()
-    return variants

@@ -43,6 +43,13 @@ class RowCache:
         self.heads = [by_count[s.n_kv_heads] for s in shapes]
         mx.eval(self.keys, self.values, self.heads)
 
+    def zero(self) -> None:
+        """Fresh zeroed arrays, in the same lists (a failed step may have left its outputs here;
+        the pool, the source of truth, refills rows as requests are admitted)."""
+        self.keys[:] = [mx.zeros(k.shape, dtype=k.dtype) for k in self.keys]
+        self.values[:] = [mx.zeros(v.shape, dtype=v.dtype) for v in self.values]
+        mx.eval(self.keys, self.values)
+
     @staticmethod
     def nbytes_for(num_layers: int, rows: int, max_context: int, shape: AttentionShape | Sequence[AttentionShape],
                    dtype: mx.Dtype) -> int:
