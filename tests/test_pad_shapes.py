@@ -21,10 +21,12 @@ def test_setting_values():
     assert padding_wanted("on", on_gpu=False) and not padding_wanted("off", on_gpu=True)
 
 
-def test_row_step_compiled_on_a_gpu_only_where_shapes_are_padded():
-    assert row_step_compiled(on_cpu=True, padded=False) and row_step_compiled(on_cpu=True, padded=True)
-    assert row_step_compiled(on_cpu=False, padded=True)
-    assert not row_step_compiled(on_cpu=False, padded=False)  # a GPU told to keep mlx-lm's shapes
+def test_row_step_compiled_on_cuda_only_where_shapes_are_padded():
+    assert row_step_compiled(on_cpu=True, padded=False, cuda=False)
+    assert row_step_compiled(on_cpu=True, padded=True, cuda=True)  # a CUDA build's CPU stream
+    assert row_step_compiled(on_cpu=False, padded=True, cuda=True)
+    assert not row_step_compiled(on_cpu=False, padded=False, cuda=True)  # told to keep mlx-lm's shapes
+    assert not row_step_compiled(on_cpu=False, padded=True, cuda=False)  # Metal: not measured there
 
 
 @pytest.mark.parametrize("pad", [True, False])

@@ -103,7 +103,8 @@ class WorkerConfig:
     ``Engine.overlap_submit``) and read back first without it.
 
     ``compile_decode``: run each decode step as one ``mx.compile``d function per batch shape:
-    on the CPU (``runtime/worker/paths/rows/compiled_decode.py``) and on the CUDA kernel path
+    on the CPU and, where shapes are padded (``pad_shapes``), a CUDA GPU's row-cache path
+    (``runtime/worker/paths/rows/compiled_decode.py``), and on the CUDA kernel path
     (``compiled_paged.py``). Not used on Metal yet (not measured or checked token-exact there).
     At most 256 step shapes stay compiled per path (``TraceCache``, least recently used
     dropped): a trace costs about 0.1 MiB of host memory per layer.

@@ -52,14 +52,14 @@ KERNEL_ROPE = True
 FUSE_MAX_TOKENS = 512
 
 
-def row_step_compiled(on_cpu: bool, padded: bool) -> bool:
+def row_step_compiled(on_cpu: bool, padded: bool, cuda: bool) -> bool:
     """Whether the row-cache decode step is compiled (``compile_decode`` on). Compiled, its
     attention reads a bucketed length under a mask, so its shapes recur. The CPU's kernels give
-    the same bits either way; a GPU's round a padded length differently in the last bits, so
-    there it is compiled only where shapes are padded (``worker.pad_shapes``): Gemma 3 1B on an
-    H100 ran 1.20x mlx-lm compiled against 0.81x uncompiled, whose host builds a graph of every
-    layer each step (session 31)."""
-    return on_cpu or padded
+    the same bits either way. A CUDA GPU's round a padded length differently in the last bits,
+    so there it is compiled only where shapes are padded (``worker.pad_shapes``): Gemma 3 1B on
+    an H100 ran 1.20x mlx-lm compiled against 0.81x uncompiled, whose host builds a graph of
+    every layer each step (session 31). Not on Metal: never measured or checked there."""
+    return on_cpu or (cuda and padded)
 
 
 class Engine:
@@ -112,7 +112,7 @@ class Engine:
         compile_decode = compile_decode and layout.traceable
         self.compiled: CompiledDecode | None = None
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
-        if (compile_decode and row_step_compiled(on_cpu, self.padded_shapes) and self.paths.row_cache is not None
+        if (compile_decode and row_step_compiled(on_cpu, self.padded_shapes, mx.cuda.is_available()) and self.paths.row_cache is not None
                 and CompiledDecode.supports(layout)):
             self.compiled = CompiledDecode.with_exact_folding(model, layout, self.paths.row_cache,
                                                               self.COMPILED_LENGTH_BUCKET, max_context, aux_pool,
