@@ -8,7 +8,7 @@ from runtime.config import parse_config
 from runtime.scheduler.admission import Limits as SchedLimits
 from runtime.scheduler.core import Scheduler
 from runtime.scheduler.request import Request, SamplingParams
-from runtime.worker.defaults import GIB, Device, choose
+from runtime.worker.defaults import GIB, ROW_CACHE_BYTES, Device, choose
 
 KIB = 1024
 
@@ -18,11 +18,27 @@ def _config(**scheduler) -> object:
 
 
 def test_cpu_defaults_keep_the_row_cache_sized_context():
-    lim = choose(_config(), Device("cpu", 24 * GIB), model_context=32768, bytes_per_slot=8 * KIB)
+    lim = choose(_config(), Device("cpu", 24 * GIB), model_context=32768, bytes_per_slot=2 * KIB)
     assert (lim.max_running, lim.max_step_tokens, lim.prefill_chunk, lim.max_context) == (64, 512, 256, 4096)
-    assert lim.num_slots == 64 * 4096 + 1  # the pool budget (6 GiB / 8 KiB) is larger than that
+    assert lim.num_slots == 64 * 4096 + 1  # the pool budget (6 GiB / 2 KiB) is larger than that
     assert set(lim.auto) == {"max_running", "max_step_tokens", "prefill_chunk", "max_context", "num_slots"}
     assert "max_running 64 (auto)" in lim.describe()
+
+
+def test_cpu_runs_as_many_rows_as_the_row_cache_holds():
+    """The row cache holds every running row's whole context (and a scratch position) in
+    ``ROW_CACHE_BYTES``; past that decode would gather from the pool, uncompiled."""
+    for per_slot, rows in ((8 * KIB, 63), (12 * KIB, 42), (32 * KIB, 15), (128 * KIB, 3), (4 * 2**20, 1)):
+        lim = choose(_config(), Device("cpu", 24 * GIB), model_context=32768, bytes_per_slot=per_slot)
+        assert lim.max_running == rows, per_slot
+        assert lim.max_running * (lim.max_context + 1) * per_slot <= ROW_CACHE_BYTES or rows == 1
+    short = choose(_config(), Device("cpu", 24 * GIB), model_context=1024, bytes_per_slot=16 * KIB)
+    assert short.max_running == 64  # a short context leaves room for every row
+    configured = choose(_config(max_running=64), Device("cpu", 24 * GIB), model_context=32768,
+                        bytes_per_slot=32 * KIB)
+    assert configured.max_running == 64  # the config's choice stands
+    gpu = choose(_config(), Device("cuda", 80 * GIB), model_context=32768, bytes_per_slot=32 * KIB)
+    assert gpu.max_running == 256  # a GPU's rows do not follow the row cache
 
 
 def test_large_gpu_gets_big_steps_many_rows_and_the_models_context():

@@ -7,9 +7,13 @@ A user who sets nothing gets the configuration measured fastest on their device:
   as the device's memory suggests (256 from 64 GiB, 128 from 24 GiB, else 64).
   ``max_context`` is the model's own context (``max_position_embeddings``), bounded by
   what the KV pool holds.
-- **CPU**: compute-bound steps; ``max_step_tokens`` 512, ``prefill_chunk`` 256, 64 rows,
-  and ``max_context`` at most 4096, so the compiled decode step's row cache (every running
-  row's whole context, laid out as mlx-lm's cache) still fits.
+- **CPU**: compute-bound steps; ``max_step_tokens`` 512, ``prefill_chunk`` 256, and
+  ``max_context`` at most 4096. The CPU decodes from a dense copy of every running row's
+  whole context (the row cache, laid out as mlx-lm's cache, which the compiled decode step
+  reads), at most ``ROW_CACHE_BYTES``; without it decode gathers K/V from the pool each step,
+  uncompiled. So the CPU runs 64 rows, or as many as that copy holds at this context: a Gemma
+  3 of 12 KiB of K/V a token ran its first request at 1.55x ``generate_step`` with 42 rows and
+  the copy, 0.90x with 64 rows and none (session 31).
 
 The KV pool (``cache.kv_slots`` 0) is ``kv_memory_fraction`` of memory, capped by
 ``max_running * max_context`` and, where the device says how much is free once the weights are
@@ -27,6 +31,7 @@ from runtime.config import Config
 
 CPU_MAX_CONTEXT = 4096
 GIB = 2**30
+ROW_CACHE_BYTES = 2 * GIB  # the dense decode copy of every running row's context (paths/rows/row_cache.py), at most
 FREE_RESERVE = 0.15  # of the device's memory, kept free of the pool: activations, the buffer cache
 
 
@@ -63,10 +68,11 @@ class Limits:
                                             "num_slots"))
 
 
-def device_rows(device: Device) -> int:
-    """Running rows for a GPU of this much memory; 64 on a CPU."""
+def device_rows(device: Device, context: int = 0, bytes_per_slot: int = 0) -> int:
+    """Running rows for a GPU of this much memory; on a CPU 64, or as many as the row cache
+    holds at ``context`` positions of ``bytes_per_slot`` (one more each: its scratch position)."""
     if not device.gpu:
-        return 64
+        return max(1, min(64, ROW_CACHE_BYTES // max((context + 1) * bytes_per_slot, 1)))
     if device.memory_bytes >= 64 * GIB:
         return 256
     return 128 if device.memory_bytes >= 24 * GIB else 64
@@ -87,10 +93,10 @@ def choose(config: Config, device: Device, model_context: int, bytes_per_slot: i
         auto.append(key)
         return default
 
-    max_running = pick("max_running", s.max_running, device_rows(device))
+    wanted_context = s.max_context or (model_context if device.gpu else min(model_context, CPU_MAX_CONTEXT))
+    max_running = pick("max_running", s.max_running, device_rows(device, wanted_context, bytes_per_slot))
     max_step_tokens = pick("max_step_tokens", s.max_step_tokens, 2048 if device.gpu else 512)
     prefill_chunk = pick("prefill_chunk", s.prefill_chunk, 512 if device.gpu else 256)
-    wanted_context = s.max_context or (model_context if device.gpu else min(model_context, CPU_MAX_CONTEXT))
     num_slots = c.kv_slots
     if not num_slots:
         auto.append("num_slots")

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from runtime.worker.defaults import ROW_CACHE_BYTES
 from runtime.worker.model.discovery import AttentionShape
 from runtime.worker.pools.kv_pool import KVPool, layer_shapes
 
-MAX_BYTES = 2 * 2**30
+MAX_BYTES = ROW_CACHE_BYTES  # larger, and decode gathers from the pool instead (the CPU's default rows fit)
 
 
 class RowCache:
