@@ -8,7 +8,7 @@ from harness import InProcessService
 from model_factory import make_model, reference_greedy
 
 from runtime.config import ConfigError, parse_config
-from runtime.worker.engine import row_step_compiled
+from runtime.worker.paths.rows.compiled_decode import row_step_compiled
 from runtime.worker.paths.prefill_shapes import padding_wanted, prefill_length
 
 

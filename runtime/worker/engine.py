@@ -30,7 +30,7 @@ from runtime.worker.paths.prefill_shapes import (
     padded_rows,
     prefill_length,
 )
-from runtime.worker.paths.rows.compiled_decode import CompiledDecode
+from runtime.worker.paths.rows.compiled_decode import CompiledDecode, row_step_compiled
 from runtime.worker.pools.aux_pool import AuxPool
 from runtime.worker.pools.kv_pool import KVPool
 from runtime.worker.prompt_logprobs import prompt_logprobs, read_prompt_logprobs
@@ -50,16 +50,6 @@ KERNEL_ROPE = True
 # the decode rows only, ``OutputHead``), which pays where a step's fixed host cost dominates:
 # 38-47 ms for 1-512 prefill tokens against 13 ms for the decode alone (session 21's trace).
 FUSE_MAX_TOKENS = 512
-
-
-def row_step_compiled(on_cpu: bool, padded: bool, cuda: bool) -> bool:
-    """Whether the row-cache decode step is compiled (``compile_decode`` on). Compiled, its
-    attention reads a bucketed length under a mask, so its shapes recur. The CPU's kernels give
-    the same bits either way. A CUDA GPU's round a padded length differently in the last bits,
-    so there it is compiled only where shapes are padded (``worker.pad_shapes``): Gemma 3 1B on
-    an H100 ran 1.20x mlx-lm compiled against 0.81x uncompiled, whose host builds a graph of
-    every layer each step (session 31). Not on Metal: never measured or checked there."""
-    return on_cpu or (cuda and padded)
 
 
 class Engine:
