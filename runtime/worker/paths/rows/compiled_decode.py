@@ -1,6 +1,7 @@
 """Row-cache decode as one compiled MLX function (``mx.compile``), per batch shape.
 
-A decode step of the row-cache path (the CPU's) is host-bound for small models: Python builds
+A decode step of the row-cache path (the CPU's, and a CUDA GPU's for models the paged kernel
+does not take, see ``row_step_compiled``) is host-bound for small models: Python builds
 a graph of a few hundred small operations every step, and MLX's CPU stream runs only about a
 hundred operations ahead of the host, so any host work between steps (the socket, the next
 plan) leaves the device idle. Compiled, the model forward is traced once per shape: each step

@@ -1,6 +1,8 @@
 """A dense K/V copy per request row, so decode attention reads contiguous memory.
 
-Used where the paged decode kernel is not available (the CPU): there, gathering every
+Used where the paged decode kernel is not available (the CPU; on a GPU, models the kernel
+does not take) and the copy fits in ``MAX_BYTES`` (the CPU's default rows are chosen so that
+it does, ``defaults.device_rows``): there, gathering every
 row's K/V out of the pool each step and making it contiguous costs as much as the rest of
 the step. The pool stays the source of truth for the prefix cache (prefill writes it, and
 decode K/V are copied there before anything reads it, see ``AttentionPaths``); the row cache
