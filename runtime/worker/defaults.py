@@ -12,7 +12,7 @@ A user who sets nothing gets the configuration measured fastest on their device:
   whole context (the row cache, laid out as mlx-lm's cache, which the compiled decode step
   reads), at most ``ROW_CACHE_BYTES``; without it decode gathers K/V from the pool each step,
   uncompiled. So the CPU runs 64 rows, or as many as that copy holds at this context: a Gemma
-  3 of 12 KiB of K/V a token ran its first request at 1.55x ``generate_step`` with 42 rows and
+  3 of 12 KiB of K/V a token ran its first request at 1.38x ``generate_step`` with 42 rows and
   the copy, 0.90x with 64 rows and none (session 31).
 
 The KV pool (``cache.kv_slots`` 0) is ``kv_memory_fraction`` of memory, capped by

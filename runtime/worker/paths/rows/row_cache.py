@@ -21,7 +21,7 @@ from runtime.worker.defaults import ROW_CACHE_BYTES
 from runtime.worker.model.discovery import AttentionShape
 from runtime.worker.pools.kv_pool import KVPool, layer_shapes
 
-MAX_BYTES = ROW_CACHE_BYTES  # larger, and decode gathers from the pool instead (the CPU's default rows fit)
+MAX_BYTES = ROW_CACHE_BYTES  # a larger copy is not made: decode gathers from the pool instead
 
 
 class RowCache:
