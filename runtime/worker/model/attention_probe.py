@@ -38,7 +38,8 @@ class ProbedAttention:
     the stored K/V's geometry; ``dtype``: their dtype; ``query_heads``: the queries' head count
     where the module's attention call was seen, else None; ``defines_call``: the module's
     Python module has a ``scaled_dot_product_attention`` that ``attention_patch`` would
-    replace; ``routed``: the module calls it with the probe cache and the K/V it fetched.
+    replace; ``routed``: the module calls it with the probe cache and the K/V it fetched, and
+    no attention sinks (so the paged decode can answer the call).
     """
 
     width: int
@@ -77,7 +78,7 @@ def _recorded_attention(py_module: object, calls: list[tuple]) -> Iterator[bool]
 
     def recording(queries, keys, values, *args, **kwargs):
         cache = kwargs.get("cache", args[0] if args else None)
-        calls.append((queries, keys, values, cache))
+        calls.append((queries, keys, values, cache, kwargs.get("sinks")))
         return original(queries, keys, values, *args, **kwargs)
 
     setattr(py_module, "scaled_dot_product_attention", recording)
@@ -184,7 +185,8 @@ def probe_attention(module: nn.Module, dtype: mx.Dtype = mx.float32) -> ProbedAt
         if values.shape[:3] != keys.shape[:3]:
             continue
         ours = [c for c in calls if c[3] is cache]
-        routed = len(ours) == 1 and ours[0][1] is keys and ours[0][2] is values
+        # Attention sinks (gpt-oss) are a softmax term the paged kernel has not.
+        routed = len(ours) == 1 and ours[0][1] is keys and ours[0][2] is values and ours[0][4] is None
         return ProbedAttention(
             width=width, kv_heads=keys.shape[1], head_dim=keys.shape[3], value_dim=values.shape[3],
             dtype=keys.dtype, query_heads=ours[0][0].shape[1] if ours else None,

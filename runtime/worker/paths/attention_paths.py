@@ -22,7 +22,7 @@ from runtime.worker.model import attention_patch
 from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.model.kernel_rope import RopeSpec, defer_rope
 from runtime.worker.paths.cuda.cubin_kernels import prefetching
-from runtime.worker.paths.cuda.decode_tail import DecodeTail
+from runtime.worker.paths.cuda.decode_tail import DecodeTail, tail_capacity
 from runtime.worker.paths.cuda.kernel_check import check_kernel_rope, check_paged_kernel
 from runtime.worker.paths.cuda.kernel_launch import launch_shape
 from runtime.worker.paths.decode_plan import DecodePlan, row_bucket
@@ -45,11 +45,13 @@ class AttentionPaths:
     module attends through it to the K/V its cache returned (``layout.routed``), no layer
     attends to K/V another layer's cache returned (``layout.shares_kv``: handed through the
     forward, such a call reaches no cache; read back with ``keys_and_values()``, it would get the
-    step's new K/V alone, all a paged view's ``update_and_fetch`` returns), no layer has a sliding
-    window, and every layer has one shape (``layout.kv_shape``) with keys and values of one
-    width. Every other model (latent or windowed attention, layers of several shapes, the
-    KV-shared layers of Gemma 4 and Gemma 3n) takes the row cache, whose layers each have their
-    own shape, or the pool gather.
+    step's new K/V alone, all a paged view's ``update_and_fetch`` returns), every sliding window
+    holds the decode tail (the kernel reads a window through a narrowed table, ``window_view``;
+    the gathered fallback has no window, so windowed models take it only as the pool views'
+    masked gather), and every layer has one shape (``layout.kv_shape``) with keys and values of
+    one width. Every other model (latent attention, layers of several shapes, the KV-shared
+    layers of Gemma 4 and Gemma 3n, attention sinks) takes the row cache, whose layers each have
+    their own shape, or the pool gather.
 
     ``row_cache``: None picks the row cache where the kernel does not apply and it fits in
     ``MAX_BYTES``; True forces it, False forbids it. ``hybrid`` models keep writing the
@@ -74,7 +76,10 @@ class AttentionPaths:
         routed = bool(layout.attention_layers) and attention_patch.install(model, layout.attn_attr)
         self.windowed = layout.windowed
         shape = layout.kv_shape
-        paged = (routed and layout.routed and not layout.shares_kv and not self.windowed and shape is not None
+        # A sliding window the decode tail fits in: the kernel reads each row's last W positions
+        # through a narrowed table (``window_view``), the tail being always the newest of them.
+        windows_fit = all(w is None or w >= tail_capacity(TAIL_STEPS) for w in layout.windows)
+        paged = (routed and layout.routed and not layout.shares_kv and windows_fit and shape is not None
                  and shape.same_widths)
         self.attention = PagedAttention(PagedAttention.kernel_available()) if paged else None
         kernel = self.attention is not None and shape is not None and self.attention.supports(shape.head_dim)
@@ -82,6 +87,8 @@ class AttentionPaths:
             print(f"runtime worker: the paged attention kernel failed its start-up check ({problem}); "
                   "decode attends through gathered K/V instead", file=sys.stderr, flush=True)
             self.attention, kernel = PagedAttention(False), False
+        if self.windowed and not kernel:
+            self.attention = None  # the gathered fallback would not window: the pool views' masks do
         self.row_cache: RowCache | None = None
         if (not kernel if row_cache is None else row_cache) and layout.attention_layers:
             n_layers = len(layout.attention_layers)
@@ -194,7 +201,9 @@ class AttentionPaths:
         gather, mask = None, None
         if start and self.row_cache is None:
             # Past position 0 a chunk attends to its prefix (the row cache has it in place).
-            keys = key_length(start, length, self.max_context) if pad_keys and self.attention is not None else 0
+            # (Not under a sliding window: its prefill mask is built for unpadded keys.)
+            padded = pad_keys and self.attention is not None and not self.windowed
+            keys = key_length(start, length, self.max_context) if padded else 0
             pad = max(keys - start - length, 0)
             index = np.zeros((rows, pad + start + length), dtype=np.int32)
             index[: len(group), pad:] = self.slot_table[[c.row for c in group], : start + length]

@@ -8,6 +8,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from runtime.worker.paths.cuda.decode_tail import DecodeTail
+from runtime.worker.paths.cuda.window_view import window_view
 from runtime.worker.paths.paged_attention import PagedAttention
 from runtime.worker.paths.rows.row_cache import RowSpan
 from runtime.worker.pools.kv_pool import KVPool
@@ -69,6 +70,7 @@ class ForwardBatch:
     rows: RowSpan | None = None
     launch: tuple[int, int] | None = None
     window_masks: dict[int, mx.array] = field(default_factory=dict)
+    window_views: dict[int, tuple[mx.array, mx.array, mx.array]] = field(default_factory=dict)
 
     def window_mask(self, window: int) -> mx.array:
         """The decode mask of a layer with a sliding window (built once per window and forward)."""
@@ -76,6 +78,16 @@ class ForwardBatch:
         if window not in self.window_masks:
             self.window_masks[window] = window_decode_mask(self.mask, self.offset, window)
         return self.window_masks[window]
+
+    def kernel_view(self, window: int | None) -> tuple[mx.array, mx.array, mx.array]:
+        """The kernel's (table, table rows, lengths) for a layer of this ``window`` (None: all
+        positions; see ``window_view``), built once per window and forward."""
+        assert self.table is not None and self.table_rows is not None and self.lengths is not None
+        if window is None:
+            return self.table, self.table_rows, self.lengths
+        if window not in self.window_views:
+            self.window_views[window] = window_view(self.table, self.table_rows, self.lengths, window)
+        return self.window_views[window]
 
 
 class CacheStandIn:
@@ -167,8 +179,9 @@ class PoolLayerCache(CacheStandIn):
             b_rows, n_kv, _, head_dim = self.new[0].shape
             keys, values = tail.old(b_rows, n_kv, head_dim, self.new[0].dtype)
             old_k, old_v = keys[layer], values[layer]
+        table, table_rows, lengths = b.kernel_view(self.window)
         out, keys, values = b.attention.attend_appending(
-            queries, self.pool.keys[layer], self.pool.values[layer], b.table, b.table_rows, b.lengths, old_k, old_v,
+            queries, self.pool.keys[layer], self.pool.values[layer], table, table_rows, lengths, old_k, old_v,
             b.tail_len, *self.new, scale, b.launch)
         if tail is not None:
             tail.set(layer, keys, values)
@@ -177,6 +190,8 @@ class PoolLayerCache(CacheStandIn):
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
         # A RotatingKVCache windows its mask by its own size when the model names no window.
         window = narrower(window_size, self.window)
+        if self.paged:
+            return None  # the kernel takes each row's length (and a window's narrowed table)
         if self.batch.mask is not None:
             return self.batch.mask if window is None else self.batch.window_mask(window)
         offset = self.batch.offset

@@ -25,6 +25,7 @@ import mlx.nn as nn
 from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.model.kernel_rope import DeferredOffset, RopeSpec
 from runtime.worker.paths.cuda.decode_tail import DecodeTail
+from runtime.worker.paths.cuda.window_view import window_view
 from runtime.worker.paths.paged_attention import PagedAttention
 from runtime.worker.paths.pool_cache import CacheStandIn, ForwardBatch
 from runtime.worker.paths.trace_cache import MAX_TRACES, TraceCache
@@ -45,6 +46,16 @@ class _Step:
         n = len(pool_keys)
         self.new_keys: list[mx.array | None] = [None] * n
         self.new_values: list[mx.array | None] = [None] * n
+        self.window_views: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
+
+    def kernel_view(self, window: int | None) -> tuple[mx.array, mx.array, mx.array]:
+        """The kernel's (table, table rows, lengths) for a layer of this sliding ``window`` (None:
+        every position), built once per window and trace (``window_view``)."""
+        if window is None:
+            return self.table, self.table_rows, self.lengths
+        if window not in self.window_views:
+            self.window_views[window] = window_view(self.table, self.table_rows, self.lengths, window)
+        return self.window_views[window]
 
 
 class _TailView(CacheStandIn):
@@ -52,8 +63,8 @@ class _TailView(CacheStandIn):
 
     paged = True  # the attention dispatcher sends the layer's attention call to paged_attend
 
-    def __init__(self, kv_layer: int, step: _Step) -> None:
-        self.kv_layer, self.step = kv_layer, step
+    def __init__(self, kv_layer: int, step: _Step, window: int | None = None) -> None:
+        self.kv_layer, self.step, self.window = kv_layer, step, window
         self.new: tuple[mx.array, mx.array] | None = None  # this step's K/V
         # The kernel rotates: the layer's rotary module sees this and leaves its input as it is.
         rotates = step.rope is not None and step.rope[kv_layer] is not None
@@ -77,8 +88,9 @@ class _TailView(CacheStandIn):
                                    "step whose kernel rotates (2 expected: queries and keys)")
             rope = (s.rope[i], s.positions)  # else the layer rotated nothing: no RoPE in it
             assert rope[0] is not None
+        table, table_rows, lengths = s.kernel_view(self.window)
         out, s.new_keys[i], s.new_values[i] = s.attention.attend_appending(
-            queries, s.pool_keys[i], s.pool_values[i], s.table, s.table_rows, s.lengths, s.tail_keys[i],
+            queries, s.pool_keys[i], s.pool_values[i], table, table_rows, lengths, s.tail_keys[i],
             s.tail_values[i], s.tail_len, *self.new, scale, s.launch, rope)
         return out
 
@@ -98,6 +110,7 @@ class CompiledPagedDecode:
                  tail: DecodeTail, rope: tuple[RopeSpec | None, ...] | None = None) -> None:
         assert all(i >= 0 for i in layout.kv_index), "compiled decode needs every layer to be attention"
         self.model, self.kv_index, self.rope = model, list(layout.kv_index), rope
+        self.windows = [layout.window(entry) for entry in range(len(self.kv_index))]  # every entry is attention
         self.pool, self.attention, self.tail = pool, attention, tail
         self.traces = TraceCache(self._forward, MAX_TRACES)
 
@@ -107,8 +120,8 @@ class CompiledPagedDecode:
                  launch: tuple[int, int]):
         step = _Step(self.attention, positions, lengths, table, table_rows, pool_keys, pool_values, tail_keys,
                      tail_values, tail_len, launch, self.rope)
-        views = [_TailView(i, step) for i in range(len(pool_keys))]
-        logits = self.model(tokens[:, None], cache=[views[i] for i in self.kv_index])[:, -1, :]
+        views = [_TailView(i, step, self.windows[entry]) for entry, i in enumerate(self.kv_index)]
+        logits = self.model(tokens[:, None], cache=views)[:, -1, :]
         return logits, step.new_keys, step.new_values
 
     def forward(self, tokens: mx.array, batch: ForwardBatch) -> mx.array:

@@ -38,6 +38,11 @@ TAIL_POSITIONS = 512
 FEW_ROWS_FACTOR = 4
 
 
+def tail_capacity(max_steps: int, rows: int = 1) -> int:
+    """Positions a tail of ``rows`` rows holds at most (the most at one row)."""
+    return max(max_steps, min(FEW_ROWS_FACTOR * max_steps, TAIL_POSITIONS // max(rows, 1)))
+
+
 class DecodeTail:
     """Per-layer (B, n_kv_heads, capacity_for(B), head_dim) K/V of the current decode batch."""
 
@@ -50,7 +55,7 @@ class DecodeTail:
 
     def capacity_for(self, rows: int) -> int:
         """Positions a tail of ``rows`` rows (padding included) holds before it is flushed."""
-        return max(self.max_steps, min(FEW_ROWS_FACTOR * self.max_steps, TAIL_POSITIONS // max(rows, 1)))
+        return tail_capacity(self.max_steps, rows)
 
     @property
     def capacity(self) -> int:

@@ -1,0 +1,102 @@
+"""Sliding-window models on the paged-kernel decode path, token-exact against mlx-lm.
+
+On a CUDA GPU a windowed model (Gemma 3, Cohere 2, EXAONE 4) decodes through the paged kernel,
+each windowed layer reading its last W positions through a narrowed table (``window_view``).
+Here the kernels are replaced by their reference computations (``_reference_kernels``), so the
+whole path (device table, decode tail and its flushes, window views, compiled step) runs on the
+CPU: generations past the window and crossing it, batched, with prefix hits longer than it.
+Attention sinks (gpt-oss) keep the masked paths: the kernel has no sink term.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from harness import InProcessService
+from model_factory import make_model
+from near_tie import assert_requests_like_mlx
+from test_paged_attention import _reference_kernels
+
+from runtime.worker.paths.cuda.decode_tail import tail_capacity
+
+WINDOW = 8
+TAIL_STEPS = 2  # the decode tail of a lone row then holds 8 positions: the window's
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    built: dict[str, object] = {}
+
+    def get(arch: str):
+        if arch not in built:
+            built[arch] = make_model(arch, tmp_path_factory.mktemp(arch), sliding_window=WINDOW)
+        return built[arch]
+
+    return get
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 250) for _ in range(n)]
+
+
+def _kernel_paths(monkeypatch, tail_steps: int = TAIL_STEPS) -> None:
+    from runtime.worker.paths import attention_paths
+
+    _reference_kernels(monkeypatch)
+    monkeypatch.setattr(attention_paths, "TAIL_STEPS", tail_steps)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "cohere2", "exaone4"])
+def test_windowed_layers_decode_through_the_kernel(arch, compiled, folders, monkeypatch):
+    _kernel_paths(monkeypatch)
+    assert tail_capacity(TAIL_STEPS) == WINDOW
+    folder = folders(arch)
+    views = []
+    from runtime.worker.paths.cuda import compiled_paged, window_view
+    from runtime.worker.paths import pool_cache
+
+    original = window_view.window_view
+
+    def counted(*args):
+        views.append(args[-1])
+        return original(*args)
+
+    monkeypatch.setattr(pool_cache, "window_view", counted)
+    monkeypatch.setattr(compiled_paged, "window_view", counted)
+    svc = InProcessService(folder, max_running=8, row_cache=False, compile_decode=compiled)
+    engine = svc.engine
+    assert engine.paths.device_table is not None and engine.paths.tail is not None  # the kernel path
+    assert (engine.compiled_paged is not None) == compiled and not engine.fuse_prefill
+    views.clear()  # (the start-up warm-up's)
+    rng = random.Random(3)
+    # Past the window from the prompt on, and (the last two) crossing it while decoding.
+    reqs = [svc.request(f"r{i}", _ids(rng, n), 14) for i, n in enumerate([20, 27, 34, WINDOW - 3, WINDOW + 4])]
+    svc.run({0: reqs[:4], 2: reqs[4:]})
+    assert_requests_like_mlx(folder, reqs)
+    assert views and set(views) == {WINDOW}  # every windowed layer read through a view
+    shared = _ids(rng, 3 * WINDOW)
+    first = [svc.request(f"a{i}", shared + _ids(rng, 2 + i), 10) for i in range(2)]
+    svc.run({0: first})
+    second = [svc.request(f"b{i}", shared[: 12 + 5 * i] + _ids(rng, 3), 11) for i in range(3)]
+    repeat = svc.request("repeat", list(first[0].prompt_ids), 9)
+    svc.run({0: second + [repeat]})
+    assert [r.prefix_len for r in second] == [12, 17, 22] and repeat.prefix_len == len(repeat.prompt_ids) - 1
+    assert_requests_like_mlx(folder, first + second + [repeat])
+
+
+def test_a_window_narrower_than_the_tail_keeps_the_masked_paths(folders, monkeypatch):
+    _kernel_paths(monkeypatch, tail_steps=3)  # a lone row's tail would hold 12 positions: past the window
+    svc = InProcessService(folders("gemma3_text"), max_running=8, row_cache=False)
+    assert svc.engine.paths.attention is None and svc.engine.paths.device_table is None
+
+
+def test_attention_sinks_keep_the_masked_paths(folders, monkeypatch):
+    _kernel_paths(monkeypatch)
+    svc = InProcessService(folders("gpt_oss"), max_running=8, row_cache=False)
+    assert svc.engine.paths.attention is None and svc.engine.paths.device_table is None
+    rng = random.Random(4)
+    reqs = [svc.request(f"r{i}", _ids(rng, n), 12) for i, n in enumerate([20, WINDOW - 3])]
+    svc.run({0: reqs})
+    assert_requests_like_mlx(folders("gpt_oss"), reqs)
