@@ -100,3 +100,31 @@ def test_attention_sinks_keep_the_masked_paths(folders, monkeypatch):
     reqs = [svc.request(f"r{i}", _ids(rng, n), 12) for i, n in enumerate([20, WINDOW - 3])]
     svc.run({0: reqs})
     assert_requests_like_mlx(folders("gpt_oss"), reqs)
+
+
+def test_padded_prefill_keys_keep_each_layers_window(folders, monkeypatch):
+    """With shapes padded (a GPU's default), a prefill chunk past position 0 gathers keys padded
+    at the front: its windowed layers' masks must hide both the padding and what lies outside
+    their window."""
+    _kernel_paths(monkeypatch)
+    from runtime.worker.paths import pool_cache
+
+    windowed_masks = []
+    original = pool_cache.front_padded_mask
+    monkeypatch.setattr(pool_cache, "front_padded_mask",
+                        lambda *args: windowed_masks.append(args) or original(*args))
+    folder = folders("gemma3_text")
+    svc = InProcessService(folder, max_running=8, row_cache=False, pad_shapes=True, prefill_chunk=WINDOW,
+                           max_step_tokens=2 * WINDOW)
+    rng = random.Random(5)
+    reqs = [svc.request(f"c{i}", _ids(rng, 19 + 6 * i), 10) for i in range(3)]
+    svc.run({0: reqs[:1], 1: reqs[1:]})
+    assert_requests_like_mlx(folder, reqs)
+    # Chunks past position 0 attended to keys padded at the front, their windowed layers masked
+    # to the window (start, queries, keys, rank, window).
+    assert any(a[2] > a[0] + a[1] and a[4] == WINDOW for a in windowed_masks), windowed_masks
+    shared = list(reqs[0].prompt_ids)
+    hits = [svc.request(f"h{i}", shared[: 11 + 4 * i] + _ids(rng, 5), 8) for i in range(2)]
+    svc.run({0: hits})
+    assert [r.prefix_len for r in hits] == [11, 15]
+    assert_requests_like_mlx(folder, hits)

@@ -198,12 +198,10 @@ class AttentionPaths:
         """
         start = group[0].start
         rows = max(rows, len(group))
-        gather, mask = None, None
+        gather, mask, front_padding = None, None, None
         if start and self.row_cache is None:
             # Past position 0 a chunk attends to its prefix (the row cache has it in place).
-            # (Not under a sliding window: its prefill mask is built for unpadded keys.)
-            padded = pad_keys and self.attention is not None and not self.windowed
-            keys = key_length(start, length, self.max_context) if padded else 0
+            keys = key_length(start, length, self.max_context) if pad_keys and self.attention is not None else 0
             pad = max(keys - start - length, 0)
             index = np.zeros((rows, pad + start + length), dtype=np.int32)
             index[: len(group), pad:] = self.slot_table[[c.row for c in group], : start + length]
@@ -211,7 +209,8 @@ class AttentionPaths:
                 index[i, pad + start + len(c.token_ids) :] = 0
             gather = mx.array(index)
             if pad:
-                mask = front_padded_mask(start, length, pad + start + length, self.mask_rank)
+                front_padding = (start, length, pad + start + length)
+                mask = front_padded_mask(*front_padding, self.mask_rank)
         slots = [s for c in group for s in c.slot_ids + [0] * (length - len(c.token_ids))]
         slots += [0] * (length * (rows - len(group)))
         return ForwardBatch(
@@ -219,6 +218,7 @@ class AttentionPaths:
             gather_index=gather,
             offset=start,
             mask=mask,
+            front_padding=front_padding,
             rows=RowSpan(self.row_cache, [c.row for c in group], start) if self.row_cache is not None else None,
         )
 

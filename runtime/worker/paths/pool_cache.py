@@ -10,6 +10,7 @@ from mlx_lm.models.base import create_causal_mask
 from runtime.worker.paths.cuda.decode_tail import DecodeTail
 from runtime.worker.paths.cuda.window_view import window_view
 from runtime.worker.paths.paged_attention import PagedAttention
+from runtime.worker.paths.prefill_shapes import front_padded_mask
 from runtime.worker.paths.rows.row_cache import RowSpan
 from runtime.worker.pools.kv_pool import KVPool
 
@@ -45,7 +46,8 @@ class ForwardBatch:
     ``offset``: the position of the first new token (int for a prefill, (B,) array for decode).
     ``mask``: the decode mask (``decode_mask``: (B, 1, 1, T) bool, one more singleton axis for a
     model whose attention groups queries in 5-D), for a prefill whose gathered keys are padded
-    at the front (``prefill_shapes.front_padded_mask``), or None for a causal prefill and for
+    at the front (``prefill_shapes.front_padded_mask`` of ``front_padding``: start, queries,
+    keys), or None for a causal prefill and for
     a paged decode whose kernel takes ``lengths`` instead.
     ``rows``: where the new K/V also go in the row cache (and, for decode, what to attend to).
     ``lengths``/``attention``: set for a paged decode (the model's attention call is routed
@@ -69,14 +71,19 @@ class ForwardBatch:
     tail_len: mx.array | None = None
     rows: RowSpan | None = None
     launch: tuple[int, int] | None = None
+    front_padding: tuple[int, int, int] | None = None
     window_masks: dict[int, mx.array] = field(default_factory=dict)
     window_views: dict[int, tuple[mx.array, mx.array, mx.array]] = field(default_factory=dict)
 
     def window_mask(self, window: int) -> mx.array:
-        """The decode mask of a layer with a sliding window (built once per window and forward)."""
+        """``mask`` for a layer with a sliding window (built once per window and forward): a
+        decode mask, or a prefill's over keys padded at the front (``front_padding``)."""
         assert self.mask is not None, "a sliding-window decode is always masked"
         if window not in self.window_masks:
-            self.window_masks[window] = window_decode_mask(self.mask, self.offset, window)
+            if self.front_padding is not None:
+                self.window_masks[window] = front_padded_mask(*self.front_padding, self.mask.ndim, window)
+            else:
+                self.window_masks[window] = window_decode_mask(self.mask, self.offset, window)
         return self.window_masks[window]
 
     def kernel_view(self, window: int | None) -> tuple[mx.array, mx.array, mx.array]:

@@ -66,14 +66,17 @@ def key_length(start: int, length: int, max_context: int) -> int:
     return max(n, min(-(-n // step) * step, max_context))
 
 
-def front_padded_mask(start: int, length: int, keys: int, rank: int) -> mx.array:
+def front_padded_mask(start: int, length: int, keys: int, rank: int, window: int | None = None) -> mx.array:
     """Which of ``keys`` gathered positions each of ``length`` queries at ``start`` sees, when
-    the first ``keys - start - length`` are padding: causal over the rest. Shaped (1, .., length,
-    keys) to broadcast against a ``rank``-D score array."""
+    the first ``keys - start - length`` are padding: causal over the rest, and within the last
+    ``window`` positions of each query for a sliding-window layer. Shaped (1, .., length, keys)
+    to broadcast against a ``rank``-D score array."""
     pad = keys - start - length
     query = np.arange(length)[:, None] + start
     key = np.arange(keys)[None, :] - pad
     visible = (key >= 0) & (key <= query)
+    if window is not None:
+        visible &= key > query - window
     return mx.array(visible).reshape((1,) * (rank - 2) + (length, keys))
 
 
