@@ -45,6 +45,18 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 250) for _ in range(n)]
 
 
+def check_prefix_hits_past_the_window(svc: InProcessService, folder, rng: random.Random) -> None:
+    """Prefix hits longer than the window (one a whole-prompt hit), token-exact."""
+    shared = _ids(rng, 3 * WINDOW)
+    first = [svc.request(f"a{i}", shared + _ids(rng, 2 + i), 10) for i in range(2)]
+    svc.run({0: first})
+    second = [svc.request(f"b{i}", shared[: 12 + 5 * i] + _ids(rng, 3), 11) for i in range(3)]
+    repeat = svc.request("repeat", list(first[0].prompt_ids), 9)
+    svc.run({0: second + [repeat]})
+    assert [r.prefix_len for r in second] == [12, 17, 22] and repeat.prefix_len == len(repeat.prompt_ids) - 1
+    assert_requests_like_mlx(folder, first + second + [repeat])
+
+
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
 def test_discovery_records_each_layers_window(arch, folders):
@@ -69,14 +81,7 @@ def test_windows_in_decode_chunked_prefill_and_prefix_hits(arch, path, folders):
     reqs = [svc.request(f"r{i}", _ids(rng, n), 14) for i, n in enumerate([20, 27, 34, WINDOW - 3, WINDOW + 4])]
     svc.run({0: reqs[:4], 2: reqs[4:]})
     assert_requests_like_mlx(folder, reqs)
-    shared = _ids(rng, 3 * WINDOW)
-    first = [svc.request(f"a{i}", shared + _ids(rng, 2 + i), 10) for i in range(2)]
-    svc.run({0: first})
-    second = [svc.request(f"b{i}", shared[: 12 + 5 * i] + _ids(rng, 3), 11) for i in range(3)]
-    repeat = svc.request("repeat", list(first[0].prompt_ids), 9)
-    svc.run({0: second + [repeat]})
-    assert [r.prefix_len for r in second] == [12, 17, 22] and repeat.prefix_len == len(repeat.prompt_ids) - 1
-    assert_requests_like_mlx(folder, first + second + [repeat])
+    check_prefix_hits_past_the_window(svc, folder, rng)
     chunked = InProcessService(folder, max_running=8, prefill_chunk=WINDOW, max_step_tokens=WINDOW, **PATHS[path])
     reqs = [chunked.request(f"c{i}", _ids(rng, 20 + 7 * i), 10) for i in range(3)]
     chunked.run({0: reqs})

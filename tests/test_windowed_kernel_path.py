@@ -14,30 +14,18 @@ import random
 
 import pytest
 from harness import InProcessService
-from model_factory import make_model
 from near_tie import assert_requests_like_mlx
 from test_paged_attention import _reference_kernels
+from test_windowed_families_exact import (  # noqa: F401 (folders: the fixture)
+    WINDOW,
+    _ids,
+    check_prefix_hits_past_the_window,
+    folders,
+)
 
 from runtime.worker.paths.cuda.decode_tail import tail_capacity
 
-WINDOW = 8
 TAIL_STEPS = 2  # the decode tail of a lone row then holds 8 positions: the window's
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    built: dict[str, object] = {}
-
-    def get(arch: str):
-        if arch not in built:
-            built[arch] = make_model(arch, tmp_path_factory.mktemp(arch), sliding_window=WINDOW)
-        return built[arch]
-
-    return get
-
-
-def _ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 250) for _ in range(n)]
 
 
 def _kernel_paths(monkeypatch, tail_steps: int = TAIL_STEPS) -> None:
@@ -76,14 +64,7 @@ def test_windowed_layers_decode_through_the_kernel(arch, compiled, folders, monk
     svc.run({0: reqs[:4], 2: reqs[4:]})
     assert_requests_like_mlx(folder, reqs)
     assert views and set(views) == {WINDOW}  # every windowed layer read through a view
-    shared = _ids(rng, 3 * WINDOW)
-    first = [svc.request(f"a{i}", shared + _ids(rng, 2 + i), 10) for i in range(2)]
-    svc.run({0: first})
-    second = [svc.request(f"b{i}", shared[: 12 + 5 * i] + _ids(rng, 3), 11) for i in range(3)]
-    repeat = svc.request("repeat", list(first[0].prompt_ids), 9)
-    svc.run({0: second + [repeat]})
-    assert [r.prefix_len for r in second] == [12, 17, 22] and repeat.prefix_len == len(repeat.prompt_ids) - 1
-    assert_requests_like_mlx(folder, first + second + [repeat])
+    check_prefix_hits_past_the_window(svc, folder, rng)
 
 
 def test_a_window_narrower_than_the_tail_keeps_the_masked_paths(folders, monkeypatch):
