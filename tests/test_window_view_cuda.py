@@ -58,3 +58,26 @@ def test_the_kernel_attends_to_the_window_only(n_q, n_kv, d, window):
                                                 mask=mx.array(in_pool)[:, None, None, :])
     far = mx.abs(out.astype(mx.float32) - full.astype(mx.float32)).max(axis=(1, 2, 3))
     assert far[2].item() > 5e-2 and far[3].item() > 5e-2
+
+
+def test_a_windowed_model_serves_mlx_lms_tokens_through_the_kernel(tmp_path):
+    """End to end on the GPU: Gemma 3 with a 64-position window (the decode tail fits), prompts
+    past it and generations crossing it, batched, with a prefix hit longer than it."""
+    import random
+
+    from harness import InProcessService
+    from model_factory import make_model
+    from near_tie import assert_requests_like_mlx
+
+    window = 64
+    folder = make_model("gemma3_text", tmp_path / "gemma3", sliding_window=window)
+    svc = InProcessService(folder, max_running=8)
+    assert svc.engine.paths.device_table is not None and svc.engine.paths.tail is not None  # the kernel path
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (150, 90, window - 20, 200)]
+    reqs = [svc.request(f"r{i}", p, 48) for i, p in enumerate(prompts)]
+    svc.run({0: reqs[:3], 5: reqs[3:]})
+    hit = svc.request("hit", prompts[0][:120] + [5, 6, 7], 40)
+    svc.run({0: [hit]})
+    assert hit.prefix_len >= 100
+    assert_requests_like_mlx(folder, reqs + [hit])
