@@ -70,7 +70,8 @@ def test_a_windowed_model_serves_mlx_lms_tokens_through_the_kernel(tmp_path):
     from near_tie import assert_requests_like_mlx
 
     window = 64
-    folder = make_model("gemma3_text", tmp_path / "gemma3", sliding_window=window)
+    # A head width the kernel takes (a multiple of 32).
+    folder = make_model("gemma3_text", tmp_path / "gemma3", sliding_window=window, head_dim=64, query_pre_attn_scalar=64)
     svc = InProcessService(folder, max_running=8)
     assert svc.engine.paths.device_table is not None and svc.engine.paths.tail is not None  # the kernel path
     rng = random.Random(7)
