@@ -175,7 +175,7 @@ void launch(int blocks, int threads, F kernel) {
 """
 
 _INT_INPUTS = {"table", "rows", "lengths", "tail_len", "positions"}
-_FLOAT_INPUTS = {"scale", "rope_consts", "rope_freqs"}
+_FLOAT_INPUTS = {"scale", "rope_consts", "rope_freqs", "sinks"}
 
 
 def unavailable() -> str | None:
@@ -199,16 +199,17 @@ def _input_type(name: str, elem: str) -> str:
 
 def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n_rep: int, n_kv: int,
             warps: int, unroll: int, edit: Callable[[str], str] | None = None,
-            rope: tuple[int, int, bool] | None = None) -> str:
+            rope: tuple[int, int, bool] | None = None, sinks: bool = False) -> str:
     """A C++ program running one decode step (inputs on stdin, outputs as float32 on stdout);
     ``edit`` rewrites the decode kernel's body first; ``rope`` (mode, dims, traditional): the
-    kernel that rotates the queries and new keys."""
-    inputs = pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS
+    kernel that rotates the queries and new keys; ``sinks``: the kernel with attention sinks."""
+    inputs = pk.kernel_inputs(appending, rope is not None, sinks)
     outputs = (["part_acc", "part_m", "part_l"] if split else ["out"]) + (pk.APPEND_OUTPUTS if appending else [])
     params = [f"const {_input_type(name, 'T')}* {name}" for name in inputs]
     params += ["const int* queries_shape", "const int* table_shape", "const int* tail_keys_shape"]
     params += [f"{'float' if name.startswith('part') else 'T'}* {name}" for name in outputs]
-    source = pk.body(appending, loop, rope is not None) + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT)
+    source = (pk.body(appending, loop, rope is not None) + (pk.SINK_MERGE if sinks else "")
+              + (pk.WRITE_PARTIAL if split else pk.WRITE_OUT))
     if edit is not None:
         source = edit(source)
     if rope is not None:
@@ -281,7 +282,8 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
                      n_rep: int = 2, n_kv: int = 2, warps: int = 4, unroll: int = 1, rows: int = 2,
                      context: int = 70, tail: int = 3, capacity: int = 6, seed: int = 0,
                      edit: Callable[[str], str] | None = None, full: bool = False,
-                     rope: tuple[int, int, bool] | None = None, outputs: list[np.ndarray] | None = None) -> tuple[float, bool]:
+                     rope: tuple[int, int, bool] | None = None, outputs: list[np.ndarray] | None = None,
+                     sinks: bool = False) -> tuple[float, bool]:
     """One simulated decode step of ``rows`` rows, each with up to ``context`` pool positions
     (``tail`` more in a tail of ``capacity``; appending: ``tail - 1`` old ones and the new
     K/V): the largest absolute difference from the reference, and whether the appended tail
@@ -290,7 +292,8 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
     row has all ``context`` pool positions (no row shorter, so every split holds some);
     ``rope`` (mode 1 base or 2 frequencies, dims, traditional): the kernel rotates the queries
     and new keys (each row at a random position), against a float64 rotation (the appended
-    new row then within a bf16 rounding of it, not exact); ``outputs``: a list the step's output array is appended to."""
+    new row then within a bf16 rounding of it, not exact); ``outputs``: a list the step's output array is appended to;
+    ``sinks``: the kernel with one attention-sink logit per query head (drawn, some above every score)."""
     assert dtype in ("float", "bf16") and 1 <= tail <= capacity and (appending or rope is None)
     rng = np.random.default_rng(seed)
     cast = (lambda x: _from_bf16(_bf16(x))) if dtype == "bf16" else (lambda x: x.astype(np.float32))
@@ -326,10 +329,11 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
               "lengths": (n_pool + tail).astype(np.int32), "tail_keys": tail_k, "tail_values": tail_v,
               "tail_len": np.array([tail - 1 if appending else tail], np.int32), "new_keys": new_k,
               "new_values": new_v, "scale": np.array([scale], np.float32), "positions": positions,
-              "rope_consts": consts, "rope_freqs": freqs}
-    source = program(appending, splits > 1, loop, dtype, head_dim, n_rep, n_kv, warps, unroll, edit, rope)
+              "rope_consts": consts, "rope_freqs": freqs,
+              "sinks": (3.0 * rng.standard_normal(n_q)).astype(np.float32)}
+    source = program(appending, splits > 1, loop, dtype, head_dim, n_rep, n_kv, warps, unroll, edit, rope, sinks)
     stdin = [np.array([rows, rows + 1, table.shape[1], capacity, splits], np.int32).tobytes()]
-    for name in pk.ROPE_INPUTS if rope else pk.APPEND_INPUTS if appending else pk.INPUTS:
+    for name in pk.kernel_inputs(appending, rope is not None, sinks):
         a = arrays[name]
         data = _bf16(a) if _input_type(name, dtype) == "bf16" else a
         stdin += [np.array([a.size], np.int64).tobytes(), np.ascontiguousarray(data).tobytes()]
@@ -347,6 +351,10 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
             k = np.concatenate([keys[slot_ids, h], step_k[b, h]]).astype(np.float64)
             v = np.concatenate([values[slot_ids, h], step_v[b, h]]).astype(np.float64)
             scores = queries_used[b, h * n_rep : (h + 1) * n_rep, 0].astype(np.float64) @ k.T * scale
+            if sinks:  # one more logit per query head, with a zero value row
+                sink = arrays["sinks"][h * n_rep : (h + 1) * n_rep, None].astype(np.float64)
+                scores = np.concatenate([sink, scores], axis=1)
+                v = np.concatenate([np.zeros((1, v.shape[1])), v])
             p = np.exp(scores - scores.max(axis=1, keepdims=True))
             expected[b, h * n_rep : (h + 1) * n_rep] = (p / p.sum(axis=1, keepdims=True)) @ v
     tail_exact = True

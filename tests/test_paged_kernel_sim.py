@@ -143,3 +143,21 @@ def test_a_kernel_that_does_not_rotate_is_caught() -> None:
                                     tail=3, rope=(1, 128, False), edit=unrotated)
     assert err > TOLERANCE["bf16"] or not tail_ok
     assert not tail_ok
+
+
+@pytest.mark.parametrize(("loop", "appending", "splits", "dtype", "head_dim", "n_rep", "warps"), [
+    ("pipelined", True, 1, "float", 64, 4, 2),
+    ("pipelined", False, 3, "bf16", 64, 2, 4),
+    ("mma", True, 1, "bf16", 64, 8, 4),  # gpt-oss: 8 query heads of 64 per KV head
+    ("mma", True, 5, "bf16", 64, 8, 2),
+    ("mma_ahead", True, 4, "bf16", 128, 2, 4),
+])
+def test_attention_sinks_join_the_softmax(loop: str, appending: bool, splits: int, dtype: str, head_dim: int,
+                                          n_rep: int, warps: int) -> None:
+    """A sink logit per query head in the denominator only (gpt-oss), merged by the unsplit block
+    or split 0; long rows, and rows so short that some splits are empty."""
+    for context, tail, seed in ((200, 3, 0), (2, 1, 1)):
+        err, tail_exact = run_paged_kernel(loop, appending, splits, dtype=dtype, head_dim=head_dim, n_rep=n_rep,
+                                           warps=warps, context=context, tail=tail, seed=seed, sinks=True)
+        assert err < TOLERANCE[dtype], f"context {context}, tail {tail}: error {err:.3g}"
+        assert tail_exact

@@ -209,6 +209,22 @@ WRITE_OUT = """
     }
 """
 
+# Attention sinks (gpt-oss): one more logit per query head, ``sinks[head]`` (float32), in the
+# softmax's denominator only, as MLX's attention takes ``sinks``. It is merged into the block's
+# running max and sum as a position whose value row is zero, by the unsplit block or by split 0
+# of a split launch (the combine kernel then merges it as it merges any split's). Goes between
+# the block merge and WRITE_OUT / WRITE_PARTIAL; inputs ``SINK_INPUTS``.
+SINK_MERGE = """
+        if (split == 0) {
+            const float sink = sinks[h * NREP + r];
+            const float next = fmaxf(top, sink);
+            const float f = top == -INFINITY ? 0.f : expf(top - next);
+            sum = sum * f + expf(sink - next);
+            value *= f;
+            top = next;
+        }
+"""
+
 # A split block leaves its unnormalized result with its running max and sum (an empty split:
 # max -inf, sum 0); the combine kernel below rescales the splits to a common max.
 WRITE_PARTIAL = """
@@ -286,6 +302,13 @@ APPEND_OUTPUTS = ["keys_out", "values_out"]
 # The appending kernel that also rotates this step's queries and new keys (``ROPE_STAGE``): each
 # row's position, [RoPE scale, log2(base)] as float32, and the frequencies (ROPE 2; else unused).
 ROPE_INPUTS = APPEND_INPUTS + ["positions", "rope_consts", "rope_freqs"]
+
+
+def kernel_inputs(appending: bool, rope: bool = False, sinks: bool = False) -> list[str]:
+    """The decode kernel's input names: reading a tail or appending to it (and rotating), and
+    the sinks last for a model with attention sinks (``SINK_MERGE``)."""
+    names = ROPE_INPUTS if rope else APPEND_INPUTS if appending else INPUTS
+    return names + ["sinks"] if sinks else names
 
 # The tail (B, HKV, RCAP, D), of capacity RCAP, holds a row's last R = tail_len[0] positions (the
 # rest of it is unused): its length is a run-time value, so one compiled step serves every
