@@ -141,10 +141,10 @@ def test_a_rotation_that_differs_fails_the_start_up_check(monkeypatch):
     spec = rope_spec(nn.RoPE(32, base=10000.0))
     assert check_kernel_rope(PagedAttention(True), mx.float32, 2, 2, 32, (spec,), [(1, 4), (2, 4)], 4096) is None
 
-    def a_position_late(self, inputs, scale, launch, rope=None):
+    def a_position_late(self, inputs, scale, launch, rope=None, sinks=None):
         if rope is not None:
             rope = (rope[0], rope[1] + 1)
-        return _append_reference(self, inputs, scale, launch, rope)
+        return _append_reference(self, inputs, scale, launch, rope, sinks)
 
     monkeypatch.setattr(PagedAttention, "_append_attend", a_position_late)
     problem = check_kernel_rope(PagedAttention(True), mx.float32, 2, 2, 32, (spec,), [(1, 4)], 4096)

@@ -69,9 +69,10 @@ def test_install_refuses_modules_it_cannot_route():
 
 
 def _table_reference(self, queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values,
-                     tail_len, scale, launch):
+                     tail_len, scale, launch, sinks=None):
     """What the CUDA kernel computes, in plain MLX ops: pool positions through the device slot
-    table, then the first ``tail_len[0]`` positions of the decode tail (the rest unused)."""
+    table, then the first ``tail_len[0]`` positions of the decode tail (the rest unused); with
+    the attention ``sinks``, if any."""
     import mlx.core as mx
 
     index = table[table_rows]
@@ -81,10 +82,11 @@ def _table_reference(self, queries, keys_pool, values_pool, table, table_rows, l
     in_pool = mx.arange(index.shape[1])[None, :] < (lengths - tail_len)[:, None]
     in_tail = mx.broadcast_to(mx.arange(capacity)[None, :] < tail_len, (index.shape[0], capacity))
     mask = mx.concatenate([in_pool, in_tail], axis=1)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask[:, None, None, :])
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask[:, None, None, :],
+                                                sinks=sinks)
 
 
-def _append_reference(self, inputs, scale, launch, rope=None):
+def _append_reference(self, inputs, scale, launch, rope=None, sinks=None):
     """What the appending CUDA kernel computes: the tail with the step's K/V written after its
     ``tail_len[0]`` positions (same capacity), and the attention over the pool and that tail;
     with ``rope`` (spec, positions), the queries and new keys rotated first, as ``mx.fast.rope``."""
@@ -100,7 +102,7 @@ def _append_reference(self, inputs, scale, launch, rope=None):
     keys = mx.where(at, new_keys, tail_keys)
     values = mx.where(at, new_values, tail_values)
     out = _table_reference(self, queries, keys_pool, values_pool, table, table_rows, lengths, keys, values,
-                           tail_len + 1, scale, launch)
+                           tail_len + 1, scale, launch, sinks)
     return out, keys, values
 
 
@@ -136,7 +138,7 @@ def test_device_slot_table_and_decode_tail(arch, tail_steps, compiled, model_dir
     flush = DecodeTail.flush
     monkeypatch.setattr(DecodeTail, "flush", lambda self, *a: flushed.append(len(self.steps)) or flush(self, *a))
     warmed, tails, ropes = [], [], []
-    monkeypatch.setattr(PagedAttention, "warm_up", lambda self, *args, tail=True, rope=None:
+    monkeypatch.setattr(PagedAttention, "warm_up", lambda self, *args, tail=True, rope=None, sinks=False:
                         warmed.append(args[-1]) or tails.append(tail) or ropes.append(rope))
     folder = model_dir(arch)
     steps = []
@@ -319,8 +321,18 @@ def test_a_kernel_that_fails_its_start_up_check_is_not_used(model_dir, monkeypat
     _reference_kernels(monkeypatch)
     assert kernel_check.check_paged_kernel(PagedAttention(True), mx.float32, 2, 2, 32) is None  # the reference passes
 
-    def off_by_a_bit(self, inputs, scale, launch, rope=None):
-        out, keys, values = _append_reference(self, inputs, scale, launch, rope)
+    # A model with attention sinks checks the kernels' sink variant against MLX's with sinks.
+    assert kernel_check.check_paged_kernel(PagedAttention(True), mx.float32, 2, 2, 32, sinks=True) is None
+
+    def drops_sinks(self, inputs, scale, launch, rope=None, sinks=None):
+        return _append_reference(self, inputs, scale, launch, rope)
+
+    monkeypatch.setattr(PagedAttention, "_append_attend", drops_sinks)
+    problem = kernel_check.check_paged_kernel(PagedAttention(True), mx.float32, 2, 2, 32, sinks=True)
+    assert problem is not None and "differs from MLX's" in problem
+
+    def off_by_a_bit(self, inputs, scale, launch, rope=None, sinks=None):
+        out, keys, values = _append_reference(self, inputs, scale, launch, rope, sinks)
         return out + 0.1, keys, values
 
     monkeypatch.setattr(PagedAttention, "_append_attend", off_by_a_bit)

@@ -77,7 +77,7 @@ def test_a_launch_builds_the_loop_and_warps_it_names(monkeypatch, launch, head_d
     monkeypatch.setattr(paged_attention, "_tensor_cores", lambda: True)
     asked = []
 
-    def kernel(self, which, appending, loop="", rope=False):
+    def kernel(self, which, appending, loop="", rope=False, sinks=False):
         def launched(**kwargs):
             asked.append((which, loop, kwargs["threadgroup"][0] // 32))
             return [mx.zeros(shape, dtype) for shape, dtype in zip(kwargs["output_shapes"], kwargs["output_dtypes"])]

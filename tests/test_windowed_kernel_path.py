@@ -5,7 +5,7 @@ each windowed layer reading its last W positions through a narrowed table (``win
 Here the kernels are replaced by their reference computations (``_reference_kernels``), so the
 whole path (device table, decode tail and its flushes, window views, compiled step) runs on the
 CPU: generations past the window and crossing it, batched, with prefix hits longer than it.
-Attention sinks (gpt-oss) keep the masked paths: the kernel has no sink term.
+gpt-oss adds attention sinks: the kernels' sink variant.
 """
 
 from __future__ import annotations
@@ -73,14 +73,28 @@ def test_a_window_narrower_than_the_tail_keeps_the_masked_paths(folders, monkeyp
     assert svc.engine.paths.attention is None and svc.engine.paths.device_table is None
 
 
-def test_attention_sinks_keep_the_masked_paths(folders, monkeypatch):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_attention_sinks_decode_through_the_kernels_sink_variant(compiled, folders, monkeypatch):
+    """gpt-oss: window and full layers, a sink logit per query head in every attention."""
     _kernel_paths(monkeypatch)
-    svc = InProcessService(folders("gpt_oss"), max_running=8, row_cache=False)
-    assert svc.engine.paths.attention is None and svc.engine.paths.device_table is None
+    sinks_seen = []
+    from runtime.worker.paths.paged_attention import PagedAttention
+
+    append = PagedAttention._append_attend
+    monkeypatch.setattr(PagedAttention, "_append_attend", lambda self, inputs, scale, launch, rope=None, sinks=None:
+                        sinks_seen.append(sinks is not None) or append(self, inputs, scale, launch, rope, sinks))
+    folder = folders("gpt_oss")
+    svc = InProcessService(folder, max_running=8, row_cache=False, compile_decode=compiled)
+    engine = svc.engine
+    assert engine.paths.device_table is not None and engine.paths.sinks and not engine.fuse_prefill
+    assert engine.paths.rope is None  # the rotating kernels have no sink variant: the model rotates
+    sinks_seen.clear()
     rng = random.Random(4)
-    reqs = [svc.request(f"r{i}", _ids(rng, n), 12) for i, n in enumerate([20, WINDOW - 3])]
-    svc.run({0: reqs})
-    assert_requests_like_mlx(folders("gpt_oss"), reqs)
+    reqs = [svc.request(f"r{i}", _ids(rng, n), 14) for i, n in enumerate([20, 27, WINDOW - 3, WINDOW + 4])]
+    svc.run({0: reqs[:3], 2: reqs[3:]})
+    assert_requests_like_mlx(folder, reqs)
+    assert sinks_seen and all(sinks_seen)
+    check_prefix_hits_past_the_window(svc, folder, rng)
 
 
 def test_padded_prefill_keys_keep_each_layers_window(folders, monkeypatch):

@@ -117,10 +117,10 @@ class Engine:
             self.compiled_paged = CompiledPagedDecode(model, layout, pool, self.paths.attention, self.paths.tail, rope)
             self.startup_seconds["compiled step"] = time.perf_counter() - started
         self.chain = TokenChain()  # chained decode: the previous batch's lazy tokens
-        # Fusing needs the paged kernel's tail (every layer attention), no window (the fused
-        # prefill's masks have none) and plain 4-D queries.
+        # Fusing needs the paged kernel's tail (every layer attention), no window or sinks (the
+        # fused prefill's attention has neither) and plain 4-D queries.
         self.fuse_prefill = (FUSE_PREFILL and self.compiled_paged is not None and layout.mask_rank == 4
-                             and not layout.windowed)
+                             and not layout.windowed and not layout.sinks)
         self.output_head = OutputHead(model)
         self.sampler = RowSampler(max_rows)
         # Share of padding a batched prefill may carry (0: none, and prefill shapes unpadded).

@@ -67,6 +67,7 @@ for item in "$@"; do
                         # pool gather or the row cache, as before the kernel read windows (window_view)
       sed -i 's/windows_fit = all(w is None or w >= tail_capacity(TAIL_STEPS) for w in layout.windows)/windows_fit = not layout.windowed/' runtime/worker/paths/attention_paths.py; win_tag=-gathered
       echo "== windowed-gathered: $(grep -E 'windows_fit = ' runtime/worker/paths/attention_paths.py)" ;;
+    pytest-sinks) run "$item" 200 python3 -m pytest -q tests/test_sinks_cuda.py tests/test_paged_attention.py -k "sink or start_up" ;;
     pytest-windowed-cuda) run "$item" 200 python3 -m pytest -q tests/test_window_view_cuda.py ;;
     pytest-windowed) run "$item" 300 python3 -m pytest -q tests/test_window_view_cuda.py tests/test_window_view.py tests/test_windowed_families_exact.py tests/test_sliding_window_exact.py tests/test_gemma2_exact.py ;;
     gemma-sweep-trace) RUNTIME_WORKER_TRACE="$OUT/gemma-sweep-worker-trace$tag" run "$item" 200 python3 -m runtime.bench --synthetic gemma3-1b --workloads sweep --concurrency 16 --json "$OUT/$item$tag.json" ;;
@@ -151,7 +152,7 @@ for item in "$@"; do
     pytest-residual) run "$item" 200 python3 -m pytest -q tests/test_fused_residual.py tests/test_service_exact.py ;;
     pytest-shapes)  # attention layers of several shapes, KV-shared layers (Gemma 4, Gemma 3n): token-exact on CUDA too
       run "$item" 400 python3 -m pytest -q tests/test_layer_shapes_exact.py tests/test_kv_read_back.py tests/test_kv_shared_paths.py ;;
-    *) echo "== $item: unknown (gemma-sweep-trace windowed-gathered pytest-windowed pytest-windowed-cuda gemma-mixed-rt-short gemma-first-user 1b-paired-short unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
+    *) echo "== $item: unknown (pytest-sinks gemma-sweep-trace windowed-gathered pytest-windowed pytest-windowed-cuda gemma-mixed-rt-short gemma-first-user 1b-paired-short unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then

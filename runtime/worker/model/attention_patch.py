@@ -23,9 +23,7 @@ def _dispatcher(original: Callable) -> Callable:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         attend = getattr(cache, "paged_attend", None)
         if attend is not None and cache.paged:
-            if sinks is not None:
-                raise ValueError("paged decode attention does not support attention sinks")
-            return attend(queries, scale)
+            return attend(queries, scale, sinks)
         if getattr(cache, "attends_decode", False) and sinks is None and queries.shape[2] == 1:
             return cache.decode_attend(queries, keys, values, scale, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

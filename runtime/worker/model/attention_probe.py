@@ -38,8 +38,8 @@ class ProbedAttention:
     the stored K/V's geometry; ``dtype``: their dtype; ``query_heads``: the queries' head count
     where the module's attention call was seen, else None; ``defines_call``: the module's
     Python module has a ``scaled_dot_product_attention`` that ``attention_patch`` would
-    replace; ``routed``: the module calls it with the probe cache and the K/V it fetched, and
-    no attention sinks (so the paged decode can answer the call).
+    replace; ``routed``: the module calls it with the probe cache and the K/V it fetched;
+    ``sinks``: that call passes attention-sink logits (gpt-oss).
     """
 
     width: int
@@ -50,6 +50,7 @@ class ProbedAttention:
     query_heads: int | None
     defines_call: bool
     routed: bool
+    sinks: bool = False
 
 
 class _ProbeCache:
@@ -185,11 +186,10 @@ def probe_attention(module: nn.Module, dtype: mx.Dtype = mx.float32) -> ProbedAt
         if values.shape[:3] != keys.shape[:3]:
             continue
         ours = [c for c in calls if c[3] is cache]
-        # Attention sinks (gpt-oss) are a softmax term the paged kernel has not.
-        routed = len(ours) == 1 and ours[0][1] is keys and ours[0][2] is values and ours[0][4] is None
+        routed = len(ours) == 1 and ours[0][1] is keys and ours[0][2] is values
         return ProbedAttention(
             width=width, kv_heads=keys.shape[1], head_dim=keys.shape[3], value_dim=values.shape[3],
             dtype=keys.dtype, query_heads=ours[0][0].shape[1] if ours else None,
-            defines_call=defines_call, routed=routed,
+            defines_call=defines_call, routed=routed, sinks=any(c[4] is not None for c in ours),
         )
     return None

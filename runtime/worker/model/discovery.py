@@ -78,6 +78,8 @@ class CacheLayout:
     # expands its latent in prefill and adds rotary scores as a float mask), are served on the
     # paths whose cache returns every position's K/V (``AttentionPaths``).
     routed: bool = True
+    # Some attention call passes attention-sink logits (gpt-oss): the paged kernel's sink variant.
+    sinks: bool = False
     # Some layer attends to K/V another layer's cache returned, with no cache entry of its own
     # (Gemma 4's KV-shared layers, handed them through the forward; Gemma 3n's, reading them back
     # through the other layer's cache with ``keys_and_values()``): only paths whose cache returns
@@ -380,6 +382,7 @@ def discover(model: nn.Module) -> CacheLayout:
         mask_rank=known.pop() if known else 4,
         windows=windows,
         routed=all(owners[i][1].probe.routed for i in attention),
+        sinks=any(owners[i][1].probe.sinks for i in attention),
         shares_kv=bool(attention) and shares_kv(model, layers, fresh, attention, groups.nest),
         traceable=traceable,
         groups=groups,

@@ -36,7 +36,7 @@ class _PagedProbeCache:
         self.keys, self.values = keys, values
         return keys, values
 
-    def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
+    def paged_attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         keys = self.keys
         if self.rotate is not None:
             queries, keys = self.rotate.rotate(queries, self.positions), self.rotate.rotate(keys, self.positions)

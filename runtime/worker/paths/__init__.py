@@ -3,7 +3,7 @@
 ``attention_paths.AttentionPaths`` decides once, at load, from the layer description
 (``model/discovery.CacheLayout``) and the device:
 
-| device | full or sliding-window attention, one K/V width | latent or by-hand attention, sinks | prefill |
+| device | full or sliding-window attention (sinks too), one K/V width | latent or by-hand attention | prefill |
 |---|---|---|---|
 | CUDA GPU | ``cuda/``: the paged kernel reads pool slots (a windowed layer its last W through ``window_view``), new K/V wait in a decode tail; every row count's step compiled (``compiled_paged``), one trace per row class and launch shape | ``rows/`` row cache where it fits, else a pool gather (``paged_attention`` without kernel) | padded to recurring shapes (``prefill_shapes``), common ones run at start-up (``prefill_warmup``) |
 | CPU | ``rows/``: dense per-row K/V, the compiled decode step (``compiled_decode``), attention split over CPU streams (``parallel_attention``) | ``rows/`` as well | unpadded |

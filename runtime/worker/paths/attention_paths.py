@@ -49,9 +49,9 @@ class AttentionPaths:
     holds the decode tail (the kernel reads a window through a narrowed table, ``window_view``;
     the gathered fallback has no window, so windowed models take it only as the pool views'
     masked gather), and every layer has one shape (``layout.kv_shape``) with keys and values of
-    one width. Every other model (latent attention, layers of several shapes, the KV-shared
-    layers of Gemma 4 and Gemma 3n, attention sinks) takes the row cache, whose layers each have
-    their own shape, or the pool gather.
+    one width. Attention sinks (gpt-oss) take the kernels' sink variant. Every other model
+    (latent attention, layers of several shapes, the KV-shared layers of Gemma 4 and Gemma 3n)
+    takes the row cache, whose layers each have their own shape, or the pool gather.
 
     ``row_cache``: None picks the row cache where the kernel does not apply and it fits in
     ``MAX_BYTES``; True forces it, False forbids it. ``hybrid`` models keep writing the
@@ -75,6 +75,7 @@ class AttentionPaths:
         self.slot_table = np.zeros((max_rows, max_context), dtype=np.int32)
         routed = bool(layout.attention_layers) and attention_patch.install(model, layout.attn_attr)
         self.windowed = layout.windowed
+        self.sinks = layout.sinks  # the kernels with attention sinks (gpt-oss)
         shape = layout.kv_shape
         # A sliding window the decode tail fits in: the kernel reads each row's last W positions
         # through a narrowed table (``window_view``), the tail being always the newest of them.
@@ -116,7 +117,7 @@ class AttentionPaths:
         launches = self._kernel_launches(length_bucket)
         self._prefetch(launches, tail)
         return check_paged_kernel(self.attention, self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim,
-                                  launches, tail)
+                                  launches, tail, self.sinks)
 
     def _prefetch(self, launches: list[tuple[int, int]], tail: bool, specs: tuple[RopeSpec, ...] = ()) -> None:
         """Start the NVRTC builds of the kernels ``launches`` use (rotating as each of ``specs``
@@ -130,7 +131,7 @@ class AttentionPaths:
                 return
             for spec in specs or (None,):
                 self.attention.warm_up(self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, set(launches),
-                                       tail=tail, rope=spec)
+                                       tail=tail, rope=spec, sinks=self.sinks)
 
     def _kernel_launches(self, length_bucket: int) -> list[tuple[int, int]]:
         """One launch of every kernel decode builds (one per warps count, unsplit and split)."""
@@ -147,8 +148,8 @@ class AttentionPaths:
         """Let the appending kernel rotate the queries and new keys of a compiled decode step
         (``kernel_rope``) where the model allows it and the rotating kernel passes its start-up
         check (``check_kernel_rope``); each KV layer's spec, else None (the model rotates)."""
-        if self.tail is None or self.device_table is None or self.attention is None:
-            return None
+        if self.tail is None or self.device_table is None or self.attention is None or self.sinks:
+            return None  # (the rotating kernels have no sink variant)
         specs = defer_rope(model, layout)
         if specs is None:
             return None
@@ -305,7 +306,7 @@ class AttentionPaths:
         variants = PagedAttention.variants(shape.n_kv_heads, n_rep, shape.head_dim, self.max_rows, self.max_context,
                                            row_bucket, length_bucket)
         self.attention.warm_up(self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, variants,
-                               tail=self.tail is not None)
+                               tail=self.tail is not None, sinks=self.sinks)
         kinds = {(s.mode, s.dims, s.traditional): s for s in self.rope or () if s is not None}  # each rotating kernel
         for spec in kinds.values():
             self.attention.warm_up(self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, variants, rope=spec)

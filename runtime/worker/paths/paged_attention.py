@@ -23,16 +23,15 @@ from runtime.worker.paths.cuda.kernel_launch import (
     loop_warps,
 )
 from runtime.worker.paths.cuda.paged_kernels import (
-    APPEND_INPUTS,
     APPEND_OUTPUTS,
     COMBINE,
     COMBINE_MAX_SPLITS,
     HEADER,
-    INPUTS,
-    ROPE_INPUTS,
+    SINK_MERGE,
     WRITE_OUT,
     WRITE_PARTIAL,
     body,
+    kernel_inputs,
     register_cap,
 )
 from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS
@@ -97,11 +96,11 @@ class PagedAttention:
         return self.use_kernel and head_dim % 32 == 0 and head_dim <= 256
 
     def attend(self, queries: mx.array, pool: KVPool, layer: int, scale: float, gather_index: mx.array,
-               mask: mx.array | None) -> mx.array:
+               mask: mx.array | None, sinks: mx.array | None = None) -> mx.array:
         """Decode attention without the kernel: the (B, T) slots ``gather_index`` of the pool,
-        gathered, with ``mask`` ((B, 1, 1, T) bool)."""
+        gathered, with ``mask`` ((B, 1, 1, T) bool) and the model's attention ``sinks``, if any."""
         keys, values = pool.gather(layer, gather_index)
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def _kernel_attend(
         self,
@@ -116,10 +115,11 @@ class PagedAttention:
         tail_len: mx.array,
         scale: float,
         launch: tuple[int, int] | None = None,
+        sinks: mx.array | None = None,
     ) -> mx.array:
         inputs = [queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys, tail_values, tail_len,
                   self._scale(scale)]
-        (out,) = self._launch(inputs, keys_pool.shape[1], launch)
+        (out,) = self._launch(inputs + _sink_input(sinks), keys_pool.shape[1], launch, sinks=sinks is not None)
         return out
 
     def attend_appending(
@@ -138,6 +138,7 @@ class PagedAttention:
         scale: float,
         launch: tuple[int, int] | None,
         rope: tuple[RopeSpec, mx.array] | None = None,
+        sinks: mx.array | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """Decode attention whose last position is this step's ``new_keys``/``new_values``
         ((B, Hkv, 1, D)), after the pool and the ``tail_len[0]`` positions of
@@ -146,24 +147,27 @@ class PagedAttention:
         (no separate concatenation per layer and step). Without a tail (None: a model without
         a ``DecodeTail``) the step's K/V are the whole tail and are returned as it. ``rope``
         (the layer's spec, each row's position; a tail present): the queries and new keys come
-        unrotated, and the kernel rotates them as ``mx.fast.rope`` would (``kernel_rope``)."""
+        unrotated, and the kernel rotates them as ``mx.fast.rope`` would (``kernel_rope``).
+        ``sinks``: the model's attention-sink logits, one per query head (gpt-oss), or None."""
         if tail_keys is None or tail_values is None or tail_len is None:
             assert rope is None, "only the appending kernel rotates"
             out = self._kernel_attend(queries, keys_pool, values_pool, table, table_rows, lengths, new_keys,
-                                      new_values, self._one, scale, launch)
+                                      new_values, self._one, scale, launch, sinks)
             return out, new_keys, new_values
         return self._append_attend([queries, keys_pool, values_pool, table, table_rows, lengths, tail_keys,
-                                    tail_values, tail_len, new_keys, new_values], scale, launch, rope)
+                                    tail_values, tail_len, new_keys, new_values], scale, launch, rope, sinks)
 
     def _append_attend(self, inputs: list[mx.array], scale: float, launch: tuple[int, int] | None,
-                       rope: tuple[RopeSpec, mx.array] | None = None) -> tuple[mx.array, mx.array, mx.array]:
+                       rope: tuple[RopeSpec, mx.array] | None = None, sinks: mx.array | None = None
+                       ) -> tuple[mx.array, mx.array, mx.array]:
         """The appending kernel on ``attend_appending``'s arrays, in its order (a tail present)."""
         extra = [self._scale(scale)]
         if rope is not None:
             spec, positions = rope
             extra += [positions, spec.consts, spec.freqs_input]
-        out, keys, values = self._launch(inputs + extra, inputs[1].shape[1], launch,
-                                         tail_shape=tuple(inputs[6].shape), rope=rope[0] if rope else None)
+        out, keys, values = self._launch(inputs + extra + _sink_input(sinks), inputs[1].shape[1], launch,
+                                         tail_shape=tuple(inputs[6].shape), rope=rope[0] if rope else None,
+                                         sinks=sinks is not None)
         return out, keys, values
 
     def _scale(self, scale: float) -> mx.array:
@@ -182,33 +186,35 @@ class PagedAttention:
             return loop
         return "pipelined"
 
-    def _kernel(self, kind: str, appending: bool, loop: str = "", rope: bool = False):
+    def _kernel(self, kind: str, appending: bool, loop: str = "", rope: bool = False, sinks: bool = False):
         """The compiled-on-demand kernel object: ``single``, ``split`` or ``combine``; ``rope``:
-        the appending one that rotates its queries and new keys."""
+        the appending one that rotates its queries and new keys; ``sinks``: with attention sinks."""
         loop = loop or self.loop
-        key = (kind, appending, loop, rope)
+        key = (kind, appending, loop, rope, sinks)
         if key not in self._kernels:
             if kind == "combine":
                 kernel = cuda_kernel(name="runtime_paged_decode_combine", input_names=["part_acc", "part_m", "part_l"],
                                      output_names=["out"], source=COMBINE)
             else:
                 outputs = {"single": ["out"], "split": ["part_acc", "part_m", "part_l"]}[kind]
-                inputs = ROPE_INPUTS if rope else APPEND_INPUTS if appending else INPUTS
                 cap = self.split_registers if kind != "single" else 0
                 kernel = cuda_kernel(  # a capped build has a name of its own (MLX caches by name)
                     name=(f"runtime_paged_decode_{kind}{'_append' if appending else ''}{'_rope' if rope else ''}"
-                          f"_{loop}{f'_r{cap}' if cap else ''}"),
-                    input_names=inputs,
+                          f"{'_sinks' if sinks else ''}_{loop}{f'_r{cap}' if cap else ''}"),
+                    input_names=kernel_inputs(appending, rope, sinks),
                     output_names=outputs + (APPEND_OUTPUTS if appending else []),
-                    source=body(appending, loop, rope) + (WRITE_OUT if kind == "single" else WRITE_PARTIAL),
+                    source=(body(appending, loop, rope) + (SINK_MERGE if sinks else "")
+                            + (WRITE_OUT if kind == "single" else WRITE_PARTIAL)),
                     header=register_cap(cap) + HEADER)
             self._kernels[key] = kernel
         return self._kernels[key]
 
     def _launch(self, inputs: list[mx.array], n_kv: int, launch: tuple[int, int] | None,
-                tail_shape: tuple[int, int, int, int] | None = None, rope: RopeSpec | None = None) -> list[mx.array]:
+                tail_shape: tuple[int, int, int, int] | None = None, rope: RopeSpec | None = None,
+                sinks: bool = False) -> list[mx.array]:
         """The output (and, given the appended ``tail_shape``, the new tail K and V); ``rope``:
-        the kernel rotates (``inputs`` end with ``ROPE_INPUTS``' three)."""
+        the kernel rotates (``inputs`` end with ``ROPE_INPUTS``' three); ``sinks``: the last
+        input is the attention sinks."""
         queries = inputs[0]
         b, n_q, _, d = queries.shape
         n_rep = n_q // n_kv
@@ -224,12 +230,12 @@ class PagedAttention:
             template += [("ROPE", rope.mode), ("ROPE_DIMS", rope.dims), ("ROPE_TRAD", rope.traditional)]
         grid = (blocks * splits * warps * 32, 1, 1)
         if splits == 1:
-            return self._kernel("single", appending, loop, rope is not None)(
+            return self._kernel("single", appending, loop, rope is not None, sinks)(
                 inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
                 output_shapes=[queries.shape] + tails, output_dtypes=[queries.dtype] * (1 + len(tails)))
         assert splits <= COMBINE_MAX_SPLITS, f"{splits} splits: the combine kernel merges {COMBINE_MAX_SPLITS} at most"
         parts = blocks * splits * n_rep
-        part_acc, part_m, part_l, *tail = self._kernel("split", appending, loop, rope is not None)(
+        part_acc, part_m, part_l, *tail = self._kernel("split", appending, loop, rope is not None, sinks)(
             inputs=inputs, template=template, grid=grid, threadgroup=(warps * 32, 1, 1),
             output_shapes=[(parts * d,), (parts,), (parts,)] + tails,
             output_dtypes=[mx.float32] * 3 + [queries.dtype] * len(tails))
@@ -253,10 +259,12 @@ class PagedAttention:
         }
 
     def warm_up(self, dtype: mx.Dtype, n_kv: int, n_rep: int, head_dim: int,
-                variants: set[tuple[int, int]], tail: bool = True, rope: RopeSpec | None = None) -> None:
+                variants: set[tuple[int, int]], tail: bool = True, rope: RopeSpec | None = None,
+                sinks: bool = False) -> None:
         """Compile every kernel variant decode can use now (tiny inputs), not in the middle of
         a request: each launch shape appending to a decode ``tail`` (rotating as ``rope`` says,
-        if given), or (without one, hybrid models) reading the step's own K/V as the tail."""
+        if given), or (without one, hybrid models) reading the step's own K/V as the tail;
+        ``sinks``: the variants with attention sinks."""
         table = mx.zeros((1, 64), dtype=mx.int32)
         pool = mx.zeros((2, n_kv, head_dim), dtype=dtype)
         old_kv = mx.zeros((1, n_kv, 2, head_dim), dtype=dtype)
@@ -264,12 +272,19 @@ class PagedAttention:
         queries = mx.zeros((1, n_kv * n_rep, 1, head_dim), dtype=dtype)
         lengths = mx.full((1,), 64, dtype=mx.int32)
         rows = mx.zeros((1,), dtype=mx.int32)
+        sink_logits = mx.zeros((n_kv * n_rep,), dtype=mx.float32) if sinks else None
         for launch in sorted(variants):
             args = (queries, pool, pool, table, rows, lengths, old_kv, old_kv, self._one)
             if tail:
-                mx.eval(*self._append_attend([*args, new, new], 1.0, launch, (rope, rows) if rope else None))
+                mx.eval(*self._append_attend([*args, new, new], 1.0, launch, (rope, rows) if rope else None,
+                                             sink_logits))
             else:
-                mx.eval(self._kernel_attend(*args, 1.0, launch))
+                mx.eval(self._kernel_attend(*args, 1.0, launch, sink_logits))
+
+
+def _sink_input(sinks: mx.array | None) -> list[mx.array]:
+    """The kernel's last input for a model with attention sinks: one float32 logit per query head."""
+    return [] if sinks is None else [sinks.astype(mx.float32)]
 
 
 @functools.cache

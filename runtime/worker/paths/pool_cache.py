@@ -170,13 +170,14 @@ class PoolLayerCache(CacheStandIn):
     def paged(self) -> bool:
         return self.batch.attention is not None
 
-    def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
-        """Decode attention over this row's pool slots (the K/V just written included)."""
+    def paged_attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        """Decode attention over this row's pool slots (the K/V just written included), with
+        the model's attention ``sinks`` if it has them."""
         b, layer = self.batch, self.kv_layer
         assert b.attention is not None and b.lengths is not None
         if b.table is None:
             assert b.gather_index is not None, "without the kernel, decode attends to gathered slots"
-            return b.attention.attend(queries, self.pool, layer, scale, b.gather_index, b.mask)
+            return b.attention.attend(queries, self.pool, layer, scale, b.gather_index, b.mask, sinks)
         assert b.table_rows is not None and self.new is not None
         tail = b.tail
         # Without a tail (hybrid models) the pool holds this step's K/V too; the kernel reads
@@ -189,7 +190,7 @@ class PoolLayerCache(CacheStandIn):
         table, table_rows, lengths = b.kernel_view(self.window)
         out, keys, values = b.attention.attend_appending(
             queries, self.pool.keys[layer], self.pool.values[layer], table, table_rows, lengths, old_k, old_v,
-            b.tail_len, *self.new, scale, b.launch)
+            b.tail_len, *self.new, scale, b.launch, sinks=sinks)
         if tail is not None:
             tail.set(layer, keys, values)
         return out

@@ -78,7 +78,7 @@ class _TailView(CacheStandIn):
         self.new = (keys, values)
         return keys, values  # paged_attend reads the pool and the tail, and appends to the tail
 
-    def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
+    def paged_attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         s, i = self.step, self.kv_layer
         assert self.new is not None
         rope = None
@@ -91,7 +91,7 @@ class _TailView(CacheStandIn):
         table, table_rows, lengths = s.kernel_view(self.window)
         out, s.new_keys[i], s.new_values[i] = s.attention.attend_appending(
             queries, s.pool_keys[i], s.pool_values[i], table, table_rows, lengths, s.tail_keys[i],
-            s.tail_values[i], s.tail_len, *self.new, scale, s.launch, rope)
+            s.tail_values[i], s.tail_len, *self.new, scale, s.launch, rope, sinks)
         return out
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> None:

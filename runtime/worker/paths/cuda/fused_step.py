@@ -74,8 +74,8 @@ class FusedLayerCache(CacheStandIn):
                             values[part.lo:part.hi, :, 0, :])
         return keys, values
 
-    def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
-        assert self.new is not None
+    def paged_attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        assert self.new is not None and sinks is None, "a model with attention sinks is not fused"
         keys, values = self.new
         r = self.step.decode_rows
         self.decode.new = (keys[:r], values[:r])

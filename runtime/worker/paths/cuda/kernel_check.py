@@ -22,17 +22,19 @@ ROWS, CONTEXT, TAIL, CAPACITY = 3, 40, 2, 4
 
 
 def check_paged_kernel(attention: PagedAttention, dtype: mx.Dtype, n_kv: int, n_rep: int, head_dim: int,
-                       launches: list[tuple[int, int]] | None = None, tail: bool = True) -> str | None:
+                       launches: list[tuple[int, int]] | None = None, tail: bool = True, sinks: bool = False
+                       ) -> str | None:
     """None when the kernel the worker will decode with agrees with MLX's attention on a small
     random batch at each of ``launches`` ((splits, warps); default: unsplit and split in two);
     else what was wrong. With a decode ``tail`` that is the appending kernel (output within
     ``TOLERANCE``, the new tail exact); without one (hybrid models) the kernel that reads the
     step's own K/V as the whole tail. Only that kind is built: each build is NVRTC seconds at
-    every start on a GPU."""
+    every start on a GPU. ``sinks``: the kernels with attention sinks (random logits, some above
+    every score), against MLX's attention with the same ``sinks``."""
     rng = np.random.default_rng(0)
     slots = ROWS * CONTEXT + 1
     key = mx.random.key(0)
-    k1, k2, k3, k4, k5, k6, k7 = mx.random.split(key, 7)
+    k1, k2, k3, k4, k5, k6, k7, k8 = mx.random.split(key, 8)
     keys_pool = mx.random.normal((slots, n_kv, head_dim), key=k1).astype(dtype)
     values_pool = mx.random.normal((slots, n_kv, head_dim), key=k2).astype(dtype)
     in_pool = rng.integers(1, CONTEXT + 1, ROWS)
@@ -47,26 +49,28 @@ def check_paged_kernel(attention: PagedAttention, dtype: mx.Dtype, n_kv: int, n_
     lengths = mx.array((in_pool + TAIL + 1).astype(np.int32))
     rows = mx.arange(ROWS, dtype=mx.int32)
     scale = head_dim**-0.5
+    sink_logits = 3.0 * mx.random.normal((n_kv * n_rep,), key=k8) if sinks else None
     if launches is None:
         splits, warps = launch_shape(ROWS, n_kv, n_rep, head_dim, CONTEXT + TAIL + 1)
         launches = sorted({(splits, warps), (2, warps)})  # one block per row and head, and split in two
     for launch in launches:
         problem = _check_launch(attention, queries, keys_pool, values_pool, table, in_pool, rows, lengths, tail_k,
-                                tail_v, new_k, new_v, scale, launch, tail)
+                                tail_v, new_k, new_v, scale, launch, tail, sink_logits)
         if problem is not None:
             return f"launch {launch}: {problem}"
     return None
 
 
 def _check_launch(attention: PagedAttention, queries, keys_pool, values_pool, table, in_pool, rows, lengths, tail_k,
-                  tail_v, new_k, new_v, scale: float, launch: tuple[int, int], tail: bool) -> str | None:
+                  tail_v, new_k, new_v, scale: float, launch: tuple[int, int], tail: bool,
+                  sinks: mx.array | None) -> str | None:
     if not tail:
         return _check_without_tail(attention, queries, keys_pool, values_pool, table, in_pool, rows, new_k, new_v,
-                                   scale, launch)
+                                   scale, launch, sinks)
     try:
         out, out_k, out_v = attention.attend_appending(
             queries, keys_pool, values_pool, mx.array(table), rows, lengths, tail_k, tail_v,
-            mx.array([TAIL], dtype=mx.int32), new_k, new_v, scale, launch)
+            mx.array([TAIL], dtype=mx.int32), new_k, new_v, scale, launch, sinks=sinks)
         mx.eval(out, out_k, out_v)
     except Exception as exc:  # a kernel that does not build or launch
         return f"{type(exc).__name__}: {exc}"
@@ -80,7 +84,7 @@ def _check_launch(attention: PagedAttention, queries, keys_pool, values_pool, ta
     valid = np.concatenate([np.arange(CONTEXT)[None, :] < in_pool[:, None], np.ones((ROWS, TAIL + 1), dtype=bool)],
                            axis=1)
     expected = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), all_k, all_v, scale=scale,
-                                                    mask=mx.array(valid)[:, None, None, :])
+                                                    mask=mx.array(valid)[:, None, None, :], sinks=sinks)
     err = mx.abs(out.astype(mx.float32) - expected).max().item()
     if not err <= TOLERANCE:  # also catches NaN
         return f"attention output differs from MLX's by {err:.3g} (at most {TOLERANCE} expected)"
@@ -88,13 +92,13 @@ def _check_launch(attention: PagedAttention, queries, keys_pool, values_pool, ta
 
 
 def _check_without_tail(attention: PagedAttention, queries, keys_pool, values_pool, table, in_pool, rows, new_k,
-                        new_v, scale: float, launch: tuple[int, int]) -> str | None:
+                        new_v, scale: float, launch: tuple[int, int], sinks: mx.array | None) -> str | None:
     """The pool, then the step's own K/V (no decode tail)."""
     index = mx.array(table[:ROWS])
     try:
         alone, _, _ = attention.attend_appending(queries, keys_pool, values_pool, mx.array(table), rows,
                                                  mx.array((in_pool + 1).astype(np.int32)), None, None, None, new_k,
-                                                 new_v, scale, launch)
+                                                 new_v, scale, launch, sinks=sinks)
         mx.eval(alone)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
@@ -102,7 +106,7 @@ def _check_without_tail(attention: PagedAttention, queries, keys_pool, values_po
     own_v = mx.concatenate([values_pool[index].transpose(0, 2, 1, 3), new_v], axis=2).astype(mx.float32)
     own_valid = np.concatenate([np.arange(CONTEXT)[None, :] < in_pool[:, None], np.ones((ROWS, 1), dtype=bool)], axis=1)
     expected = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), own_k, own_v, scale=scale,
-                                                    mask=mx.array(own_valid)[:, None, None, :])
+                                                    mask=mx.array(own_valid)[:, None, None, :], sinks=sinks)
     err = mx.abs(alone.astype(mx.float32) - expected).max().item()
     if not err <= TOLERANCE:
         return f"attention without a tail differs from MLX's by {err:.3g} (at most {TOLERANCE} expected)"
