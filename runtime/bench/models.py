@@ -40,6 +40,15 @@ _GEMMA3: dict = {
     "sliding_window_pattern": 6,
 }
 
+_GPT_OSS: dict = {
+    "model_type": "gpt_oss",
+    "architectures": ["GptOssForCausalLM"],
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 150000,
+    "num_experts_per_tok": 4,
+    "sliding_window": 128,
+}
+
 SHAPES: dict[str, dict] = {
     # CPU-sized: hidden 256, 4 layers, vocab 1000, float32.
     "tiny": {
@@ -93,6 +102,17 @@ SHAPES: dict[str, dict] = {
                   "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256,
                   "vocab_size": 262144, "sliding_window": 512, "max_position_embeddings": 32768,
                   "tie_word_embeddings": True, "torch_dtype": "bfloat16"},
+    # gpt-oss (windows of 128 beside full layers, attention sinks, a mixture of experts): a
+    # CPU-sized one in float32, and gpt-oss-20b's attention and widths in bf16 with 8 experts
+    # of its 32 (13 GB where the real one is 42 GB in bf16; it ships its experts in MXFP4).
+    "gpt-oss-tiny": {**_GPT_OSS, "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 256,
+                     "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "num_local_experts": 4,
+                     "vocab_size": 1000, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+                     "torch_dtype": "float32"},
+    "gpt-oss-20b-8e": {**_GPT_OSS, "hidden_size": 2880, "num_hidden_layers": 24, "intermediate_size": 2880,
+                       "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 8,
+                       "vocab_size": 201088, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+                       "torch_dtype": "bfloat16"},
 }
 
 # Each shape also in 4 bits ("llama-8b-4bit"): every matrix quantized as mlx-lm's own
