@@ -27,10 +27,10 @@ def test_each_batch_shape_is_traced_once_and_tokens_stay_exact(model_dir, monkey
     shapes, calls = set(), []
     call = cd.CompiledDecode.forward
 
-    def spy(self, tokens, rows, positions, compact, length, *aux):
+    def spy(self, tokens, rows, positions, compact, length, *aux, **kw):
         shapes.add((tokens.shape[0], self.bucket(length), compact))
         calls.append(length)
-        return call(self, tokens, rows, positions, compact, length, *aux)
+        return call(self, tokens, rows, positions, compact, length, *aux, **kw)
 
     monkeypatch.setattr(cd.CompiledDecode, "forward", spy)
     folder = model_dir("llama")

@@ -25,9 +25,9 @@ def test_compact_and_scattered_rows_with_prefix_hits(arch, compiled, model_dir, 
     if compiled:
         forward = cd.CompiledDecode.forward
 
-        def spy_compiled(self, tokens, rows, positions, compact, length, *aux):
+        def spy_compiled(self, tokens, rows, positions, compact, length, *aux, **kw):
             seen.append((tuple(rows.tolist()), compact))
-            return forward(self, tokens, rows, positions, compact, length, *aux)
+            return forward(self, tokens, rows, positions, compact, length, *aux, **kw)
 
         monkeypatch.setattr(cd.CompiledDecode, "forward", spy_compiled)
     else:

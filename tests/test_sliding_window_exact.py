@@ -100,3 +100,33 @@ def test_windows_that_masking_cannot_reproduce_are_refused(folder):
             discover(model)
     finally:
         model.make_cache = made
+
+
+def test_the_compiled_step_reads_a_windowed_layers_span_only(folder, monkeypatch):
+    """The CPU's compiled decode step reads a sliding-window layer's span that holds every row's
+    window (``CompiledDecode.window_spans``), not the whole length, as mlx-lm's RotatingKVCache
+    holds the window alone: rows in lockstep, rows spread apart, and scattered rows run padded."""
+    from runtime.worker.paths.rows import compiled_decode as cd
+
+    sliced = []
+    spans = cd.CompiledDecode.window_spans
+
+    def spy(self, positions, length):
+        out = spans(self, positions, length)
+        sliced.append((length, out[0]))
+        return out
+
+    monkeypatch.setattr(cd.CompiledDecode, "window_spans", spy)
+    svc = InProcessService(folder, max_running=8, compile_decode=True)
+    assert svc.engine.compiled is not None and svc.engine.compiled.length_bucket == 32
+    sliced.clear()  # (the start-up traces')
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (70, 12, 100, 40, 75)]
+    reqs = [svc.request(f"r{i}", p, 30) for i, p in enumerate(prompts)]
+    svc.run({0: reqs[:1]})  # alone: one row
+    svc.run({0: reqs[1:4], 6: reqs[4:]})
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+    assert any(s == ((WINDOW, 32),) for _, s in sliced), sliced  # one row: one bucket
+    assert any(s and s[0][1] > 32 for _, s in sliced)  # spread rows: a wider span
+    assert all(not s or s[0][1] < length for length, s in sliced)

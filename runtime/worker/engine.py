@@ -166,9 +166,8 @@ class Engine:
             if padded:
                 return self.compiled.forward_padded(inputs, list(decode.rows), list(decode.positions), plan.length,
                                                     padded), True
-            logits = self.compiled.forward(inputs, mx.array(plan.rows.astype(np.int32)),
-                                           mx.array(plan.positions.astype(np.int32)), plan.compact, plan.length,
-                                           aux_slots)
+            logits = self.compiled.forward(inputs, mx.array(plan.rows.astype(np.int32)), plan.positions, plan.compact,
+                                           plan.length, aux_slots)
             return logits, True
         inputs, batch, in_place = self._pool_decode(decode, plan)
         # Every row count decodes compiled: a new trace costs about 35 ms once its kernels exist

@@ -12,7 +12,9 @@ has 0.3 ms of other work per step.
 
 Shapes must recur for a trace to be reused, so attention reads a bucketed length
 (``length_bucket`` multiples) with a mask, rather than exactly the positions in use, and the
-new K/V are scattered at (row, position) arrays rather than sliced at Python ints.
+new K/V are scattered at (row, position) arrays rather than sliced at Python ints. A
+sliding-window layer reads only a span that holds every row's window (``window_spans``; its
+first position is an input array, so one trace serves every start).
 """
 
 from __future__ import annotations
@@ -63,9 +65,14 @@ class _RowView(CacheStandIn):
         self.values[s.row_index, self.heads, s.position_index] = values[:, :, 0, :]
         if s.compact:
             b = keys.shape[0]
-            self.fetched = self.keys[:b, :, : s.length, :], self.values[:b, :, : s.length, :]
+            fetched = self.keys[:b, :, : s.length, :], self.values[:b, :, : s.length, :]
         else:
-            self.fetched = self.keys[s.rows, :, : s.length, :], self.values[s.rows, :, : s.length, :]
+            fetched = self.keys[s.rows, :, : s.length, :], self.values[s.rows, :, : s.length, :]
+        part = s.window_slice(self.window)
+        if part is not None:  # a sliding-window layer reads the span that holds every row's window
+            start, span = part
+            fetched = tuple(mx.slice(a, start, [2], (a.shape[0], a.shape[1], span, a.shape[3])) for a in fetched)
+        self.fetched = fetched
         return self.fetched
 
     @property
@@ -88,29 +95,50 @@ class _RowView(CacheStandIn):
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         window = narrower(window_size, self.window)
-        return self.step.mask if window is None else self.step.window_mask(window)
+        return self.step.mask if window is None else self.step.window_mask(window, self.window)
 
 
 class _StepArrays:
-    """What every layer of one traced step shares: rows, positions, attended length, mask."""
+    """What every layer of one traced step shares: rows, positions, attended length, mask, and
+    for each sliced sliding window its span's first position (``starts``, an input array, one per
+    window of ``spans``) and length."""
 
     def __init__(self, rows: mx.array, positions: mx.array, compact: bool, length: int,
-                 fold: bool, split: RowSplit | None, mask_rank: int = 4) -> None:
+                 fold: bool, split: RowSplit | None, mask_rank: int = 4,
+                 spans: tuple[tuple[int, int], ...] = (), starts: mx.array | None = None) -> None:
         self.rows, self.positions = rows, positions
         self.compact, self.length, self.fold = compact, length, fold
+        self.mask_rank = mask_rank
+        assert (starts is None) == (not spans)
+        self.slices = {window: (starts[i : i + 1], span) for i, (window, span) in enumerate(spans)}
         self.split = split
         self.parts = split.parts(rows.shape[0]) if split is not None else 1
         self.row_index, self.position_index = rows[:, None], positions[:, None]  # scatter (row, head, position)
         index = mx.arange(length)[None, :]
         # (B, 1, 1, length) bool (rank 5 for 5-D grouped queries): each row sees the positions up to its own.
         self.mask = decode_mask(index <= positions[:, None], mask_rank)
-        self.window_masks: dict[int, mx.array] = {}
+        self.window_masks: dict[tuple[int, int | None], mx.array] = {}
 
-    def window_mask(self, window: int) -> mx.array:
-        """The mask of a layer with a sliding window (built once per window and trace)."""
-        if window not in self.window_masks:
-            self.window_masks[window] = window_decode_mask(self.mask, self.positions, window)
-        return self.window_masks[window]
+    def window_slice(self, window: int | None) -> tuple[mx.array, int] | None:
+        """(first position as a 1-element array, span) a layer of this window reads, or None: all."""
+        return self.slices.get(window) if window is not None else None
+
+    def window_mask(self, window: int, sliced_by: int | None = None) -> mx.array:
+        """The mask of a layer with a sliding window (built once per window and trace), over the
+        span of ``sliced_by``'s slice where that window is sliced."""
+        if (window, sliced_by) not in self.window_masks:
+            part = self.window_slice(sliced_by)
+            if part is None:
+                mask = window_decode_mask(self.mask, self.positions, window)
+            else:
+                start, span = part
+                index = start + mx.arange(span)[None, :]
+                # A padding row (at the scratch position, past the span) sees the span's last
+                # ``window`` positions rather than none (its output is dropped).
+                lowest = mx.minimum(self.positions, start + span - 1)[:, None] - window
+                mask = decode_mask((index <= self.positions[:, None]) & (index > lowest), self.mask_rank)
+            self.window_masks[(window, sliced_by)] = mask
+        return self.window_masks[(window, sliced_by)]
 
 
 def mlx_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
@@ -179,6 +207,7 @@ class CompiledDecode:
         self.kv_index = list(layout.kv_index)
         self.nest = layout.nest
         self.windows = [layout.window(entry) for entry, i in enumerate(layout.kv_index) if i >= 0]
+        self.distinct_windows = sorted({w for w in self.windows if w is not None})
         self.mask_rank = layout.mask_rank
         self.row_cache = row_cache
         self.aux_pool = aux_pool
@@ -210,10 +239,31 @@ class CompiledDecode:
         """The attended length for a batch whose longest row needs ``length`` positions."""
         return round_length(length, self.length_bucket, self.max_context)
 
+    def window_spans(self, positions: np.ndarray, length: int) -> tuple[tuple[tuple[int, int], ...], list[int]]:
+        """For each sliding window, the span of positions its layers read in a step whose rows
+        are at ``positions`` (real rows only) and attend to ``length``: ((window, span), ...) and
+        each span's first position. A span holds every row's last ``window`` positions, its
+        length the window rounded up to the length bucket, doubled until the rows' spread fits;
+        a window whose span would be the whole length is not sliced. mlx-lm's RotatingKVCache
+        attends to the window alone; reading the whole length under a mask cost windowed models
+        on the CPU a quarter of their decode speed at 16 rows (Gemma 3 tiny: 0.89x BatchGenerator)."""
+        lo, hi = int(positions.min()), int(positions.max())
+        spans, starts = [], []
+        for window in self.distinct_windows:
+            span = -(-window // self.length_bucket) * self.length_bucket
+            while span < hi - lo + window:
+                span *= 2
+            if span < length:
+                spans.append((window, span))
+                starts.append(max(0, min(lo - window + 1, length - span)))
+        return tuple(spans), starts
+
     def _forward(self, tokens: mx.array, rows: mx.array, positions: mx.array, keys: list[mx.array],
                  values: list[mx.array], compact: bool, length: int, aux_slots: mx.array | None = None,
-                 aux_states: list[list[mx.array]] | None = None):
-        step = _StepArrays(rows, positions, compact, length, self.fold_heads, self.split, self.mask_rank)
+                 aux_states: list[list[mx.array]] | None = None, spans: tuple[tuple[int, int], ...] = (),
+                 starts: mx.array | None = None):
+        step = _StepArrays(rows, positions, compact, length, self.fold_heads, self.split, self.mask_rank, spans,
+                           starts)
         views = [_RowView(k, v, h, step, w) for k, v, h, w in zip(keys, values, self.row_cache.heads, self.windows)]
         # A hybrid model's per-row states come from the traced aux-pool arrays and go back there.
         aux_pool = AuxPool(aux_states) if aux_states is not None else None
@@ -234,20 +284,26 @@ class CompiledDecode:
         lengths = bucket_lengths(self.length_bucket, self.max_context)
         aux = self.aux_pool.states if self.aux_pool is not None else None
         for length in lengths[: MAX_TRACES // 2]:  # half the cache at most: other shapes need room
-            self.traces((rows, length, True), tokens, index, index, c.keys, c.values, True, length,
-                        index if aux is not None else None, aux)  # outputs dropped
+            spans, starts = self.window_spans(np.full(rows, length - 1), length)  # rows in lockstep
+            self.traces((rows, length, True, spans), tokens, index, index, c.keys, c.values, True, length,
+                        index if aux is not None else None, aux, spans,
+                        mx.array(starts, dtype=mx.int32) if spans else None)  # outputs dropped
         return min(len(lengths), MAX_TRACES // 2)
 
-    def forward(self, tokens: mx.array, rows: mx.array, positions: mx.array, compact: bool, length: int,
-                aux_slots: mx.array | None = None) -> mx.array:
+    def forward(self, tokens: mx.array, rows: mx.array, positions: np.ndarray, compact: bool, length: int,
+                aux_slots: mx.array | None = None, real_positions: np.ndarray | None = None) -> mx.array:
         """Logits (B, vocab) of one decode step; the row cache holds the step's K/V afterwards,
-        and the aux-state pool (hybrid models) each row's new state at ``aux_slots``."""
+        and the aux-state pool (hybrid models) each row's new state at ``aux_slots``.
+        ``real_positions``: the requests' positions where padding rows fill the batch (default:
+        every row is a request)."""
         c = self.row_cache
         length = self.bucket(length)
         aux = self.aux_pool.states if self.aux_pool is not None else None
         assert (aux_slots is None) == (aux is None)
-        logits, keys, values, states = self.traces((tokens.shape[0], length, compact), tokens, rows, positions,
-                                                   c.keys, c.values, compact, length, aux_slots, aux)
+        spans, starts = self.window_spans(positions if real_positions is None else real_positions, length)
+        logits, keys, values, states = self.traces(
+            (tokens.shape[0], length, compact, spans), tokens, rows, mx.array(positions.astype(np.int32)), c.keys,
+            c.values, compact, length, aux_slots, aux, spans, mx.array(starts, dtype=mx.int32) if spans else None)
         c.keys[:], c.values[:] = keys, values
         if self.aux_pool is not None:
             self.aux_pool.states = states
@@ -280,5 +336,6 @@ class CompiledDecode:
         all_tokens[index] = tokens
         all_positions = np.full(padded, self.row_cache.max_context, dtype=np.int32)
         all_positions[rows] = positions
-        logits = self.forward(all_tokens, mx.arange(padded, dtype=mx.int32), mx.array(all_positions), True, length)
+        logits = self.forward(all_tokens, mx.arange(padded, dtype=mx.int32), all_positions, True, length,
+                              real_positions=np.asarray(positions))
         return logits[index]
