@@ -42,8 +42,7 @@ def test_windowed_layers_decode_through_the_kernel(arch, compiled, folders, monk
     assert tail_capacity(TAIL_STEPS) == WINDOW
     folder = folders(arch)
     views = []
-    from runtime.worker.paths.cuda import compiled_paged, window_view
-    from runtime.worker.paths import pool_cache
+    from runtime.worker.paths.cuda import window_view
 
     original = window_view.window_view
 
@@ -51,8 +50,7 @@ def test_windowed_layers_decode_through_the_kernel(arch, compiled, folders, monk
         views.append(args[-1])
         return original(*args)
 
-    monkeypatch.setattr(pool_cache, "window_view", counted)
-    monkeypatch.setattr(compiled_paged, "window_view", counted)
+    monkeypatch.setattr(window_view, "window_view", counted)  # what both decode paths' views call
     svc = InProcessService(folder, max_running=8, row_cache=False, compile_decode=compiled)
     engine = svc.engine
     assert engine.paths.device_table is not None and engine.paths.tail is not None  # the kernel path

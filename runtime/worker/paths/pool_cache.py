@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from runtime.worker.paths.cuda.decode_tail import DecodeTail
-from runtime.worker.paths.cuda.window_view import window_view
+from runtime.worker.paths.cuda.window_view import cached_view
 from runtime.worker.paths.paged_attention import PagedAttention
 from runtime.worker.paths.prefill_shapes import front_padded_mask
 from runtime.worker.paths.rows.row_cache import RowSpan
@@ -90,11 +90,7 @@ class ForwardBatch:
         """The kernel's (table, table rows, lengths) for a layer of this ``window`` (None: all
         positions; see ``window_view``), built once per window and forward."""
         assert self.table is not None and self.table_rows is not None and self.lengths is not None
-        if window is None:
-            return self.table, self.table_rows, self.lengths
-        if window not in self.window_views:
-            self.window_views[window] = window_view(self.table, self.table_rows, self.lengths, window)
-        return self.window_views[window]
+        return cached_view(self.window_views, self.table, self.table_rows, self.lengths, window)
 
 
 class CacheStandIn:

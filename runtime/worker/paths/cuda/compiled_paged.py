@@ -25,7 +25,7 @@ import mlx.nn as nn
 from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.model.kernel_rope import DeferredOffset, RopeSpec
 from runtime.worker.paths.cuda.decode_tail import DecodeTail
-from runtime.worker.paths.cuda.window_view import window_view
+from runtime.worker.paths.cuda.window_view import cached_view
 from runtime.worker.paths.paged_attention import PagedAttention
 from runtime.worker.paths.pool_cache import CacheStandIn, ForwardBatch
 from runtime.worker.paths.trace_cache import MAX_TRACES, TraceCache
@@ -51,11 +51,7 @@ class _Step:
     def kernel_view(self, window: int | None) -> tuple[mx.array, mx.array, mx.array]:
         """The kernel's (table, table rows, lengths) for a layer of this sliding ``window`` (None:
         every position), built once per window and trace (``window_view``)."""
-        if window is None:
-            return self.table, self.table_rows, self.lengths
-        if window not in self.window_views:
-            self.window_views[window] = window_view(self.table, self.table_rows, self.lengths, window)
-        return self.window_views[window]
+        return cached_view(self.window_views, self.table, self.table_rows, self.lengths, window)
 
 
 class _TailView(CacheStandIn):

@@ -213,7 +213,7 @@ WRITE_OUT = """
 # softmax's denominator only, as MLX's attention takes ``sinks``. It is merged into the block's
 # running max and sum as a position whose value row is zero, by the unsplit block or by split 0
 # of a split launch (the combine kernel then merges it as it merges any split's). Goes between
-# the block merge and WRITE_OUT / WRITE_PARTIAL; inputs ``SINK_INPUTS``.
+# the block merge and WRITE_OUT / WRITE_PARTIAL; inputs ``kernel_inputs(..., sinks=True)``.
 SINK_MERGE = """
         if (split == 0) {
             const float sink = sinks[h * NREP + r];

@@ -29,3 +29,17 @@ def window_view(table: mx.array, table_rows: mx.array, lengths: mx.array, window
     narrow = mx.take(table.reshape(-1), flat)
     rows = mx.arange(lengths.shape[0], dtype=mx.int32)
     return narrow, rows, mx.minimum(lengths, window)
+
+
+KernelInputs = tuple[mx.array, mx.array, mx.array]
+
+
+def cached_view(views: dict[int, KernelInputs], table: mx.array, table_rows: mx.array, lengths: mx.array,
+                window: int | None) -> KernelInputs:
+    """The kernel's (table, rows, lengths) for a layer of ``window`` (None: every position), each
+    window's view built once into ``views`` (one forward's, or one trace's)."""
+    if window is None:
+        return table, table_rows, lengths
+    if window not in views:
+        views[window] = window_view(table, table_rows, lengths, window)
+    return views[window]
