@@ -80,7 +80,7 @@ def _mlx_loop(step, y, steps: int) -> dict:
 
 
 def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slots_total: int, stagger: bool = False,
-                warm: bool = False, around=contextlib.nullcontext) -> dict:
+                warm: bool = False, around=contextlib.nullcontext, row_cache: bool | None = None) -> dict:
     """The worker's Engine: prefill every row, then chained decode steps in the worker's order."""
     from runtime.protocol.worker import DecodeBatch, PrefillChunk, Step
     from runtime.worker.decode_warmup import warm_decode
@@ -92,7 +92,7 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
     seq = context + steps + 8
     num_slots = max(slots_total, batch * seq + 1)
     pool = KVPool(len(layout.attention_layers), num_slots, layout.kv_shape, layout.kv_dtype)
-    engine = Engine(model, layout, pool, max(batch, MAX_ROWS), seq)
+    engine = Engine(model, layout, pool, max(batch, MAX_ROWS), seq, row_cache=row_cache)
     if warm:
         warm_decode(engine)  # what the worker does before it takes requests
     rng = np.random.default_rng(0)
@@ -250,6 +250,8 @@ def main() -> None:
     p.add_argument("--modes", default="mlx,engine,engine-overlap",
                    help="comma-separated; a mode ending in -fused runs with fused projections (and so do all after it)")
     p.add_argument("--big-pool", type=int, default=0, help="engine pool slots at least this many")
+    p.add_argument("--row-cache", choices=("auto", "on", "off"), default="auto",
+                   help="engine modes: the worker's choice, or force the row cache on / off (off: the pool gather)")
     p.add_argument("--cold-engine", action="store_true",
                    help="engine modes skip the worker's warm-up, so the compiled step's traces compile inside the "
                         "timed run (what runs before session 8 measured)")
@@ -290,9 +292,11 @@ def main() -> None:
                 mode = mode.removesuffix("-fused")
             warm_up = not args.cold_engine  # every engine mode warms up first (as the worker does) unless asked
 
+            row_cache = {"auto": None, "on": True, "off": False}[args.row_cache]
+
             def engine(overlap=False, stagger=False, warm=warm_up, a=nullctx):
                 return time_engine(model, batch, args.context, args.steps, overlap, args.big_pool, stagger, warm=warm,
-                                   around=a)
+                                   around=a, row_cache=row_cache)
 
             fn = {
                 "mlx": lambda a=nullctx: time_mlx(model, batch, args.context, args.steps, a),

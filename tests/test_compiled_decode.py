@@ -205,3 +205,17 @@ def test_attention_threads_default_to_one_per_cpu_and_are_validated():
     with pytest.raises(ConfigError, match="attention_threads"):
         parse_config({"model": {"path": "/m"}, "worker": {"attention_threads": -1}})
     assert parse_config({"model": {"path": "/m"}, "worker": {"attention_threads": 1}}).worker.attention_threads == 1
+
+
+def test_a_gpu_never_splits_attention_over_cpu_streams(model_dir, monkeypatch):
+    """The extra streams are CPU streams: on a GPU they would move most rows' attention onto
+    host threads (session 33: 140 ms steps for Gemma 3 1B at 16 rows on an H100)."""
+    import runtime.worker.engine as engine_module
+    from runtime.worker.paths.rows.parallel_attention import streams_on
+
+    assert streams_on(True, 3) == 3 and streams_on(False, 3) == 1 and streams_on(False, 1) == 1
+    asked = []
+    monkeypatch.setattr(engine_module, "streams_on", lambda on_cpu, n: asked.append((on_cpu, n)) or streams_on(not on_cpu, n))
+    svc = InProcessService(model_dir("llama"), max_running=16, attention_streams=2)
+    assert asked == [(True, 2)]  # the engine asks with its device (the CPU here) ...
+    assert svc.engine.compiled is not None and svc.engine.compiled.split is None  # ... and takes the answer

@@ -147,6 +147,7 @@ def test_a_kernel_that_does_not_rotate_is_caught() -> None:
 
 @pytest.mark.parametrize(("loop", "appending", "splits", "dtype", "head_dim", "n_rep", "warps"), [
     ("pipelined", True, 1, "float", 64, 4, 2),
+    ("pipelined", True, 3, "float", 64, 2, 2),  # a float32 gpt-oss's split launches
     ("pipelined", False, 3, "bf16", 64, 2, 4),
     ("mma", True, 1, "bf16", 64, 8, 4),  # gpt-oss: 8 query heads of 64 per KV head
     ("mma", True, 5, "bf16", 64, 8, 2),

@@ -109,9 +109,9 @@ class WorkerConfig:
     At most 256 step shapes stay compiled per path (``TraceCache``, least recently used
     dropped): a trace costs about 0.1 MiB of host memory per layer.
 
-    ``attention_threads``: with compiled decode on the CPU, a batch of 8 rows or more computes
-    its attention in groups of rows on this many MLX CPU streams (threads), bit-identical to
-    one stream; 0 = one per CPU, at most 4; 1 = one stream.
+    ``attention_threads``: with compiled decode on the CPU (never on a GPU), a batch of 8 rows
+    or more computes its attention in groups of rows on this many MLX CPU streams (threads),
+    bit-identical to one stream; 0 = one per CPU, at most 4; 1 = one stream.
 
     ``buffer_cache_mb``: MLX's cache of freed buffers. MLX's CPU default (32 MiB) is smaller
     than one decode step's temporaries at moderate batch sizes, and missing it costs a

@@ -31,6 +31,7 @@ from runtime.worker.paths.prefill_shapes import (
     prefill_length,
 )
 from runtime.worker.paths.rows.compiled_decode import CompiledDecode, row_step_compiled
+from runtime.worker.paths.rows.parallel_attention import streams_on
 from runtime.worker.pools.aux_pool import AuxPool
 from runtime.worker.pools.kv_pool import KVPool
 from runtime.worker.prompt_logprobs import prompt_logprobs, read_prompt_logprobs
@@ -106,7 +107,7 @@ class Engine:
                 and CompiledDecode.supports(layout)):
             self.compiled = CompiledDecode.with_exact_folding(model, layout, self.paths.row_cache,
                                                               self.COMPILED_LENGTH_BUCKET, max_context, aux_pool,
-                                                              attention_streams)
+                                                              streams_on(on_cpu, attention_streams))
         self.compiled_paged: CompiledPagedDecode | None = None
         if compile_decode and self.paths.tail is not None and aux_pool is None and CompiledDecode.supports(layout):
             assert self.paths.attention is not None
