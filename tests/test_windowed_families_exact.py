@@ -85,3 +85,20 @@ def test_windows_in_decode_chunked_prefill_and_prefix_hits(arch, path, folders):
     reqs = [chunked.request(f"c{i}", _ids(rng, 20 + 7 * i), 10) for i in range(3)]
     chunked.run({0: reqs})
     assert_requests_like_mlx(folder, reqs)
+
+
+def test_the_pool_gather_reads_a_windowed_layers_window_only(folders, monkeypatch):
+    """A pool-gather decode gathers W positions for a sliding-window layer, not the whole length."""
+    from runtime.worker.pools.kv_pool import KVPool
+
+    widths = []
+    gather = KVPool.gather
+    monkeypatch.setattr(KVPool, "gather", lambda self, layer, index: widths.append(index.shape[1])
+                        or gather(self, layer, index))
+    folder = folders("gpt_oss")
+    svc = InProcessService(folder, max_running=8, **PATHS["pool-gather"])
+    rng = random.Random(5)
+    reqs = [svc.request(f"r{i}", _ids(rng, n), 12) for i, n in enumerate([30, 3, 17])]
+    svc.run({0: reqs[:2], 3: reqs[2:]})
+    assert_requests_like_mlx(folder, reqs)
+    assert widths.count(WINDOW) == widths.count(svc.engine.LENGTH_BUCKET) > 0  # one window layer per full one

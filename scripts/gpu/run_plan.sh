@@ -38,7 +38,7 @@ for item in "$@"; do
     *@nographs) item=${item%@*}; tag=-nographs; export MLX_USE_CUDA_GRAPHS=0 ;;
     *@graphs) item=${item%@*}; tag=-graphs; export MLX_USE_CUDA_GRAPHS=1 ;;
   esac
-  tag=$tag${fuse_tag:-}${cubin_tag:-}${pad_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}${win_tag:-}${sink_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
+  tag=$tag${fuse_tag:-}${cubin_tag:-}${pad_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}${win_tag:-}${sink_tag:-}${cpu_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
   case $item in
     kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
     gemv-ab) run "$item" 150 python3 scripts/gemv_ab.py ;;
@@ -68,6 +68,10 @@ for item in "$@"; do
       sed -i 's/windows_fit = all(w is None or w >= tail_capacity(TAIL_STEPS) for w in layout.windows)/windows_fit = not layout.windowed/' runtime/worker/paths/attention_paths.py; win_tag=-gathered
       echo "== windowed-gathered: $(grep -E 'windows_fit = ' runtime/worker/paths/attention_paths.py)" ;;
     pytest-sinks) run "$item" 200 python3 -m pytest -q tests/test_sinks_cuda.py tests/test_paged_attention.py -k "sink or start_up" ;;
+    cpu-streams)  # on this device copy only: the items after it let a GPU's compiled row step split attention over
+                  # CPU streams, as before session 33 (parallel_attention.streams_on)
+      sed -i 's/    return streams if on_cpu else 1/    return streams/' runtime/worker/paths/rows/parallel_attention.py; cpu_tag=-cpu-streams
+      echo "== cpu-streams: $(grep -E '^    return streams' runtime/worker/paths/rows/parallel_attention.py)" ;;
     path-diff) run "$item" 240 python3 scripts/gpu/path_diff.py --arch gpt_oss --window 64 ;;
     pytest-windowed-cuda) run "$item" 200 python3 -m pytest -q tests/test_window_view_cuda.py ;;
     sinks-gathered)  # on this device copy only: the items after it keep models with attention sinks (gpt-oss) off the
@@ -159,7 +163,7 @@ for item in "$@"; do
     pytest-residual) run "$item" 200 python3 -m pytest -q tests/test_fused_residual.py tests/test_service_exact.py ;;
     pytest-shapes)  # attention layers of several shapes, KV-shared layers (Gemma 4, Gemma 3n): token-exact on CUDA too
       run "$item" 400 python3 -m pytest -q tests/test_layer_shapes_exact.py tests/test_kv_read_back.py tests/test_kv_shared_paths.py ;;
-    *) echo "== $item: unknown (path-diff sinks-gathered gpt-oss-paired gpt-oss-sweep pytest-sinks gemma-sweep-trace windowed-gathered pytest-windowed pytest-windowed-cuda gemma-mixed-rt-short gemma-first-user 1b-paired-short unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
+    *) echo "== $item: unknown (cpu-streams path-diff sinks-gathered gpt-oss-paired gpt-oss-sweep pytest-sinks gemma-sweep-trace windowed-gathered pytest-windowed pytest-windowed-cuda gemma-mixed-rt-short gemma-first-user 1b-paired-short unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then

@@ -28,7 +28,7 @@ from runtime.worker.paths.cuda.kernel_launch import launch_shape
 from runtime.worker.paths.decode_plan import DecodePlan, row_bucket
 from runtime.worker.paths.deferred_steps import DeferredSteps
 from runtime.worker.paths.paged_attention import PagedAttention
-from runtime.worker.paths.pool_cache import ForwardBatch, decode_mask
+from runtime.worker.paths.pool_cache import ForwardBatch, WindowGather, decode_mask
 from runtime.worker.paths.prefill_shapes import front_padded_mask, key_length
 from runtime.worker.paths.rows.row_cache import MAX_BYTES, RowCache, RowSpan
 from runtime.worker.pools.kv_pool import KVPool
@@ -76,6 +76,9 @@ class AttentionPaths:
         routed = bool(layout.attention_layers) and attention_patch.install(model, layout.attn_attr)
         self.windowed = layout.windowed
         self.sinks = layout.sinks  # the kernels with attention sinks (gpt-oss)
+        # The one sliding window (discovery refuses several) a pool-gather decode narrows its
+        # windowed layers' K/V to; not where a layer reads another's K/V back whole.
+        self.gather_window = None if layout.shares_kv else next((w for w in layout.windows if w is not None), None)
         shape = layout.kv_shape
         # A sliding window the decode tail fits in: the kernel reads each row's last W positions
         # through a narrowed table (``window_view``), the tail being always the newest of them.
@@ -246,9 +249,11 @@ class AttentionPaths:
             # Padding rows (past the host table) attend to the padding slot 0 only.
             index = np.zeros((len(rows), plan.length), dtype=self.slot_table.dtype)
             index[: len(decode.rows)] = self.slot_table[rows[: len(decode.rows)], : plan.length]
+            narrow = self.gather_window is not None and self.gather_window < plan.length
             batch = ForwardBatch(write_slots=write_slots, gather_index=mx.array(index), offset=offsets, mask=mask,
                                  lengths=mx.array(positions32 + 1) if self.attention is not None else None,
-                                 attention=self.attention)
+                                 attention=self.attention,
+                                 window_gather=self.window_gather(plan, index) if narrow else None)
             return batch, True
         table_rows = mx.array(rows.astype(np.int32))
         in_place = True
@@ -267,6 +272,17 @@ class AttentionPaths:
                              tail_len=self.tail.old_length() if self.tail is not None else None,
                              launch=self.launch(len(rows), plan.length))
         return batch, in_place
+
+    def window_gather(self, plan: DecodePlan, index: np.ndarray) -> WindowGather:
+        """The pool gather's narrowed K/V slots for sliding-window layers: each row's last
+        ``gather_window`` positions out of ``index`` (B, plan.length), the positions mlx-lm's
+        RotatingKVCache keeps, so those layers gather and attend to W positions, not the length."""
+        window = self.gather_window
+        assert window is not None
+        columns = np.maximum(plan.positions + 1 - window, 0)[:, None] + np.arange(window)
+        valid = columns <= plan.positions[:, None]
+        slots = np.where(valid, np.take_along_axis(index, np.minimum(columns, plan.length - 1), axis=1), 0)
+        return WindowGather(window, mx.array(slots.astype(np.int32)), decode_mask(mx.array(valid), self.mask_rank))
 
     def defer_dense(self, decode: DecodeBatch, plan: DecodePlan) -> None:
         """Record a row-cache decode step: its K/V stay in the row cache (decode reads nothing

@@ -35,6 +35,17 @@ def narrower(a: int | None, b: int | None) -> int | None:
     return b if a is None else a if b is None else min(a, b)
 
 
+@dataclass(frozen=True)
+class WindowGather:
+    """A pool-gather decode's K/V for sliding-window layers: ``index`` (B, window) holds the slots
+    of each row's last ``window`` positions (padding slot 0 past a short row's length), ``mask``
+    (a ``decode_mask``) which of them are real. Such a layer reads its window, not the whole length."""
+
+    window: int
+    index: mx.array
+    mask: mx.array
+
+
 @dataclass
 class ForwardBatch:
     """What one forward pass needs to address the pool.
@@ -56,7 +67,8 @@ class ForwardBatch:
     path; the fallback gathers through ``gather_index``); ``tail``: where a kernel-path decode
     puts its new K/V instead of the pool, and ``tail_len`` how many it holds before this step
     (an int32 array: ``DecodeTail.old_length``); ``launch``: the kernel's (splits, warps) for this
-    batch, chosen once per step (``launch_shape``).
+    batch, chosen once per step (``launch_shape``). ``window_gather``: a pool-gather decode's
+    narrowed K/V and mask for layers of that sliding window, or None.
     """
 
     write_slots: mx.array | None
@@ -74,6 +86,7 @@ class ForwardBatch:
     front_padding: tuple[int, int, int] | None = None
     window_masks: dict[int, mx.array] = field(default_factory=dict)
     window_views: dict[int, tuple[mx.array, mx.array, mx.array]] = field(default_factory=dict)
+    window_gather: WindowGather | None = None
 
     def window_mask(self, window: int) -> mx.array:
         """``mask`` for a layer with a sliding window (built once per window and forward): a
@@ -160,6 +173,9 @@ class PoolLayerCache(CacheStandIn):
         if self.batch.gather_index is None:
             # The new tokens are the whole sequence: attend to them directly, as mlx-lm's KVCache does.
             return keys, values
+        narrowed = self.batch.window_gather
+        if narrowed is not None and self.window == narrowed.window:
+            return self.pool.gather(self.kv_layer, narrowed.index)
         return self.pool.gather(self.kv_layer, self.batch.gather_index)
 
     @property
@@ -196,6 +212,9 @@ class PoolLayerCache(CacheStandIn):
         window = narrower(window_size, self.window)
         if self.paged:
             return None  # the kernel takes each row's length (and a window's narrowed table)
+        narrowed = self.batch.window_gather
+        if narrowed is not None and window == narrowed.window:
+            return narrowed.mask  # over the window's gathered K/V (``_store``)
         if self.batch.mask is not None:
             return self.batch.mask if window is None else self.batch.window_mask(window)
         offset = self.batch.offset
