@@ -24,13 +24,14 @@ MAX_ROWS = int(os.environ.get("PROFILE_MAX_ROWS", "0"))  # engine rows beyond th
 
 
 def make_model(shape: str):
-    from mlx_lm.models import llama
+    """The shape's own architecture (Gemma 3, gpt-oss, Llama), random weights, in its dtype."""
+    import importlib
 
     from runtime.bench.models import shape_config
 
     cfg = shape_config(shape)
-    args = llama.ModelArgs.from_dict({**cfg, "model_type": "llama"})
-    model = llama.Model(args)
+    arch = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
+    model = arch.Model(arch.ModelArgs.from_dict(cfg))
     dtype = {"bfloat16": mx.bfloat16, "float32": mx.float32}[cfg["torch_dtype"]]
     model.set_dtype(dtype)
     mx.eval(model.parameters())
