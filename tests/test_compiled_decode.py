@@ -215,7 +215,8 @@ def test_a_gpu_never_splits_attention_over_cpu_streams(model_dir, monkeypatch):
 
     assert streams_on(True, 3) == 3 and streams_on(False, 3) == 1 and streams_on(False, 1) == 1
     asked = []
-    monkeypatch.setattr(engine_module, "streams_on", lambda on_cpu, n: asked.append((on_cpu, n)) or streams_on(not on_cpu, n))
+    monkeypatch.setattr(engine_module, "streams_on",
+                        lambda on_cpu, n: asked.append((on_cpu, n)) or streams_on(not on_cpu, n))
     svc = InProcessService(model_dir("llama"), max_running=16, attention_streams=2)
     assert asked == [(True, 2)]  # the engine asks with its device (the CPU here) ...
     assert svc.engine.compiled is not None and svc.engine.compiled.split is None  # ... and takes the answer
