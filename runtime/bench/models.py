@@ -49,6 +49,19 @@ _GPT_OSS: dict = {
     "sliding_window": 128,
 }
 
+_DEEPSEEK_V3: dict = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "rms_norm_eps": 1e-6,
+    "q_lora_rank": None,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+}
+
 SHAPES: dict[str, dict] = {
     # CPU-sized: hidden 256, 4 layers, vocab 1000, float32.
     "tiny": {
@@ -113,6 +126,21 @@ SHAPES: dict[str, dict] = {
                        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 8,
                        "vocab_size": 201088, "max_position_embeddings": 131072, "tie_word_embeddings": False,
                        "torch_dtype": "bfloat16"},
+    # DeepSeek-V3's multi-head latent attention (one 512-wide latent and a 64-wide rotary key
+    # cached per token), routed and shared experts, the first layer dense: a CPU-sized one in
+    # float32, and Moonlight-16B-A3B's widths in bf16 with 8 of its 64 experts (7 GB).
+    "deepseek-v3-tiny": {**_DEEPSEEK_V3, "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512,
+                         "moe_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+                         "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+                         "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                         "vocab_size": 1000, "rope_theta": 10000.0, "max_position_embeddings": 8192,
+                         "tie_word_embeddings": False, "torch_dtype": "float32"},
+    "moonlight-16b-8e": {**_DEEPSEEK_V3, "hidden_size": 2048, "num_hidden_layers": 27, "intermediate_size": 11264,
+                         "moe_intermediate_size": 1408, "num_attention_heads": 16, "num_key_value_heads": 16,
+                         "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+                         "n_routed_experts": 8, "num_experts_per_tok": 6, "n_shared_experts": 2,
+                         "routed_scaling_factor": 2.446, "vocab_size": 163840, "rope_theta": 50000.0,
+                         "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
 }
 
 # Each shape also in 4 bits ("llama-8b-4bit"): every matrix quantized as mlx-lm's own

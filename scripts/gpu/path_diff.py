@@ -38,9 +38,12 @@ def main() -> None:
     p.add_argument("--prompts", default="120,70,40")
     p.add_argument("--new", type=int, default=40)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--experts", type=int, default=0,
+                   help="gpt_oss: this many experts, every one active for every token (no routing choice)")
     args = p.parse_args()
+    experts = {"num_local_experts": args.experts, "num_experts_per_tok": args.experts} if args.experts else {}
     folder = make_model(args.arch, Path(tempfile.mkdtemp()) / args.arch, dtype=args.dtype,
-                        sliding_window=args.window, head_dim=args.head_dim)
+                        sliding_window=args.window, head_dim=args.head_dim, **experts)
     rng = random.Random(8)
     prompts = [[rng.randrange(3, 250) for _ in range(int(n))] for n in args.prompts.split(",")]
     refs = [reference_greedy(folder, prompt, args.new) for prompt in prompts]

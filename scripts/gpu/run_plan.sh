@@ -6,7 +6,8 @@
 #   device call two (after .gpu/a/stash.sh), carry [".gpu/b", ".gpu/c", ".gpu/k"]:
 #     bash scripts/gpu/run_plan.sh 8b-first 8b-long kernel-32k
 #
-# An item may end in @nographs or @graphs (MLX's CUDA graphs off or on for that item).
+# An item may end in @nographs or @graphs (MLX's CUDA graphs off or on for that item), or in #N
+# (the item again, its log named ITEM-N).
 # Items run in the order given; the budget (default 560 s, the call's limit less a margin) is
 # shared: an item gets what is left. Set PLAN_BUDGET_S to change it.
 set -u
@@ -37,6 +38,9 @@ for item in "$@"; do
   case $item in
     *@nographs) item=${item%@*}; tag=-nographs; export MLX_USE_CUDA_GRAPHS=0 ;;
     *@graphs) item=${item%@*}; tag=-graphs; export MLX_USE_CUDA_GRAPHS=1 ;;
+  esac
+  case $item in  # ITEM#N: the same item again, its log named ITEM-N
+    *#[0-9]*) tag=$tag-${item#*#}; item=${item%#*} ;;
   esac
   tag=$tag${fuse_tag:-}${cubin_tag:-}${pad_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}${win_tag:-}${sink_tag:-}${cpu_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
   case $item in
@@ -73,6 +77,8 @@ for item in "$@"; do
       sed -i 's/    return streams if on_cpu else 1/    return streams/' runtime/worker/paths/rows/parallel_attention.py; cpu_tag=-cpu-streams
       echo "== cpu-streams: $(grep -E '^    return streams' runtime/worker/paths/rows/parallel_attention.py)" ;;
     path-diff) run "$item" 240 python3 scripts/gpu/path_diff.py --arch gpt_oss --window 64 ;;
+    path-diff-repeat) run "$item" 240 python3 scripts/gpu/path_diff.py --arch gpt_oss --window 64 --modes kernel,kernel,kernel-alone,kernel-alone ;;
+    path-diff-dense) run "$item" 240 python3 scripts/gpu/path_diff.py --arch gpt_oss --window 64 --experts 2 ;;
     pytest-windowed-cuda) run "$item" 200 python3 -m pytest -q tests/test_window_view_cuda.py ;;
     sinks-gathered)  # on this device copy only: the items after it keep models with attention sinks (gpt-oss) off the
                      # paged kernel, as before its sink variant
@@ -81,6 +87,8 @@ for item in "$@"; do
     pytest-windowed) run "$item" 300 python3 -m pytest -q tests/test_window_view_cuda.py tests/test_window_view.py tests/test_windowed_families_exact.py tests/test_sliding_window_exact.py tests/test_gemma2_exact.py ;;
     gpt-oss-paired) run "$item" 300 python3 -m runtime.bench --synthetic gpt-oss-20b-8e --workloads paired --pairs 3 --json "$OUT/$item$tag.json" ;;
     gpt-oss-sweep) run "$item" 300 python3 -m runtime.bench --synthetic gpt-oss-20b-8e --workloads sweep --concurrency 16,64 --json "$OUT/$item$tag.json" ;;
+    mla-paired) run "$item" 300 python3 -m runtime.bench --synthetic moonlight-16b-8e --workloads paired --pairs 3 --json "$OUT/$item$tag.json" ;;
+    mla-sweep) run "$item" 300 python3 -m runtime.bench --synthetic moonlight-16b-8e --workloads sweep --concurrency 16,64 --json "$OUT/$item$tag.json" ;;
     gemma-sweep-trace) RUNTIME_WORKER_TRACE="$OUT/gemma-sweep-worker-trace$tag" run "$item" 200 python3 -m runtime.bench --synthetic gemma3-1b --workloads sweep --concurrency 16 --json "$OUT/$item$tag.json" ;;
     gemma-mixed-rt-short) run "$item" 200 python3 -m runtime.bench --synthetic gemma3-1b --workloads mixed --mixed-runtime-only --mixed-requests 150 --mixed-prefix-requests 32 --json "$OUT/$item$tag.json" ;;
     no-fuse-prefill)  # and back
