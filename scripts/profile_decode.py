@@ -19,6 +19,7 @@ import time
 import kernel_trace
 import mlx.core as mx
 import numpy as np
+from runtime.worker.paths.rows.parallel_attention import default_streams
 
 MAX_ROWS = int(os.environ.get("PROFILE_MAX_ROWS", "0"))  # engine rows beyond the batch (a service's max_running)
 
@@ -81,7 +82,8 @@ def _mlx_loop(step, y, steps: int) -> dict:
 
 
 def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slots_total: int, stagger: bool = False,
-                warm: bool = False, around=contextlib.nullcontext, row_cache: bool | None = None) -> dict:
+                warm: bool = False, around=contextlib.nullcontext, row_cache: bool | None = None,
+                attention_streams: int = 1) -> dict:
     """The worker's Engine: prefill every row, then chained decode steps in the worker's order."""
     from runtime.protocol.worker import DecodeBatch, PrefillChunk, Step
     from runtime.worker.decode_warmup import warm_decode
@@ -93,7 +95,8 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
     seq = context + steps + 8
     num_slots = max(slots_total, batch * seq + 1)
     pool = KVPool(len(layout.attention_layers), num_slots, layout.kv_shape, layout.kv_dtype)
-    engine = Engine(model, layout, pool, max(batch, MAX_ROWS), seq, row_cache=row_cache)
+    engine = Engine(model, layout, pool, max(batch, MAX_ROWS), seq, row_cache=row_cache,
+                    attention_streams=attention_streams)
     if warm:
         warm_decode(engine)  # what the worker does before it takes requests
     rng = np.random.default_rng(0)
@@ -253,6 +256,8 @@ def main() -> None:
     p.add_argument("--big-pool", type=int, default=0, help="engine pool slots at least this many")
     p.add_argument("--row-cache", choices=("auto", "on", "off"), default="auto",
                    help="engine modes: the worker's choice, or force the row cache on / off (off: the pool gather)")
+    p.add_argument("--attention-threads", type=int, default=0,
+                   help="engine modes: worker.attention_threads (0, the default: as the worker picks)")
     p.add_argument("--cold-engine", action="store_true",
                    help="engine modes skip the worker's warm-up, so the compiled step's traces compile inside the "
                         "timed run (what runs before session 8 measured)")
@@ -294,10 +299,11 @@ def main() -> None:
             warm_up = not args.cold_engine  # every engine mode warms up first (as the worker does) unless asked
 
             row_cache = {"auto": None, "on": True, "off": False}[args.row_cache]
+            streams = args.attention_threads or default_streams(os.cpu_count())
 
             def engine(overlap=False, stagger=False, warm=warm_up, a=nullctx):
                 return time_engine(model, batch, args.context, args.steps, overlap, args.big_pool, stagger, warm=warm,
-                                   around=a, row_cache=row_cache)
+                                   around=a, row_cache=row_cache, attention_streams=streams)
 
             fn = {
                 "mlx": lambda a=nullctx: time_mlx(model, batch, args.context, args.steps, a),
