@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.bench.models import write_byte_tokenizer
+from runtime.bench.tokenizers import write_byte_tokenizer
 from runtime.bench.structured import SCHEMA
 from runtime.scheduler.grammar import JSON_LAYOUT, Grammars, GrammarSpec, MaskClock
 from runtime.scheduler.tokenizer import Tokenizer

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from runtime.bench.models import write_byte_tokenizer, write_tokenizer
+from runtime.bench.tokenizers import write_byte_tokenizer, write_tokenizer
 from runtime.protocol import worker as wp
 from runtime.scheduler.admission import Limits
 from runtime.scheduler.client_out import ClientOut

@@ -27,12 +27,8 @@ from runtime.client import Client
 
 
 def synthetic(work: Path, layers: int) -> Path:
-    from runtime.bench.models import (
-        MARKER,
-        shape_config,
-        write_tokenizer,
-        write_weights,
-    )
+    from runtime.bench.models import MARKER, shape_config, write_weights
+    from runtime.bench.tokenizers import write_tokenizer
 
     cfg = copy.deepcopy(shape_config("llama-8b"))
     cfg["num_hidden_layers"] = layers

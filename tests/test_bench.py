@@ -11,13 +11,9 @@ import pytest
 
 from runtime.bench.main import build_parser
 from runtime.bench.measure import StreamTiming, median_summary, percentile, summarize
-from runtime.bench.models import (
-    shape_config,
-    synthetic_model,
-    write_tokenizer,
-    write_weights,
-)
+from runtime.bench.models import shape_config, synthetic_model, write_weights
 from runtime.bench.service import ServiceSpec
+from runtime.bench.tokenizers import write_tokenizer
 from runtime.config import parse_config
 
 

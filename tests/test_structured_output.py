@@ -140,7 +140,7 @@ def test_masked_greedy_takes_the_best_allowed_token():
 
 
 def test_a_tokenizer_llguidance_cannot_read_is_refused_clearly(tmp_path):
-    from runtime.bench.models import write_tokenizer
+    from runtime.bench.tokenizers import write_tokenizer
     from runtime.scheduler.grammar import Grammars
     from runtime.scheduler.tokenizer import Tokenizer
 
@@ -152,7 +152,7 @@ def test_a_tokenizer_llguidance_cannot_read_is_refused_clearly(tmp_path):
 
 
 def test_the_benchs_byte_level_tokenizer_serves_grammars(tmp_path):
-    from runtime.bench.models import write_byte_tokenizer
+    from runtime.bench.tokenizers import write_byte_tokenizer
     from runtime.scheduler.grammar import Grammars
     from runtime.scheduler.tokenizer import Tokenizer
 
@@ -166,7 +166,7 @@ def test_the_benchs_byte_level_tokenizer_serves_grammars(tmp_path):
 
 
 def test_a_steps_masks_computed_together_equal_each_alone(tmp_path):
-    from runtime.bench.models import write_byte_tokenizer
+    from runtime.bench.tokenizers import write_byte_tokenizer
     from runtime.scheduler.grammar import Grammars, masks_of
     from runtime.scheduler.tokenizer import Tokenizer
 
