@@ -10,6 +10,7 @@ from harness import InProcessService
 from model_factory import reference_greedy
 
 from runtime.worker.paths.rows import compiled_decode as cd
+from runtime.worker.paths.rows import row_attention as ra
 
 
 def test_each_batch_shape_is_traced_once_and_tokens_stay_exact(model_dir, monkeypatch):
@@ -79,37 +80,37 @@ def test_folded_attention_equals_mlx_attention_bit_for_bit(n_heads, n_kv_heads, 
     """With MLX's bundled BLAS (this test process; the worker may preload another) folding the
     query heads changes no bit, masked rows and sliced keys included."""
     lengths = [32, 96, 416]
-    assert cd.folded_attention_is_exact(n_heads, n_kv_heads, head_dim, mx.float32, lengths)
+    assert ra.folded_attention_is_exact(n_heads, n_kv_heads, head_dim, mx.float32, lengths)
     q = mx.random.normal((3, n_heads, 1, head_dim), key=mx.random.key(4))
     k = mx.random.normal((3, n_kv_heads, 100, head_dim), key=mx.random.key(5))
     v = mx.random.normal((3, n_kv_heads, 100, head_dim), key=mx.random.key(6))
     mask = (mx.arange(64)[None, :] <= mx.array([63, 10, 40])[:, None])[:, None, None, :]
-    folded = cd.folded_attention(q, k[:, :, :64], v[:, :, :64], 0.3, mask)
+    folded = ra.folded_attention(q, k[:, :, :64], v[:, :, :64], 0.3, mask)
     assert folded.shape == (3, n_heads, 1, head_dim)
     assert mx.array_equal(folded, mx.fast.scaled_dot_product_attention(q, k[:, :, :64], v[:, :, :64], scale=0.3,
                                                                      mask=mask))
 
 
 def test_folding_is_off_where_it_would_change_a_bit(monkeypatch):
-    exact = cd.folded_attention
+    exact = ra.folded_attention
 
     def off_by_an_ulp(q, k, v, scale, mask):
         out = exact(q, k, v, scale, mask)
         return out * (1 + 2**-20)
 
-    monkeypatch.setattr(cd, "folded_attention", off_by_an_ulp)
-    assert not cd.folded_attention_is_exact(4, 2, 64, mx.float32, [32, 64])
+    monkeypatch.setattr(ra, "folded_attention", off_by_an_ulp)
+    assert not ra.folded_attention_is_exact(4, 2, 64, mx.float32, [32, 64])
 
 
 def test_compiled_decode_attends_through_the_folded_heads(model_dir, monkeypatch):
     calls = []
-    folded = cd.folded_attention
+    folded = ra.folded_attention
 
     def spy(q, k, v, scale, mask):
         calls.append(q.shape)
         return folded(q, k, v, scale, mask)
 
-    monkeypatch.setattr(cd, "folded_attention", spy)
+    monkeypatch.setattr(ra, "folded_attention", spy)
     folder = model_dir("qwen3")
     svc = InProcessService(folder, max_running=2)
     assert svc.engine.compiled is not None and svc.engine.compiled.fold_heads
@@ -168,7 +169,7 @@ def test_row_split_attention_is_bit_identical_to_one_stream():
     keys = mx.random.normal((rows, 2, 200, 32), key=kk)[:, :, :length]  # a slice, as of the row cache
     values = mx.random.normal((rows, 2, 200, 32), key=kv)[:, :, :length]
     mask = (mx.arange(length)[None, :] <= mx.arange(100, 100 + rows)[:, None])[:, None, None, :]
-    for attend in (cd.mlx_attention, cd.folded_attention):
+    for attend in (ra.mlx_attention, ra.folded_attention):
         whole = attend(queries, keys, values, 0.25, mask)
         assert mx.array_equal(split.attend(attend, queries, keys, values, 0.25, mask, 3), whole).item()
 

@@ -25,14 +25,10 @@ import numpy as np
 
 from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.paths.decode_plan import bucket_lengths, round_length
-from runtime.worker.paths.pool_cache import (
-    CacheStandIn,
-    decode_mask,
-    narrower,
-    window_decode_mask,
-)
 from runtime.worker.paths.rows.parallel_attention import RowSplit
+from runtime.worker.paths.rows.row_attention import folded_attention_is_exact
 from runtime.worker.paths.rows.row_cache import RowCache
+from runtime.worker.paths.rows.row_view import RowView, StepArrays
 from runtime.worker.paths.trace_cache import MAX_TRACES, TraceCache
 from runtime.worker.pools.aux_pool import AuxPool
 
@@ -45,150 +41,6 @@ def row_step_compiled(on_cpu: bool, padded: bool, cuda: bool) -> bool:
     an H100 ran 1.20x mlx-lm compiled against 0.81x uncompiled, whose host builds a graph of
     every layer each step (session 31). Not on Metal: never measured or checked there."""
     return on_cpu or (cuda and padded)
-
-
-class _RowView(CacheStandIn):
-    """Stands in for mlx-lm's KVCache (RotatingKVCache with a ``window``) in one attention
-    layer inside the traced forward."""
-
-    def __init__(self, keys: mx.array, values: mx.array, heads: mx.array, step: _StepArrays,
-                 window: int | None = None) -> None:
-        self.keys, self.values, self.heads, self.step, self.window = keys, values, heads, step, window
-
-    @property
-    def offset(self) -> mx.array:
-        return self.step.positions
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        s = self.step
-        self.keys[s.row_index, self.heads, s.position_index] = keys[:, :, 0, :]
-        self.values[s.row_index, self.heads, s.position_index] = values[:, :, 0, :]
-        if s.compact:
-            b = keys.shape[0]
-            fetched = self.keys[:b, :, : s.length, :], self.values[:b, :, : s.length, :]
-        else:
-            fetched = self.keys[s.rows, :, : s.length, :], self.values[s.rows, :, : s.length, :]
-        part = s.window_slice(self.window)
-        if part is not None:  # a sliding-window layer reads the span that holds every row's window
-            start, span = part
-            fetched = tuple(mx.slice(a, start, [2], (a.shape[0], a.shape[1], span, a.shape[3])) for a in fetched)
-        self.fetched = fetched
-        return self.fetched
-
-    @property
-    def attends_decode(self) -> bool:
-        """Whether the attention dispatcher should call ``decode_attend``: heads folded (see
-        ``folded_attention``) or rows split over CPU streams (``RowSplit``)."""
-        return self.step.fold or self.step.parts > 1
-
-    def decode_attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                      mask: mx.array) -> mx.array:
-        s = self.step
-        # Folding is checked exact for boolean masks over one width (not DeepSeek-V3's float
-        # rotary-score mask over its latent).
-        fold = s.fold and mask.dtype == mx.bool_ and values.shape[-1] == queries.shape[-1]
-        attend = folded_attention if fold else mlx_attention
-        if s.parts > 1:
-            assert s.split is not None
-            return s.split.attend(attend, queries, keys, values, scale, mask, s.parts)
-        return attend(queries, keys, values, scale, mask)
-
-    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        window = narrower(window_size, self.window)
-        return self.step.mask if window is None else self.step.window_mask(window, self.window)
-
-
-class _StepArrays:
-    """What every layer of one traced step shares: rows, positions, attended length, mask, and
-    for each sliced sliding window its span's first position (``starts``, an input array, one per
-    window of ``spans``) and length."""
-
-    def __init__(self, rows: mx.array, positions: mx.array, compact: bool, length: int,
-                 fold: bool, split: RowSplit | None, mask_rank: int = 4,
-                 spans: tuple[tuple[int, int], ...] = (), starts: mx.array | None = None) -> None:
-        self.rows, self.positions = rows, positions
-        self.compact, self.length, self.fold = compact, length, fold
-        self.mask_rank = mask_rank
-        assert (starts is None) == (not spans)
-        self.slices = {window: (starts[i : i + 1], span) for i, (window, span) in enumerate(spans)}
-        self.split = split
-        self.parts = split.parts(rows.shape[0]) if split is not None else 1
-        self.row_index, self.position_index = rows[:, None], positions[:, None]  # scatter (row, head, position)
-        index = mx.arange(length)[None, :]
-        # (B, 1, 1, length) bool (rank 5 for 5-D grouped queries): each row sees the positions up to its own.
-        self.mask = decode_mask(index <= positions[:, None], mask_rank)
-        self.window_masks: dict[tuple[int, int | None], mx.array] = {}
-
-    def window_slice(self, window: int | None) -> tuple[mx.array, int] | None:
-        """(first position as a 1-element array, span) a layer of this window reads, or None: all."""
-        return self.slices.get(window) if window is not None else None
-
-    def window_mask(self, window: int, sliced_by: int | None = None) -> mx.array:
-        """The mask of a layer with a sliding window (built once per window and trace), over the
-        span of ``sliced_by``'s slice where that window is sliced."""
-        if (window, sliced_by) not in self.window_masks:
-            part = self.window_slice(sliced_by)
-            if part is None:
-                mask = window_decode_mask(self.mask, self.positions, window)
-            else:
-                start, span = part
-                index = start + mx.arange(span)[None, :]
-                # A padding row (at the scratch position, past the span) sees the span's last
-                # ``window`` positions rather than none (its output is dropped).
-                lowest = mx.minimum(self.positions, start + span - 1)[:, None] - window
-                mask = decode_mask((index <= self.positions[:, None]) & (index > lowest), self.mask_rank)
-            self.window_masks[(window, sliced_by)] = mask
-        return self.window_masks[(window, sliced_by)]
-
-
-def mlx_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
-    """MLX's own attention, as mlx-lm calls it for these caches."""
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-
-
-def folded_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
-    """One-token attention as MLX's CPU fallback computes it, with each KV head's query heads
-    folded into one matrix: (n_rep x D) @ (D x T) per KV head instead of n_rep (1 x D) @ (D x T)
-    products. Same operations in the same order otherwise (scale first, bool mask filled with
-    the dtype's min, precise softmax), and on this VM's OpenBLAS bit-identical to the fallback;
-    a third fewer matrix calls made attention 1.5x faster at 16 rows.
-
-    ``queries`` (B, H, 1, D); ``keys``/``values`` (B, KV, T, D); ``mask`` (B, 1, 1, T) bool.
-    """
-    b, n_heads, _, head_dim = queries.shape
-    n_kv = keys.shape[1]
-    q = (mx.array(scale, dtype=queries.dtype) * queries).reshape(b, n_kv, n_heads // n_kv, head_dim)
-    scores = q @ keys.swapaxes(-1, -2)
-    scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, dtype=scores.dtype))
-    weights = mx.softmax(scores, axis=-1, precise=True)
-    return (weights @ values).reshape(b, n_heads, 1, head_dim)
-
-
-def folded_attention_is_exact(n_heads: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype,
-                              lengths: list[int]) -> bool:
-    """Whether ``folded_attention`` reproduces MLX's own attention bit for bit on this machine
-    (its BLAS, this dtype and these head counts) at every attended length in ``lengths``.
-
-    Folded products take other BLAS kernels than the reference's one-row ones. With the
-    bundled BLAS and with OpenBLAS at 2 query heads per KV head the results are identical;
-    OpenBLAS at 4 differs in the last bit. Greedy output must match mlx-lm's token for
-    token, so folding is used only where this check passes.
-    """
-    kq, kk, kv = mx.random.split(mx.random.key(0), 3)  # a fixed key: the sampling RNG is not touched
-    context = max(lengths)
-    queries = mx.random.normal((2, n_heads, 1, head_dim), key=kq).astype(dtype)
-    keys = mx.random.normal((2, n_kv_heads, context, head_dim), key=kk).astype(dtype)
-    values = mx.random.normal((2, n_kv_heads, context, head_dim), key=kv).astype(dtype)
-    scale = head_dim**-0.5
-    for length in lengths:
-        # Sliced out of a longer array, as decode slices the row cache; the second row is half masked.
-        k, v = keys[:, :, :length], values[:, :, :length]
-        mask = (mx.arange(length)[None, :] <= mx.array([length - 1, length // 2])[:, None])[:, None, None, :]
-        folded = folded_attention(queries, k, v, scale, mask)
-        reference = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
-        if not mx.array_equal(folded, reference).item():
-            return False
-    return True
 
 
 class CompiledDecode:
@@ -263,9 +115,9 @@ class CompiledDecode:
                  values: list[mx.array], compact: bool, length: int, aux_slots: mx.array | None = None,
                  aux_states: list[list[mx.array]] | None = None, spans: tuple[tuple[int, int], ...] = (),
                  starts: mx.array | None = None):
-        step = _StepArrays(rows, positions, compact, length, self.fold_heads, self.split, self.mask_rank, spans,
+        step = StepArrays(rows, positions, compact, length, self.fold_heads, self.split, self.mask_rank, spans,
                            starts)
-        views = [_RowView(k, v, h, step, w) for k, v, h, w in zip(keys, values, self.row_cache.heads, self.windows)]
+        views = [RowView(k, v, h, step, w) for k, v, h, w in zip(keys, values, self.row_cache.heads, self.windows)]
         # A hybrid model's per-row states come from the traced aux-pool arrays and go back there.
         aux_pool = AuxPool(aux_states) if aux_states is not None else None
         aux = aux_pool.caches(aux_slots) if aux_pool is not None else []
