@@ -81,7 +81,7 @@ def _mlx_loop(step, y, steps: int) -> dict:
             "extra": f"  step p50 {np.percentile(times, 50):.2f} p95 {np.percentile(times, 95):.2f} max {times.max():.2f}"}
 
 
-def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slots_total: int, stagger: bool = False,
+def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slots_total: int, stagger: int = 0,
                 warm: bool = False, around=contextlib.nullcontext, row_cache: bool | None = None,
                 attention_streams: int = 1) -> dict:
     """The worker's Engine: prefill every row, then chained decode steps in the worker's order."""
@@ -92,7 +92,7 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
     from runtime.worker.pools.kv_pool import KVPool
 
     layout = discover(model)
-    seq = context + steps + 8
+    seq = context + stagger + steps + 8
     num_slots = max(slots_total, batch * seq + 1)
     pool = KVPool(len(layout.attention_layers), num_slots, layout.kv_shape, layout.kv_dtype)
     engine = Engine(model, layout, pool, max(batch, MAX_ROWS), seq, row_cache=row_cache,
@@ -101,8 +101,9 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
         warm_decode(engine)  # what the worker does before it takes requests
     rng = np.random.default_rng(0)
     step_id = 0
-    # ``stagger``: odd rows are one token longer, so the batch is never in lockstep.
-    extra = [int(stagger and r % 2) for r in range(batch)]
+    # ``stagger``: row r is r * stagger // batch tokens longer, so the batch is never in lockstep
+    # (1: odd rows one token longer; the size of a context: rows spread as in real traffic).
+    extra = [int(r % 2) if stagger == 1 else r * stagger // batch for r in range(batch)]
     for r in range(batch):
         n = context + extra[r]
         chunk = PrefillChunk(row=r, start=0, token_ids=rng.integers(0, 1000, n).tolist(),
@@ -252,7 +253,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--modes", default="mlx,engine,engine-overlap",
-                   help="comma-separated; a mode ending in -fused runs with fused projections (and so do all after it)")
+                   help="comma-separated (mlx, engine, engine-overlap, engine-stagger, engine-spread: rows 0..context positions apart, ...); a mode ending in -fused runs with fused projections (and so do all after it)")
     p.add_argument("--big-pool", type=int, default=0, help="engine pool slots at least this many")
     p.add_argument("--row-cache", choices=("auto", "on", "off"), default="auto",
                    help="engine modes: the worker's choice, or force the row cache on / off (off: the pool gather)")
@@ -301,7 +302,7 @@ def main() -> None:
             row_cache = {"auto": None, "on": True, "off": False}[args.row_cache]
             streams = args.attention_threads or default_streams(os.cpu_count())
 
-            def engine(overlap=False, stagger=False, warm=warm_up, a=nullctx):
+            def engine(overlap=False, stagger=0, warm=warm_up, a=nullctx):
                 return time_engine(model, batch, args.context, args.steps, overlap, args.big_pool, stagger, warm=warm,
                                    around=a, row_cache=row_cache, attention_streams=streams)
 
@@ -309,7 +310,8 @@ def main() -> None:
                 "mlx": lambda a=nullctx: time_mlx(model, batch, args.context, args.steps, a),
                 "engine": lambda a=nullctx: engine(a=a),
                 "engine-overlap": lambda a=nullctx: engine(overlap=True, a=a),
-                "engine-stagger": lambda a=nullctx: engine(stagger=True, a=a),
+                "engine-stagger": lambda a=nullctx: engine(stagger=1, a=a),
+                "engine-spread": lambda a=nullctx: engine(overlap=True, stagger=args.context, a=a),
                 "engine-warm": lambda a=nullctx: engine(warm=True, a=a),
                 "engine-nosplit": lambda a=nullctx: no_split(lambda: engine(a=a)),
                 "engine-warm-nosplit": lambda a=nullctx: no_split(lambda: engine(warm=True, a=a)),

@@ -102,24 +102,26 @@ def test_windows_that_masking_cannot_reproduce_are_refused(folder):
         model.make_cache = made
 
 
-def test_the_compiled_step_reads_a_windowed_layers_span_only(folder, monkeypatch):
-    """The CPU's compiled decode step reads a sliding-window layer's span that holds every row's
-    window (``CompiledDecode.window_spans``), not the whole length, as mlx-lm's RotatingKVCache
-    holds the window alone: rows in lockstep, rows spread apart, and scattered rows run padded."""
-    from runtime.worker.paths.rows import compiled_decode as cd
+def test_the_compiled_step_reads_a_windowed_layers_window_only(folder, monkeypatch):
+    """The CPU's compiled decode step has each sliding-window layer gather its rows' last WINDOW
+    positions (``StepArrays.gathers``), not the whole length or a span that grows with how far
+    apart the rows are, as mlx-lm's RotatingKVCache holds the window alone: one row, rows
+    spread 88 positions apart, and scattered rows run padded."""
+    from runtime.worker.paths.rows import row_view
 
-    sliced = []
-    spans = cd.CompiledDecode.window_spans
+    widths = []  # (attended length, positions a windowed layer read) per traced step
+    fetch = row_view.RowView.update_and_fetch
 
-    def spy(self, positions, length):
-        out = spans(self, positions, length)
-        sliced.append((length, out[0]))
+    def spy(self, keys, values):
+        out = fetch(self, keys, values)
+        if self.window is not None:
+            widths.append((self.step.length, out[0].shape[2], out[1].shape[2]))
         return out
 
-    monkeypatch.setattr(cd.CompiledDecode, "window_spans", spy)
+    monkeypatch.setattr(row_view.RowView, "update_and_fetch", spy)
     svc = InProcessService(folder, max_running=8, compile_decode=True)
     assert svc.engine.compiled is not None and svc.engine.compiled.length_bucket == 32
-    sliced.clear()  # (the start-up traces')
+    widths.clear()  # (the start-up traces')
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (70, 12, 100, 40, 75)]
     reqs = [svc.request(f"r{i}", p, 30) for i, p in enumerate(prompts)]
@@ -127,6 +129,5 @@ def test_the_compiled_step_reads_a_windowed_layers_span_only(folder, monkeypatch
     svc.run({0: reqs[1:4], 6: reqs[4:]})
     for r in reqs:
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
-    assert any(s == ((WINDOW, 32),) for _, s in sliced), sliced  # one row: one bucket
-    assert any(s and s[0][1] > 32 for _, s in sliced)  # spread rows: a wider span
-    assert all(not s or s[0][1] < length for length, s in sliced)
+    assert widths and max(length for length, _, _ in widths) >= 128  # traced past four buckets
+    assert all(k == v == WINDOW for _, k, v in widths), widths

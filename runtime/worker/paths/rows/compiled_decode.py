@@ -13,8 +13,8 @@ has 0.3 ms of other work per step.
 Shapes must recur for a trace to be reused, so attention reads a bucketed length
 (``length_bucket`` multiples) with a mask, rather than exactly the positions in use, and the
 new K/V are scattered at (row, position) arrays rather than sliced at Python ints. A
-sliding-window layer reads only a span that holds every row's window (``window_spans``; its
-first position is an input array, so one trace serves every start).
+sliding-window layer gathers each row's last ``window`` positions (``StepArrays.gathers``), as
+mlx-lm's RotatingKVCache holds the window alone, wherever the rows are.
 """
 
 from __future__ import annotations
@@ -91,32 +91,12 @@ class CompiledDecode:
         """The attended length for a batch whose longest row needs ``length`` positions."""
         return round_length(length, self.length_bucket, self.max_context)
 
-    def window_spans(self, positions: np.ndarray, length: int) -> tuple[tuple[tuple[int, int], ...], list[int]]:
-        """For each sliding window, the span of positions its layers read in a step whose rows
-        are at ``positions`` (real rows only) and attend to ``length``: ((window, span), ...) and
-        each span's first position. A span holds every row's last ``window`` positions, its
-        length the window rounded up to the length bucket, doubled until the rows' spread fits;
-        a window whose span would be the whole length is not sliced. mlx-lm's RotatingKVCache
-        attends to the window alone; reading the whole length under a mask left windowed models
-        on the CPU behind it at long contexts (one 3,072-token prompt: Gemma 3 tiny 0.82x
-        ``generate_step`` before, 1.38x sliced; session 32)."""
-        lo, hi = int(positions.min()), int(positions.max())
-        spans, starts = [], []
-        for window in self.distinct_windows:
-            span = -(-window // self.length_bucket) * self.length_bucket
-            while span < hi - lo + window:
-                span *= 2
-            if span < length:
-                spans.append((window, span))
-                starts.append(max(0, min(lo - window + 1, length - span)))
-        return tuple(spans), starts
-
     def _forward(self, tokens: mx.array, rows: mx.array, positions: mx.array, keys: list[mx.array],
                  values: list[mx.array], compact: bool, length: int, aux_slots: mx.array | None = None,
-                 aux_states: list[list[mx.array]] | None = None, spans: tuple[tuple[int, int], ...] = (),
-                 starts: mx.array | None = None):
-        step = StepArrays(rows, positions, compact, length, self.fold_heads, self.split, self.mask_rank, spans,
-                           starts)
+                 aux_states: list[list[mx.array]] | None = None):
+        # Windows shorter than the attended length read each row's window alone.
+        gathered = tuple(w for w in self.distinct_windows if w < length)
+        step = StepArrays(rows, positions, compact, length, self.fold_heads, self.split, self.mask_rank, gathered)
         views = [RowView(k, v, h, step, w) for k, v, h, w in zip(keys, values, self.row_cache.heads, self.windows)]
         # A hybrid model's per-row states come from the traced aux-pool arrays and go back there.
         aux_pool = AuxPool(aux_states) if aux_states is not None else None
@@ -137,26 +117,21 @@ class CompiledDecode:
         lengths = bucket_lengths(self.length_bucket, self.max_context)
         aux = self.aux_pool.states if self.aux_pool is not None else None
         for length in lengths[: MAX_TRACES // 2]:  # half the cache at most: other shapes need room
-            spans, starts = self.window_spans(np.full(rows, length - 1), length)  # rows in lockstep
-            self.traces((rows, length, True, spans), tokens, index, index, c.keys, c.values, True, length,
-                        index if aux is not None else None, aux, spans,
-                        mx.array(starts, dtype=mx.int32) if spans else None)  # outputs dropped
+            self.traces((rows, length, True), tokens, index, index, c.keys, c.values, True, length,
+                        index if aux is not None else None, aux)  # outputs dropped
         return min(len(lengths), MAX_TRACES // 2)
 
     def forward(self, tokens: mx.array, rows: mx.array, positions: np.ndarray, compact: bool, length: int,
-                aux_slots: mx.array | None = None, real_positions: np.ndarray | None = None) -> mx.array:
+                aux_slots: mx.array | None = None) -> mx.array:
         """Logits (B, vocab) of one decode step; the row cache holds the step's K/V afterwards,
-        and the aux-state pool (hybrid models) each row's new state at ``aux_slots``.
-        ``real_positions``: the requests' positions where padding rows fill the batch (default:
-        every row is a request)."""
+        and the aux-state pool (hybrid models) each row's new state at ``aux_slots``."""
         c = self.row_cache
         length = self.bucket(length)
         aux = self.aux_pool.states if self.aux_pool is not None else None
         assert (aux_slots is None) == (aux is None)
-        spans, starts = self.window_spans(positions if real_positions is None else real_positions, length)
         logits, keys, values, states = self.traces(
-            (tokens.shape[0], length, compact, spans), tokens, rows, mx.array(positions.astype(np.int32)), c.keys,
-            c.values, compact, length, aux_slots, aux, spans, mx.array(starts, dtype=mx.int32) if spans else None)
+            (tokens.shape[0], length, compact), tokens, rows, mx.array(positions.astype(np.int32)), c.keys,
+            c.values, compact, length, aux_slots, aux)
         c.keys[:], c.values[:] = keys, values
         if self.aux_pool is not None:
             self.aux_pool.states = states
@@ -189,6 +164,5 @@ class CompiledDecode:
         all_tokens[index] = tokens
         all_positions = np.full(padded, self.row_cache.max_context, dtype=np.int32)
         all_positions[rows] = positions
-        logits = self.forward(all_tokens, mx.arange(padded, dtype=mx.int32), all_positions, True, length,
-                              real_positions=np.asarray(positions))
+        logits = self.forward(all_tokens, mx.arange(padded, dtype=mx.int32), all_positions, True, length)
         return logits[index]

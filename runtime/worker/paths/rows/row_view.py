@@ -1,6 +1,6 @@
 """What one traced row-cache decode step hands the model's attention layers: a stand-in for
 mlx-lm's KV cache per layer (``RowView``) over the arrays every layer shares (``StepArrays``:
-rows, positions, the attended length, masks, sliding-window spans)."""
+rows, positions, the attended length, masks, each row's sliding-window positions)."""
 
 from __future__ import annotations
 
@@ -27,16 +27,15 @@ class RowView(CacheStandIn):
         s = self.step
         self.keys[s.row_index, self.heads, s.position_index] = keys[:, :, 0, :]
         self.values[s.row_index, self.heads, s.position_index] = values[:, :, 0, :]
-        if s.compact:
+        if self.window in s.gathers:  # a sliding-window layer reads each row's own window
+            rows = mx.arange(keys.shape[0]) if s.compact else s.rows
+            index = (rows[:, None, None], self.heads[:, :, None], s.gathers[self.window])
+            self.fetched = self.keys[index], self.values[index]
+        elif s.compact:
             b = keys.shape[0]
-            fetched = self.keys[:b, :, : s.length, :], self.values[:b, :, : s.length, :]
+            self.fetched = self.keys[:b, :, : s.length, :], self.values[:b, :, : s.length, :]
         else:
-            fetched = self.keys[s.rows, :, : s.length, :], self.values[s.rows, :, : s.length, :]
-        part = s.window_slice(self.window)
-        if part is not None:  # a sliding-window layer reads the span that holds every row's window
-            start, span = part
-            fetched = tuple(mx.slice(a, start, [2], (a.shape[0], a.shape[1], span, a.shape[3])) for a in fetched)
-        self.fetched = fetched
+            self.fetched = self.keys[s.rows, :, : s.length, :], self.values[s.rows, :, : s.length, :]
         return self.fetched
 
     @property
@@ -64,17 +63,14 @@ class RowView(CacheStandIn):
 
 class StepArrays:
     """What every layer of one traced step shares: rows, positions, attended length, mask, and
-    for each sliced sliding window its span's first position (``starts``, an input array, one per
-    window of ``spans``) and length."""
+    for each sliding window shorter than that length (``gathered``) each row's last ``window``
+    positions, which its layers gather (``gathers``) and attend to under ``window_mask``."""
 
     def __init__(self, rows: mx.array, positions: mx.array, compact: bool, length: int,
-                 fold: bool, split: RowSplit | None, mask_rank: int = 4,
-                 spans: tuple[tuple[int, int], ...] = (), starts: mx.array | None = None) -> None:
+                 fold: bool, split: RowSplit | None, mask_rank: int = 4, gathered: tuple[int, ...] = ()) -> None:
         self.rows, self.positions = rows, positions
         self.compact, self.length, self.fold = compact, length, fold
         self.mask_rank = mask_rank
-        assert (starts is None) == (not spans)
-        self.slices = {window: (starts[i : i + 1], span) for i, (window, span) in enumerate(spans)}
         self.split = split
         self.parts = split.parts(rows.shape[0]) if split is not None else 1
         self.row_index, self.position_index = rows[:, None], positions[:, None]  # scatter (row, head, position)
@@ -82,24 +78,22 @@ class StepArrays:
         # (B, 1, 1, length) bool (rank 5 for 5-D grouped queries): each row sees the positions up to its own.
         self.mask = decode_mask(index <= positions[:, None], mask_rank)
         self.window_masks: dict[tuple[int, int | None], mx.array] = {}
+        # (B, 1, W): each row's last W positions, clipped at 0 (the mask hides those before 0).
+        self.gathers = {w: mx.maximum(self._window_positions(w), 0)[:, None, :] for w in gathered}
 
-    def window_slice(self, window: int | None) -> tuple[mx.array, int] | None:
-        """(first position as a 1-element array, span) a layer of this window reads, or None: all."""
-        return self.slices.get(window) if window is not None else None
+    def _window_positions(self, window: int) -> mx.array:
+        """(B, window): the positions p - window + 1 .. p of each row at p."""
+        return self.positions[:, None] - (window - 1) + mx.arange(window)[None, :]
 
-    def window_mask(self, window: int, sliced_by: int | None = None) -> mx.array:
+    def window_mask(self, window: int, gathered_by: int | None = None) -> mx.array:
         """The mask of a layer with a sliding window (built once per window and trace), over the
-        span of ``sliced_by``'s slice where that window is sliced."""
-        if (window, sliced_by) not in self.window_masks:
-            part = self.window_slice(sliced_by)
-            if part is None:
-                mask = window_decode_mask(self.mask, self.positions, window)
+        positions ``gathered_by``'s layers gather where that window is gathered, else over the
+        whole attended length."""
+        if (window, gathered_by) not in self.window_masks:
+            if gathered_by in self.gathers:
+                index = self._window_positions(gathered_by)
+                mask = decode_mask((index >= 0) & (index > self.positions[:, None] - window), self.mask_rank)
             else:
-                start, span = part
-                index = start + mx.arange(span)[None, :]
-                # A padding row (at the scratch position, past the span) sees the span's last
-                # ``window`` positions rather than none (its output is dropped).
-                lowest = mx.minimum(self.positions, start + span - 1)[:, None] - window
-                mask = decode_mask((index <= self.positions[:, None]) & (index > lowest), self.mask_rank)
-            self.window_masks[(window, sliced_by)] = mask
-        return self.window_masks[(window, sliced_by)]
+                mask = window_decode_mask(self.mask, self.positions, window)
+            self.window_masks[(window, gathered_by)] = mask
+        return self.window_masks[(window, gathered_by)]
