@@ -102,3 +102,30 @@ def test_the_pool_gather_reads_a_windowed_layers_window_only(folders, monkeypatc
     svc.run({0: reqs[:2], 3: reqs[2:]})
     assert_requests_like_mlx(folder, reqs)
     assert widths.count(WINDOW) == widths.count(svc.engine.LENGTH_BUCKET) > 0  # one window layer per full one
+
+
+def test_the_eager_row_cache_reads_a_windowed_layers_window_only(folders, monkeypatch):
+    """An uncompiled row-cache decode (Metal's, and a GPU's with unpadded shapes) gathers each
+    row's W positions out of the row cache for a sliding-window layer, not the whole length."""
+    from runtime.worker.paths.rows.row_cache import RowSpan
+
+    widths = []  # (window layer?, positions read) per decode-layer read
+    write = RowSpan.write
+
+    def spy(self, layer, keys, values, window_columns=None):
+        out = write(self, layer, keys, values, window_columns)
+        if self.decode:
+            widths.append((window_columns is not None, out[0].shape[2], out[1].shape[2]))
+        return out
+
+    monkeypatch.setattr(RowSpan, "write", spy)
+    folder = folders("gpt_oss")
+    svc = InProcessService(folder, max_running=8, **PATHS["eager"])
+    assert svc.engine.compiled is None and svc.engine.paths.row_cache is not None
+    rng = random.Random(6)
+    reqs = [svc.request(f"r{i}", _ids(rng, n), 12) for i, n in enumerate([30, 3, 17])]
+    svc.run({0: reqs[:2], 3: reqs[2:]})
+    assert_requests_like_mlx(folder, reqs)
+    windowed = [(k, v) for narrowed, k, v in widths if narrowed]
+    assert windowed and all(k == v == WINDOW for k, v in windowed)
+    assert len(windowed) == sum(1 for narrowed, _, _ in widths if not narrowed)  # one window layer per full one

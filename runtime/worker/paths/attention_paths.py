@@ -241,7 +241,10 @@ class AttentionPaths:
                 rows_array=None if lockstep else mx.array(rows.astype(np.int32)), length=plan.length,
                 compact=plan.compact, same_position=int(positions[0]) if lockstep else None, decode=True,
             )
-            return ForwardBatch(write_slots=None, gather_index=None, offset=offsets, mask=mask, rows=span), True
+            narrow = self.gather_window is not None and self.gather_window < plan.length
+            # The windowed layers gather each row's window out of the row cache (its columns are positions).
+            return ForwardBatch(write_slots=None, gather_index=None, offset=offsets, mask=mask, rows=span,
+                                window_gather=self.window_gather(plan) if narrow else None), True
         write_slots = mx.array(plan.slot_ids, dtype=mx.int32)
         if self.device_table is None:
             # Only this path reads decode positions back from the host table.
@@ -273,16 +276,18 @@ class AttentionPaths:
                              launch=self.launch(len(rows), plan.length))
         return batch, in_place
 
-    def window_gather(self, plan: DecodePlan, index: np.ndarray) -> WindowGather:
-        """The pool gather's narrowed K/V slots for sliding-window layers: each row's last
-        ``gather_window`` positions out of ``index`` (B, plan.length), the positions mlx-lm's
-        RotatingKVCache keeps, so those layers gather and attend to W positions, not the length."""
+    def window_gather(self, plan: DecodePlan, index: np.ndarray | None = None) -> WindowGather:
+        """The narrowed K/V of sliding-window layers: each row's last ``gather_window`` positions,
+        the positions mlx-lm's RotatingKVCache keeps, so those layers gather and attend to W
+        positions, not the length. As pool slots out of ``index`` (B, plan.length) for the pool
+        gather, or as positions (the row cache's columns) where ``index`` is None."""
         window = self.gather_window
         assert window is not None
         columns = np.maximum(plan.positions + 1 - window, 0)[:, None] + np.arange(window)
         valid = columns <= plan.positions[:, None]
-        slots = np.where(valid, np.take_along_axis(index, np.minimum(columns, plan.length - 1), axis=1), 0)
-        return WindowGather(window, mx.array(slots.astype(np.int32)), decode_mask(mx.array(valid), self.mask_rank))
+        columns = np.minimum(columns, plan.length - 1)
+        picked = columns if index is None else np.where(valid, np.take_along_axis(index, columns, axis=1), 0)
+        return WindowGather(window, mx.array(picked.astype(np.int32)), decode_mask(mx.array(valid), self.mask_rank))
 
     def defer_dense(self, decode: DecodeBatch, plan: DecodePlan) -> None:
         """Record a row-cache decode step: its K/V stay in the row cache (decode reads nothing

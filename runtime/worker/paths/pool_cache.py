@@ -37,9 +37,10 @@ def narrower(a: int | None, b: int | None) -> int | None:
 
 @dataclass(frozen=True)
 class WindowGather:
-    """A pool-gather decode's K/V for sliding-window layers: ``index`` (B, window) holds the slots
-    of each row's last ``window`` positions (padding slot 0 past a short row's length), ``mask``
-    (a ``decode_mask``) which of them are real. Such a layer reads its window, not the whole length."""
+    """A decode's K/V for sliding-window layers: ``index`` (B, window) holds each row's last
+    ``window`` positions, as pool slots for the pool gather (padding slot 0 past a short row's
+    length) or as positions for the row cache, ``mask`` (a ``decode_mask``) which of them are
+    real. Such a layer reads its window, not the whole length."""
 
     window: int
     index: mx.array
@@ -163,8 +164,10 @@ class PoolLayerCache(CacheStandIn):
                 flat_k = keys.transpose(0, 2, 1, 3).reshape(b * length, h, keys.shape[3])
                 flat_v = values.transpose(0, 2, 1, 3).reshape(b * length, h, values.shape[3])
             self.pool.write(self.kv_layer, self.batch.write_slots, flat_k, flat_v)
+        narrowed = self.batch.window_gather
+        window_columns = narrowed.index if narrowed is not None and self.window == narrowed.window else None
         if self.batch.rows is not None:
-            dense = self.batch.rows.write(self.kv_layer, keys, values)
+            dense = self.batch.rows.write(self.kv_layer, keys, values, window_columns)
             if dense is not None:
                 return dense
         if self.paged:
@@ -173,9 +176,8 @@ class PoolLayerCache(CacheStandIn):
         if self.batch.gather_index is None:
             # The new tokens are the whole sequence: attend to them directly, as mlx-lm's KVCache does.
             return keys, values
-        narrowed = self.batch.window_gather
-        if narrowed is not None and self.window == narrowed.window:
-            return self.pool.gather(self.kv_layer, narrowed.index)
+        if window_columns is not None:
+            return self.pool.gather(self.kv_layer, window_columns)
         return self.pool.gather(self.kv_layer, self.batch.gather_index)
 
     @property

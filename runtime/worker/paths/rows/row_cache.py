@@ -105,8 +105,10 @@ class RowSpan:
         if not self.decode and len(self.rows) > 1:
             self.rows_array = mx.array(self.rows, dtype=mx.int32)
 
-    def write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
-        """Store the new K/V ((B, n_kv_heads, L, head_dim)); for decode, return what to attend to."""
+    def write(self, layer: int, keys: mx.array, values: mx.array,
+              window_columns: mx.array | None = None) -> tuple[mx.array, mx.array] | None:
+        """Store the new K/V ((B, n_kv_heads, L, head_dim)); for decode, return what to attend to:
+        the attended length, or a sliding-window layer's (B, W) ``window_columns`` alone."""
         c = self.cache
         if not self.decode:
             n = keys.shape[2]
@@ -130,6 +132,10 @@ class RowSpan:
         else:
             c.keys[layer][self._r, c.heads[layer], self._p] = keys[:, :, 0, :]
             c.values[layer][self._r, c.heads[layer], self._p] = values[:, :, 0, :]
+        if window_columns is not None:
+            rows = mx.arange(b) if self.compact else self.rows_array
+            index = (rows[:, None, None], c.heads[layer][:, :, None], window_columns[:, None, :])
+            return c.keys[layer][index], c.values[layer][index]
         if self.compact:
             return c.keys[layer][:b, :, : self.length, :], c.values[layer][:b, :, : self.length, :]
         return c.keys[layer][:, :, : self.length, :][self.rows_array], c.values[layer][:, :, : self.length, :][self.rows_array]
