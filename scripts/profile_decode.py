@@ -83,7 +83,7 @@ def _mlx_loop(step, y, steps: int) -> dict:
 
 def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slots_total: int, stagger: int = 0,
                 warm: bool = False, around=contextlib.nullcontext, row_cache: bool | None = None,
-                attention_streams: int = 1) -> dict:
+                attention_streams: int = 1, compile_decode: bool = True) -> dict:
     """The worker's Engine: prefill every row, then chained decode steps in the worker's order."""
     from runtime.protocol.worker import DecodeBatch, PrefillChunk, Step
     from runtime.worker.decode_warmup import warm_decode
@@ -96,7 +96,7 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
     num_slots = max(slots_total, batch * seq + 1)
     pool = KVPool(len(layout.attention_layers), num_slots, layout.kv_shape, layout.kv_dtype)
     engine = Engine(model, layout, pool, max(batch, MAX_ROWS), seq, row_cache=row_cache,
-                    attention_streams=attention_streams)
+                    attention_streams=attention_streams, compile_decode=compile_decode)
     if warm:
         warm_decode(engine)  # what the worker does before it takes requests
     rng = np.random.default_rng(0)
@@ -257,6 +257,7 @@ def main() -> None:
     p.add_argument("--big-pool", type=int, default=0, help="engine pool slots at least this many")
     p.add_argument("--row-cache", choices=("auto", "on", "off"), default="auto",
                    help="engine modes: the worker's choice, or force the row cache on / off (off: the pool gather)")
+    p.add_argument("--eager", action="store_true", help="engine modes: worker.compile_decode off")
     p.add_argument("--attention-threads", type=int, default=0,
                    help="engine modes: worker.attention_threads (0, the default: as the worker picks)")
     p.add_argument("--cold-engine", action="store_true",
@@ -304,7 +305,8 @@ def main() -> None:
 
             def engine(overlap=False, stagger=0, warm=warm_up, a=nullctx):
                 return time_engine(model, batch, args.context, args.steps, overlap, args.big_pool, stagger, warm=warm,
-                                   around=a, row_cache=row_cache, attention_streams=streams)
+                                   around=a, row_cache=row_cache, attention_streams=streams,
+                                   compile_decode=not args.eager)
 
             fn = {
                 "mlx": lambda a=nullctx: time_mlx(model, batch, args.context, args.steps, a),
