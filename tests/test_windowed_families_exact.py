@@ -112,8 +112,8 @@ def test_the_eager_row_cache_reads_a_windowed_layers_window_only(folders, monkey
     widths = []  # (window layer?, positions read) per decode-layer read
     write = RowSpan.write
 
-    def spy(self, layer, keys, values, window_columns=None):
-        out = write(self, layer, keys, values, window_columns)
+    def spy(self, layer, keys, values, window_columns=None, first=0):
+        out = write(self, layer, keys, values, window_columns, first)
         if self.decode:
             widths.append((window_columns is not None, out[0].shape[2], out[1].shape[2]))
         return out
@@ -129,3 +129,33 @@ def test_the_eager_row_cache_reads_a_windowed_layers_window_only(folders, monkey
     windowed = [(k, v) for narrowed, k, v in widths if narrowed]
     assert windowed and all(k == v == WINDOW for k, v in windowed)
     assert len(windowed) == sum(1 for narrowed, _, _ in widths if not narrowed)  # one window layer per full one
+
+
+@pytest.mark.parametrize("path", ["compiled", "eager"])
+def test_a_row_cache_prefill_chunk_reads_a_windowed_layers_window_only(path, folders, monkeypatch):
+    """Past position 0 a prefill chunk's sliding-window layers read their last W - 1 positions
+    of prefix and the chunk (what mlx-lm's RotatingKVCache holds), not the whole prefix; full
+    layers read it all. Token-exact, chunks of 5 crossing the window of 8 several times."""
+    from runtime.worker.paths.rows.row_cache import RowSpan
+
+    reads = []  # (chunk start, chunk length, first position read, positions read) of windowed layers
+    write = RowSpan.write
+
+    def spy(self, layer, keys, values, window_columns=None, first=0):
+        out = write(self, layer, keys, values, window_columns, first)
+        if not self.decode and out is not None:
+            reads.append((self.start, keys.shape[2], first, out[0].shape[2]))
+        return out
+
+    monkeypatch.setattr(RowSpan, "write", spy)
+    folder = folders("gpt_oss")  # windows in layers 0 and 2
+    svc = InProcessService(folder, max_running=4, prefill_chunk=5, max_step_tokens=5, **PATHS[path])
+    rng = random.Random(9)
+    reqs = [svc.request(f"r{i}", _ids(rng, n), 6) for i, n in enumerate([37, 23])]
+    svc.run({0: reqs})
+    assert_requests_like_mlx(folder, reqs)
+    narrowed = [(s, n, f, k) for s, n, f, k in reads if f > 0]
+    assert narrowed and all(f == s - WINDOW + 1 and k == n + WINDOW - 1 for s, n, f, k in narrowed), narrowed
+    whole = [(s, n, k) for s, n, f, k in reads if f == 0 and s >= WINDOW]
+    assert whole and all(k == s + n for s, n, k in whole)  # the full layers
+    assert len(narrowed) == len(whole)  # one windowed layer per full one

@@ -224,6 +224,8 @@ class AttentionPaths:
             mask=mask,
             front_padding=front_padding,
             rows=RowSpan(self.row_cache, [c.row for c in group], start) if self.row_cache is not None else None,
+            # Past position 0 a row-cache chunk's windowed layers read their window back, not the prefix.
+            prefill_window=self.gather_window if start and self.row_cache is not None else None,
         )
 
     def decode_batch(self, decode: DecodeBatch, plan: DecodePlan) -> tuple[ForwardBatch, bool]:

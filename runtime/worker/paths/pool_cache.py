@@ -68,8 +68,10 @@ class ForwardBatch:
     path; the fallback gathers through ``gather_index``); ``tail``: where a kernel-path decode
     puts its new K/V instead of the pool, and ``tail_len`` how many it holds before this step
     (an int32 array: ``DecodeTail.old_length``); ``launch``: the kernel's (splits, warps) for this
-    batch, chosen once per step (``launch_shape``). ``window_gather``: a pool-gather decode's
-    narrowed K/V and mask for layers of that sliding window, or None.
+    batch, chosen once per step (``launch_shape``). ``window_gather``: a decode's narrowed K/V
+    and mask for layers of that sliding window, or None. ``prefill_window``: a row-cache prefill
+    chunk past position 0 whose layers of this window read from ``window_start`` on, as mlx-lm's
+    RotatingKVCache keeps, not the whole prefix.
     """
 
     write_slots: mx.array | None
@@ -88,6 +90,13 @@ class ForwardBatch:
     window_masks: dict[int, mx.array] = field(default_factory=dict)
     window_views: dict[int, tuple[mx.array, mx.array, mx.array]] = field(default_factory=dict)
     window_gather: WindowGather | None = None
+    prefill_window: int | None = None
+
+    def window_start(self, window: int) -> int:
+        """The first position a row-cache prefill chunk's layers of ``prefill_window`` read: the
+        chunk's first query sees ``window`` positions back, no query any earlier one."""
+        assert isinstance(self.offset, int)
+        return max(0, self.offset - window + 1)
 
     def window_mask(self, window: int) -> mx.array:
         """``mask`` for a layer with a sliding window (built once per window and forward): a
@@ -167,7 +176,9 @@ class PoolLayerCache(CacheStandIn):
         narrowed = self.batch.window_gather
         window_columns = narrowed.index if narrowed is not None and self.window == narrowed.window else None
         if self.batch.rows is not None:
-            dense = self.batch.rows.write(self.kv_layer, keys, values, window_columns)
+            window = self.batch.prefill_window
+            first = self.batch.window_start(window) if window is not None and self.window == window else 0
+            dense = self.batch.rows.write(self.kv_layer, keys, values, window_columns, first)
             if dense is not None:
                 return dense
         if self.paged:
@@ -220,6 +231,10 @@ class PoolLayerCache(CacheStandIn):
         if self.batch.mask is not None:
             return self.batch.mask if window is None else self.batch.window_mask(window)
         offset = self.batch.offset
+        if window is not None and window == self.batch.prefill_window:
+            # Over the keys from window_start on (``_store``): the same windows, shifted.
+            assert isinstance(offset, int)
+            return create_causal_mask(n, offset - self.batch.window_start(window), window_size=window)
         if window is not None and (n > 1 or offset >= window):
             assert isinstance(offset, int), "a sliding-window decode is always masked"
             return create_causal_mask(n, offset, window_size=window)

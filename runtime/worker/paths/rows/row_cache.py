@@ -105,10 +105,11 @@ class RowSpan:
         if not self.decode and len(self.rows) > 1:
             self.rows_array = mx.array(self.rows, dtype=mx.int32)
 
-    def write(self, layer: int, keys: mx.array, values: mx.array,
-              window_columns: mx.array | None = None) -> tuple[mx.array, mx.array] | None:
-        """Store the new K/V ((B, n_kv_heads, L, head_dim)); for decode, return what to attend to:
-        the attended length, or a sliding-window layer's (B, W) ``window_columns`` alone."""
+    def write(self, layer: int, keys: mx.array, values: mx.array, window_columns: mx.array | None = None,
+              first: int = 0) -> tuple[mx.array, mx.array] | None:
+        """Store the new K/V ((B, n_kv_heads, L, head_dim)) and return what to attend to: for
+        decode the attended length, or a sliding-window layer's (B, W) ``window_columns`` alone;
+        for a prefill chunk past position 0 its prefix from position ``first`` on, and itself."""
         c = self.cache
         if not self.decode:
             n = keys.shape[2]
@@ -121,8 +122,9 @@ class RowSpan:
             end = self.start + n
             if len(self.rows) == 1:
                 row = self.rows[0]
-                return c.keys[layer][row : row + 1, :, :end, :], c.values[layer][row : row + 1, :, :end, :]
-            return c.keys[layer][:, :, :end, :][self.rows_array], c.values[layer][:, :, :end, :][self.rows_array]
+                return c.keys[layer][row : row + 1, :, first:end, :], c.values[layer][row : row + 1, :, first:end, :]
+            return (c.keys[layer][:, :, first:end, :][self.rows_array],
+                    c.values[layer][:, :, first:end, :][self.rows_array])
         b = len(self.rows)
         if self.same_position is not None:
             # Rows 0..B-1 all at one position (a batch in lockstep, so compact): one slice update.
