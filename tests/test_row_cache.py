@@ -33,10 +33,10 @@ def test_compact_and_scattered_rows_with_prefix_hits(arch, compiled, model_dir, 
     else:
         write = rc.RowSpan.write
 
-        def spy(self, layer, keys, values):
+        def spy(self, layer, keys, values, *narrowing):
             if self.positions is not None and layer == 0:
                 seen.append((tuple(self.rows), self.compact))
-            return write(self, layer, keys, values)
+            return write(self, layer, keys, values, *narrowing)
 
         monkeypatch.setattr(rc.RowSpan, "write", spy)
     rng = random.Random(8)
