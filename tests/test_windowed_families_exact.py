@@ -159,3 +159,24 @@ def test_a_row_cache_prefill_chunk_reads_a_windowed_layers_window_only(path, fol
     whole = [(s, n, k) for s, n, f, k in reads if f == 0 and s >= WINDOW]
     assert whole and all(k == s + n for s, n, k in whole)  # the full layers
     assert len(narrowed) == len(whole)  # one windowed layer per full one
+
+
+def test_a_pool_gather_prefill_chunk_reads_a_windowed_layers_window_only(folders, monkeypatch):
+    """The same where chunks gather their keys from the pool (a CPU whose row cache would not
+    fit, Metal at a GPU's sizing): a windowed layer (0 and 2 of gpt-oss) never gathers more
+    than a chunk and W - 1 positions before it, while the full layers gather whole prefixes."""
+    from runtime.worker.pools.kv_pool import KVPool
+
+    widths = []  # (KV layer, positions gathered)
+    gather = KVPool.gather
+    monkeypatch.setattr(KVPool, "gather", lambda self, layer, index: widths.append((layer, index.shape[1]))
+                        or gather(self, layer, index))
+    folder = folders("gpt_oss")
+    svc = InProcessService(folder, max_running=4, prefill_chunk=5, max_step_tokens=5, **PATHS["pool-gather"])
+    rng = random.Random(9)
+    reqs = [svc.request(f"r{i}", _ids(rng, n), 6) for i, n in enumerate([37, 23])]
+    svc.run({0: reqs})
+    assert_requests_like_mlx(folder, reqs)
+    windowed = [w for layer, w in widths if layer in (0, 2)]
+    assert windowed and max(windowed) == 5 + WINDOW - 1
+    assert max(w for layer, w in widths if layer in (1, 3)) >= 35  # a full layer's prefix

@@ -69,9 +69,9 @@ class ForwardBatch:
     puts its new K/V instead of the pool, and ``tail_len`` how many it holds before this step
     (an int32 array: ``DecodeTail.old_length``); ``launch``: the kernel's (splits, warps) for this
     batch, chosen once per step (``launch_shape``). ``window_gather``: a decode's narrowed K/V
-    and mask for layers of that sliding window, or None. ``prefill_window``: a row-cache prefill
-    chunk past position 0 whose layers of this window read from ``window_start`` on, as mlx-lm's
-    RotatingKVCache keeps, not the whole prefix.
+    and mask for layers of that sliding window, or None. ``prefill_window``: a prefill chunk past
+    position 0 (row cache, or pool gather without front padding) whose layers of this window read
+    from ``window_start`` on, as mlx-lm's RotatingKVCache keeps, not the whole prefix.
     """
 
     write_slots: mx.array | None
@@ -93,7 +93,7 @@ class ForwardBatch:
     prefill_window: int | None = None
 
     def window_start(self, window: int) -> int:
-        """The first position a row-cache prefill chunk's layers of ``prefill_window`` read: the
+        """The first position a prefill chunk's layers of ``prefill_window`` read: the
         chunk's first query sees ``window`` positions back, no query any earlier one."""
         assert isinstance(self.offset, int)
         return max(0, self.offset - window + 1)
@@ -175,9 +175,9 @@ class PoolLayerCache(CacheStandIn):
             self.pool.write(self.kv_layer, self.batch.write_slots, flat_k, flat_v)
         narrowed = self.batch.window_gather
         window_columns = narrowed.index if narrowed is not None and self.window == narrowed.window else None
+        window = self.batch.prefill_window
+        first = self.batch.window_start(window) if window is not None and self.window == window else 0
         if self.batch.rows is not None:
-            window = self.batch.prefill_window
-            first = self.batch.window_start(window) if window is not None and self.window == window else 0
             dense = self.batch.rows.write(self.kv_layer, keys, values, window_columns, first)
             if dense is not None:
                 return dense
@@ -189,6 +189,8 @@ class PoolLayerCache(CacheStandIn):
             return keys, values
         if window_columns is not None:
             return self.pool.gather(self.kv_layer, window_columns)
+        if first:  # a prefill chunk's windowed layer: its window back, not the whole prefix
+            return self.pool.gather(self.kv_layer, self.batch.gather_index[:, first:])
         return self.pool.gather(self.kv_layer, self.batch.gather_index)
 
     @property
