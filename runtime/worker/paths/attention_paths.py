@@ -239,6 +239,8 @@ class AttentionPaths:
         # A lockstep batch attends to exactly its positions, unless a sliding window hides some.
         masked = self.masked and (not lockstep or self.windowed)
         mask = decode_mask(mx.array(plan.valid()), self.mask_rank) if masked else None
+        # Sliding-window layers read each row's window alone where it is shorter than the length.
+        narrow = self.gather_window is not None and self.gather_window < plan.length
         if self.row_cache is not None:
             self.defer_dense(decode, plan)
             span = RowSpan(
@@ -246,8 +248,7 @@ class AttentionPaths:
                 rows_array=None if lockstep else mx.array(rows.astype(np.int32)), length=plan.length,
                 compact=plan.compact, same_position=int(positions[0]) if lockstep else None, decode=True,
             )
-            narrow = self.gather_window is not None and self.gather_window < plan.length
-            # The windowed layers gather each row's window out of the row cache (its columns are positions).
+            # (out of the row cache: its columns are positions)
             return ForwardBatch(write_slots=None, gather_index=None, offset=offsets, mask=mask, rows=span,
                                 window_gather=self.window_gather(plan) if narrow else None), True
         write_slots = mx.array(plan.slot_ids, dtype=mx.int32)
@@ -257,7 +258,6 @@ class AttentionPaths:
             # Padding rows (past the host table) attend to the padding slot 0 only.
             index = np.zeros((len(rows), plan.length), dtype=self.slot_table.dtype)
             index[: len(decode.rows)] = self.slot_table[rows[: len(decode.rows)], : plan.length]
-            narrow = self.gather_window is not None and self.gather_window < plan.length
             batch = ForwardBatch(write_slots=write_slots, gather_index=mx.array(index), offset=offsets, mask=mask,
                                  lengths=mx.array(positions32 + 1) if self.attention is not None else None,
                                  attention=self.attention,

@@ -24,6 +24,15 @@ from runtime.worker.pools.kv_pool import KVPool, layer_shapes
 MAX_BYTES = ROW_CACHE_BYTES  # a larger copy is not made: decode gathers from the pool instead
 
 
+def read_windows(keys: mx.array, values: mx.array, rows: mx.array, heads: mx.array,
+                 columns: mx.array) -> tuple[mx.array, mx.array]:
+    """(B, KV heads, W, width) K/V of each batch row at its ``columns`` (B, W) positions, out of
+    a layer's row-cache arrays (rows, KV heads, positions, width): ``rows`` (B,) the batch's rows,
+    ``heads`` (1, KV heads). How a sliding-window layer reads its window alone."""
+    index = (rows[:, None, None], heads[:, :, None], columns[:, None, :])
+    return keys[index], values[index]
+
+
 class RowCache:
     """``keys[i]``/``values[i]``: (rows, n_kv_heads, max_context, width) for KV layer i, at that
     layer's own shape (``KVPool``'s per-layer shapes; keys and values of their own widths, see
@@ -136,8 +145,7 @@ class RowSpan:
             c.values[layer][self._r, c.heads[layer], self._p] = values[:, :, 0, :]
         if window_columns is not None:
             rows = mx.arange(b) if self.compact else self.rows_array
-            index = (rows[:, None, None], c.heads[layer][:, :, None], window_columns[:, None, :])
-            return c.keys[layer][index], c.values[layer][index]
+            return read_windows(c.keys[layer], c.values[layer], rows, c.heads[layer], window_columns)
         if self.compact:
             return c.keys[layer][:b, :, : self.length, :], c.values[layer][:b, :, : self.length, :]
         return c.keys[layer][:, :, : self.length, :][self.rows_array], c.values[layer][:, :, : self.length, :][self.rows_array]

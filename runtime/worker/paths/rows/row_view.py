@@ -9,6 +9,7 @@ import mlx.core as mx
 from runtime.worker.paths.pool_cache import CacheStandIn, decode_mask, narrower, window_decode_mask
 from runtime.worker.paths.rows import row_attention
 from runtime.worker.paths.rows.parallel_attention import RowSplit
+from runtime.worker.paths.rows.row_cache import read_windows
 
 
 class RowView(CacheStandIn):
@@ -29,8 +30,7 @@ class RowView(CacheStandIn):
         self.values[s.row_index, self.heads, s.position_index] = values[:, :, 0, :]
         if self.window in s.gathers:  # a sliding-window layer reads each row's own window
             rows = mx.arange(keys.shape[0]) if s.compact else s.rows
-            index = (rows[:, None, None], self.heads[:, :, None], s.gathers[self.window])
-            self.fetched = self.keys[index], self.values[index]
+            self.fetched = read_windows(self.keys, self.values, rows, self.heads, s.gathers[self.window])
         elif s.compact:
             b = keys.shape[0]
             self.fetched = self.keys[:b, :, : s.length, :], self.values[:b, :, : s.length, :]
@@ -78,8 +78,8 @@ class StepArrays:
         # (B, 1, 1, length) bool (rank 5 for 5-D grouped queries): each row sees the positions up to its own.
         self.mask = decode_mask(index <= positions[:, None], mask_rank)
         self.window_masks: dict[tuple[int, int | None], mx.array] = {}
-        # (B, 1, W): each row's last W positions, clipped at 0 (the mask hides those before 0).
-        self.gathers = {w: mx.maximum(self._window_positions(w), 0)[:, None, :] for w in gathered}
+        # (B, W): each row's last W positions, clipped at 0 (the mask hides those before 0).
+        self.gathers = {w: mx.maximum(self._window_positions(w), 0) for w in gathered}
 
     def _window_positions(self, window: int) -> mx.array:
         """(B, window): the positions p - window + 1 .. p of each row at p."""
