@@ -113,11 +113,41 @@ def test_padded_prefill_keys_keep_each_layers_window(folders, monkeypatch):
     reqs = [svc.request(f"c{i}", _ids(rng, 19 + 6 * i), 10) for i in range(3)]
     svc.run({0: reqs[:1], 1: reqs[1:]})
     assert_requests_like_mlx(folder, reqs)
-    # Chunks past position 0 attended to keys padded at the front, their windowed layers masked
-    # to the window (start, queries, keys, rank, window).
-    assert any(a[2] > a[0] + a[1] and a[4] == WINDOW for a in windowed_masks), windowed_masks
     shared = list(reqs[0].prompt_ids)
-    hits = [svc.request(f"h{i}", shared[: 11 + 4 * i] + _ids(rng, 5), 8) for i in range(2)]
+    hits = [svc.request(f"h{i}", shared[: 5 + 6 * i] + _ids(rng, 5), 8) for i in range(3)]
     svc.run({0: hits})
-    assert [r.prefix_len for r in hits] == [11, 15]
+    assert [r.prefix_len for r in hits] == [5, 11, 17]
     assert_requests_like_mlx(folder, hits)
+    # Chunks past position 0 attended to keys padded at the front; a windowed layer's, where the
+    # window reaches back past the chunk's start (the hit at 5), masked to the window (start,
+    # queries, keys, rank, window). (Further on it reads its window alone, unpadded.)
+    assert any(a[2] > a[0] + a[1] and a[4] == WINDOW for a in windowed_masks), windowed_masks
+
+
+@pytest.mark.parametrize("pad", [True, False], ids=["padded-keys", "exact-keys"])
+def test_a_kernel_path_prefill_chunk_reads_a_windowed_layers_window_only(pad, folders, monkeypatch):
+    """On the kernel path (a GPU's default) a prefill chunk past position 0 gathers its keys from
+    the pool, padded at the front where shapes are padded: once the window lies behind the chunk
+    a windowed layer gathers W - 1 positions and the chunk (no front padding, no older prefix),
+    the full layers whole (padded) prefixes; tokens stay mlx-lm's."""
+    _kernel_paths(monkeypatch)
+    from runtime.worker.pools.kv_pool import KVPool
+
+    widths = []  # (KV layer, positions gathered)
+    gather = KVPool.gather
+    monkeypatch.setattr(KVPool, "gather", lambda self, layer, index: widths.append((layer, index.shape[1]))
+                        or gather(self, layer, index))
+    folder = folders("gpt_oss")  # windows on layers 0 and 2
+    chunk = 16 if pad else 5  # a padded continuation's queries are at least 16
+    svc = InProcessService(folder, max_running=4, row_cache=False, pad_shapes=pad, prefill_chunk=chunk,
+                           max_step_tokens=chunk)
+    assert svc.engine.paths.attention is not None and not svc.engine.fuse_prefill
+    widths.clear()  # (the start-up warm-up's)
+    rng = random.Random(9)
+    reqs = [svc.request(f"r{i}", _ids(rng, n), 6) for i, n in enumerate([61, 37])]
+    svc.run({0: reqs})
+    assert_requests_like_mlx(folder, reqs)
+    windowed = [w for layer, w in widths if layer in (0, 2)]
+    full = [w for layer, w in widths if layer in (1, 3)]
+    assert windowed and max(windowed) == chunk + WINDOW - 1, sorted(set(windowed))
+    assert max(full) >= 48  # a full layer's prefix (past the third chunk)

@@ -224,11 +224,10 @@ class AttentionPaths:
             mask=mask,
             front_padding=front_padding,
             rows=RowSpan(self.row_cache, [c.row for c in group], start) if self.row_cache is not None else None,
-            # Past position 0 a chunk's windowed layers read their window back, not the prefix: from
-            # the row cache, or from the pool where its gathered keys are not front-padded (nor
-            # read by the kernel path's fused step).
-            prefill_window=self.gather_window if start and (self.row_cache is not None or (
-                front_padding is None and self.attention is None)) else None,
+            # Past position 0 a chunk's windowed layers read their window back, not the prefix, from
+            # the row cache or the pool. (A windowed model's prefill is never fused: ``fuse_prefill``.)
+            # Once the window is behind the chunk its keys number W - 1 + the chunk's: shapes recur.
+            prefill_window=self.gather_window if start else None,
         )
 
     def decode_batch(self, decode: DecodeBatch, plan: DecodePlan) -> tuple[ForwardBatch, bool]:

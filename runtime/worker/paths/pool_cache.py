@@ -70,8 +70,8 @@ class ForwardBatch:
     (an int32 array: ``DecodeTail.old_length``); ``launch``: the kernel's (splits, warps) for this
     batch, chosen once per step (``launch_shape``). ``window_gather``: a decode's narrowed K/V
     and mask for layers of that sliding window, or None. ``prefill_window``: a prefill chunk past
-    position 0 (row cache, or pool gather without front padding) whose layers of this window read
-    from ``window_start`` on, as mlx-lm's RotatingKVCache keeps, not the whole prefix.
+    position 0 whose layers of this window read from ``window_start`` on, as mlx-lm's
+    RotatingKVCache keeps, not the whole prefix (nor the front padding of gathered keys).
     """
 
     write_slots: mx.array | None
@@ -97,6 +97,14 @@ class ForwardBatch:
         chunk's first query sees ``window`` positions back, no query any earlier one."""
         assert isinstance(self.offset, int)
         return max(0, self.offset - window + 1)
+
+    @property
+    def front_pad(self) -> int:
+        """How many gathered key columns are padding before position 0 (``front_padding``)."""
+        if self.front_padding is None:
+            return 0
+        start, length, keys = self.front_padding
+        return keys - start - length
 
     def window_mask(self, window: int) -> mx.array:
         """``mask`` for a layer with a sliding window (built once per window and forward): a
@@ -190,7 +198,7 @@ class PoolLayerCache(CacheStandIn):
         if window_columns is not None:
             return self.pool.gather(self.kv_layer, window_columns)
         if first:  # a prefill chunk's windowed layer: its window back, not the whole prefix
-            return self.pool.gather(self.kv_layer, self.batch.gather_index[:, first:])
+            return self.pool.gather(self.kv_layer, self.batch.gather_index[:, self.batch.front_pad + first:])
         return self.pool.gather(self.kv_layer, self.batch.gather_index)
 
     @property
@@ -230,13 +238,16 @@ class PoolLayerCache(CacheStandIn):
         narrowed = self.batch.window_gather
         if narrowed is not None and window == narrowed.window:
             return narrowed.mask  # over the window's gathered K/V (``_store``)
-        if self.batch.mask is not None:
-            return self.batch.mask if window is None else self.batch.window_mask(window)
         offset = self.batch.offset
         if window is not None and window == self.batch.prefill_window:
-            # Over the keys from window_start on (``_store``): the same windows, shifted.
+            # Over the keys from window_start on (``_store``; front padding, if any, before them
+            # is not read): the same windows, shifted.
             assert isinstance(offset, int)
-            return create_causal_mask(n, offset - self.batch.window_start(window), window_size=window)
+            first = self.batch.window_start(window)
+            if first or self.batch.mask is None:
+                return create_causal_mask(n, offset - first, window_size=window)
+        if self.batch.mask is not None:
+            return self.batch.mask if window is None else self.batch.window_mask(window)
         if window is not None and (n > 1 or offset >= window):
             assert isinstance(offset, int), "a sliding-window decode is always masked"
             return create_causal_mask(n, offset, window_size=window)
