@@ -164,6 +164,7 @@ for item in "$@"; do
     gemma-paired-trace) RUNTIME_WORKER_TRACE="$OUT/gemma-paired-worker-trace$tag" run "$item" 240 python3 -m runtime.bench --synthetic gemma3-1b --workloads paired --pairs 2 --json "$OUT/$item$tag.json" ;;
     gemma-first-user) run "$item" 300 python3 -m runtime.bench --synthetic gemma3-1b --workloads first --pairs 2 --service-defaults --json "$OUT/$item$tag.json" ;;
     gemma-paired) run "$item" 240 python3 -m runtime.bench --synthetic gemma3-1b --workloads paired --pairs 3 --json "$OUT/$item$tag.json" ;;
+    gemma-long) run "$item" 300 python3 -m runtime.bench --synthetic gemma3-1b --workloads long --long-lens 8192,32768 --json "$OUT/$item$tag.json" ;;
     1b-first) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads first --pairs 3 --json "$OUT/$item$tag.json" ;;
     pytest-gpu) run "$item" 400 python3 -m pytest -q tests/test_paged_kernel_cuda.py tests/test_paged_attention.py tests/test_fused_projections.py tests/test_fused_residual.py tests/test_cubin_kernels_cuda.py ;;
     pytest-cubin) run "$item" 150 python3 -m pytest -q tests/test_cubin_kernels_cuda.py tests/test_cubin_kernels.py ;;
