@@ -83,20 +83,29 @@ def _mlx_loop(step, y, steps: int) -> dict:
 
 def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slots_total: int, stagger: int = 0,
                 warm: bool = False, around=contextlib.nullcontext, row_cache: bool | None = None,
-                attention_streams: int = 1, compile_decode: bool = True) -> dict:
-    """The worker's Engine: prefill every row, then chained decode steps in the worker's order."""
-    from runtime.protocol.worker import DecodeBatch, PrefillChunk, Step
+                attention_streams: int = 1, compile_decode: bool = True, aux_slots: int = 0) -> dict:
+    """The worker's Engine: prefill every row, then chained decode steps in the worker's order.
+    A hybrid model's rows take aux-state slots 1..batch of a pool of ``aux_slots`` (0: the
+    worker's default for these rows, 8 a row)."""
+    from runtime.protocol.worker import AUX_FRESH, DecodeBatch, PrefillChunk, Step
     from runtime.worker.decode_warmup import warm_decode
     from runtime.worker.engine import Engine
     from runtime.worker.model.discovery import discover
+    from runtime.worker.pools.aux_pool import AuxPool
     from runtime.worker.pools.kv_pool import KVPool
 
     layout = discover(model)
     seq = context + stagger + steps + 8
     num_slots = max(slots_total, batch * seq + 1)
-    pool = KVPool(len(layout.attention_layers), num_slots, layout.kv_shape, layout.kv_dtype)
-    engine = Engine(model, layout, pool, max(batch, MAX_ROWS), seq, row_cache=row_cache,
+    pool = KVPool(len(layout.attention_layers), num_slots, layout.kv_shapes, layout.kv_dtype)
+    rows = max(batch, MAX_ROWS)
+    aux_pool = None
+    if layout.has_aux:
+        aux_pool = AuxPool.allocate(AuxPool.probe(model, layout), max(aux_slots or 8 * rows + 1, batch + 1),
+                                    row_writes=mx.default_device().type == mx.DeviceType.cpu)  # as the loader
+    engine = Engine(model, layout, pool, rows, seq, aux_pool, row_cache=row_cache,
                     attention_streams=attention_streams, compile_decode=compile_decode)
+    aux = (lambda r: {"aux_slot": 1 + r, "aux_source": AUX_FRESH}) if aux_pool is not None else (lambda r: {})
     if warm:
         warm_decode(engine)  # what the worker does before it takes requests
     rng = np.random.default_rng(0)
@@ -107,7 +116,7 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
     for r in range(batch):
         n = context + extra[r]
         chunk = PrefillChunk(row=r, start=0, token_ids=rng.integers(0, 1000, n).tolist(),
-                             slot_ids=list(range(1 + r * seq, 1 + r * seq + n)))
+                             slot_ids=list(range(1 + r * seq, 1 + r * seq + n)), **aux(r))
         engine.finalize(engine.launch(Step(step_id=step_id, prefills=[chunk], decode=None)))
         step_id += 1
 
@@ -118,7 +127,7 @@ def time_engine(model, batch: int, context: int, steps: int, overlap: bool, slot
             rows=list(range(batch)), token_ids=[1] * batch if first else [-1] * batch,
             positions=[pos + extra[r] for r in range(batch)],
             slot_ids=[1 + r * seq + pos + extra[r] for r in range(batch)],
-            temperatures=[0.0] * batch))
+            temperatures=[0.0] * batch, aux_slots=[1 + r for r in range(batch)] if aux_pool is not None else []))
 
     with around():
         pending = engine.launch(decode_step(context, True))
@@ -255,6 +264,8 @@ def main() -> None:
     p.add_argument("--modes", default="mlx,engine,engine-overlap",
                    help="comma-separated (mlx, engine, engine-overlap, engine-stagger, engine-spread: rows 0..context positions apart, ...); a mode ending in -fused runs with fused projections (and so do all after it)")
     p.add_argument("--big-pool", type=int, default=0, help="engine pool slots at least this many")
+    p.add_argument("--aux-slots", type=int, default=0,
+                   help="engine modes, hybrid models: aux-state pool slots (0: the worker's default, 8 a row + 1)")
     p.add_argument("--row-cache", choices=("auto", "on", "off"), default="auto",
                    help="engine modes: the worker's choice, or force the row cache on / off (off: the pool gather)")
     p.add_argument("--eager", action="store_true", help="engine modes: worker.compile_decode off")
@@ -306,7 +317,7 @@ def main() -> None:
             def engine(overlap=False, stagger=0, warm=warm_up, a=nullctx):
                 return time_engine(model, batch, args.context, args.steps, overlap, args.big_pool, stagger, warm=warm,
                                    around=a, row_cache=row_cache, attention_streams=streams,
-                                   compile_decode=not args.eager)
+                                   compile_decode=not args.eager, aux_slots=args.aux_slots)
 
             fn = {
                 "mlx": lambda a=nullctx: time_mlx(model, batch, args.context, args.steps, a),

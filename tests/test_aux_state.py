@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
+import pytest
 
 from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH
 from runtime.scheduler.admission import Limits
@@ -109,12 +111,13 @@ def test_abort_mid_prefill_frees_aux_slots():
     assert s.tree.match_prefix(list(range(1, 200))).aux_len == 32
 
 
-def _pool() -> AuxPool:
-    return AuxPool.allocate([[((3, 4), mx.float32), ((2,), mx.float32)]], num_slots=6)
+def _pool(row_writes: bool = False) -> AuxPool:
+    return AuxPool.allocate([[((3, 4), mx.float32), ((2,), mx.float32)]], num_slots=6, row_writes=row_writes)
 
 
-def test_aux_pool_store_restore_fork_and_snapshots_are_copies():
-    pool = _pool()
+@pytest.mark.parametrize("row_writes", [False, True], ids=["scatter", "row-writes"])
+def test_aux_pool_store_restore_fork_and_snapshots_are_copies(row_writes):
+    pool = _pool(row_writes)
     live = mx.array([2])
     state = [mx.ones((1, 3, 4)), mx.full((1, 2), 5.0)]
     pool.write(0, live, state)
@@ -130,8 +133,46 @@ def test_aux_pool_store_restore_fork_and_snapshots_are_copies():
     assert float(pool.read(0, live)[0].sum()) == 0.0
 
 
-def test_batched_read_and_write_split_state_per_request():
-    pool = _pool()
+@pytest.mark.parametrize("row_writes", [False, True], ids=["scatter", "row-writes"])
+def test_batched_read_and_write_split_state_per_request(row_writes):
+    pool = _pool(row_writes)
     pool.write(0, mx.array([1, 3]), [mx.stack([mx.full((3, 4), 1.0), mx.full((3, 4), 3.0)]), mx.array([[1.0, 1], [3, 3]])])
     merged = pool.read(0, mx.array([3, 1]))
     assert merged[0].shape == (2, 3, 4) and merged[1].tolist() == [[3, 3], [1, 1]]
+
+
+def test_row_writes_match_the_scatter_inside_a_compiled_step():
+    """A CPU's pool writes a batch slot by slot (``row_writes``), also where the slots are a
+    traced input of the compiled decode step: the same slots end up with the same states, the
+    others untouched, whatever the order of the slots."""
+    rng = np.random.default_rng(0)
+    values = [mx.array(rng.normal(size=(3, 3, 4)).astype(np.float32)), mx.array(rng.normal(size=(3, 2)).astype(np.float32))]
+    slots = mx.array([4, 1, 3], dtype=mx.int32)
+    results = []
+    for row_writes in (False, True):
+        pool = _pool()
+        pool.write(0, mx.arange(6), [mx.full((6, 3, 4), 7.0), mx.full((6, 2), 7.0)])
+
+        def step(states, slots, values):
+            traced = AuxPool(states, row_writes)
+            traced.write(0, slots, values)
+            return traced.states
+
+        pool.states = mx.compile(step)(pool.states, slots, values)
+        results.append([np.array(a) for a in pool.states[0]])
+    for scattered, written in zip(*results):
+        assert np.array_equal(scattered, written)
+    assert np.array_equal(results[1][1][[4, 1, 3]], np.array(values[1])) and (results[1][1][[0, 2, 5]] == 7.0).all()
+
+
+def test_the_loader_writes_aux_states_slot_by_slot_on_a_cpu(tmp_path):
+    from model_factory import make_model
+
+    from runtime.config import parse_config
+    from runtime.worker.loader import load
+
+    folder = make_model("qwen3_next", tmp_path / "m")
+    config = parse_config({"model": {"path": str(folder)}, "cache": {"kv_slots": 256, "aux_slots": 8},
+                           "scheduler": {"max_running": 2, "max_context": 128}})
+    _, aux = load(config).make_pools()
+    assert aux is not None and aux.row_writes == (mx.default_device().type == mx.DeviceType.cpu)

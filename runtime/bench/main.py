@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", type=Path, help="an existing mlx-lm model folder")
     # each also "-4bit" (models.py quantizes every shape)
     shapes = ("tiny", "llama-1b", "llama-8b", "gemma3-tiny", "gemma3-1b", "gpt-oss-tiny", "gpt-oss-20b-8e",
-              "deepseek-v3-tiny", "moonlight-16b-8e")
+              "deepseek-v3-tiny", "moonlight-16b-8e", "qwen3-next-tiny", "qwen3-next-24l-dense")
     src.add_argument("--synthetic", choices=shapes + tuple(f"{s}-4bit" for s in shapes),
                      help="a random-weight model shape (NAME-4bit: quantized as mlx_lm.convert -q)")
     p.add_argument("--synthetic-tokenizer", choices=("words", "bytes"), default="words",

@@ -63,6 +63,21 @@ _DEEPSEEK_V3: dict = {
     "first_k_dense_replace": 1,
 }
 
+_QWEN3_NEXT: dict = {
+    "model_type": "qwen3_next",
+    "architectures": ["Qwen3NextForCausalLM"],
+    "rms_norm_eps": 1e-6,
+    "full_attention_interval": 4,  # three gated delta-net layers, then one gated full attention
+    "partial_rotary_factor": 0.25,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 0,  # a dense MLP in every layer (``mlp_only_layers``)
+    "num_experts_per_tok": 0,
+    "decoder_sparse_step": 1,
+    "shared_expert_intermediate_size": 0,
+    "moe_intermediate_size": 0,
+    "norm_topk_prob": True,
+}
+
 SHAPES: dict[str, dict] = {
     # CPU-sized: hidden 256, 4 layers, vocab 1000, float32.
     "tiny": {
@@ -142,6 +157,23 @@ SHAPES: dict[str, dict] = {
                          "n_routed_experts": 8, "num_experts_per_tok": 6, "n_shared_experts": 2,
                          "routed_scaling_factor": 2.446, "vocab_size": 163840, "rope_theta": 50000.0,
                          "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    # Qwen3-Next / Qwen3.5's hybrid stack (gated delta-net layers, recurrent state per request,
+    # beside gated full attention): a CPU-sized one in float32, and Qwen3-Next-80B-A3B's
+    # attention and delta-net widths over 24 layers with a dense MLP in place of its 512 experts
+    # (bf16, 4.3 GB).
+    "qwen3-next-tiny": {**_QWEN3_NEXT, "hidden_size": 256, "num_hidden_layers": 8, "intermediate_size": 1024,
+                        "mlp_only_layers": list(range(8)), "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                        "linear_key_head_dim": 64, "linear_value_head_dim": 64, "vocab_size": 1000,
+                        "rope_theta": 10000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+                        "torch_dtype": "float32"},
+    "qwen3-next-24l-dense": {**_QWEN3_NEXT, "hidden_size": 2048, "num_hidden_layers": 24,
+                             "intermediate_size": 5120, "mlp_only_layers": list(range(24)),
+                             "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                             "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                             "linear_value_head_dim": 128, "vocab_size": 151936, "rope_theta": 10000000.0,
+                             "max_position_embeddings": 262144, "tie_word_embeddings": False,
+                             "torch_dtype": "bfloat16"},
 }
 
 # Each shape also in 4 bits ("llama-8b-4bit"): every matrix quantized as mlx-lm's own

@@ -64,8 +64,11 @@ class LoadedModel:
     def make_pools(self) -> tuple[KVPool, AuxPool | None]:
         layout = self.layout
         kv = KVPool(len(layout.attention_layers), self.num_slots, layout.kv_shapes, layout.kv_dtype)
-        aux = AuxPool.allocate(self.aux_templates, self.aux_slots) if self.aux_templates is not None else None
-        return kv, aux
+        if self.aux_templates is None:
+            return kv, None
+        # A CPU writes a decode batch's states slot by slot (its scatter is slow: ``AuxPool``).
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
+        return kv, AuxPool.allocate(self.aux_templates, self.aux_slots, row_writes=on_cpu)
 
 
 def device() -> defaults.Device:

@@ -14,19 +14,27 @@ class AuxPool:
 
     A slot holds one request's state (live) or a snapshot. Writing a slot copies
     values in, so a snapshot never changes when the live state moves on.
+
+    ``row_writes``: write a batch's states slot by slot (one slice update each) instead of as
+    one scatter. MLX's CPU scatter moves about 1 GB/s where a slice update copies at memory
+    speed: at 16 rows of a tiny Qwen3-Next on 2 CPUs the scatter took 6.5 of a 25 ms decode
+    step, the slice updates about 1.5 (``scripts/profile_decode.py``, docs/BENCHMARKS.md).
+    A GPU keeps the one scatter kernel.
     """
 
-    def __init__(self, states: list[list[mx.array]]) -> None:
+    def __init__(self, states: list[list[mx.array]], row_writes: bool = False) -> None:
         """A pool over existing state arrays (``allocate`` makes new ones; a compiled decode
         step wraps its traced inputs)."""
         self.states = states
         self.num_slots = states[0][0].shape[0]
+        self.row_writes = row_writes
 
     @classmethod
-    def allocate(cls, templates: list[list[tuple[tuple[int, ...], mx.Dtype]]], num_slots: int) -> AuxPool:
+    def allocate(cls, templates: list[list[tuple[tuple[int, ...], mx.Dtype]]], num_slots: int,
+                 row_writes: bool = False) -> AuxPool:
         states = [[mx.zeros((num_slots, *shape), dtype=dtype) for shape, dtype in entry] for entry in templates]
         mx.eval(states)
-        return cls(states)
+        return cls(states, row_writes)
 
     @staticmethod
     def probe(model: nn.Module, layout: CacheLayout) -> list[list[tuple[tuple[int, ...], mx.Dtype]]]:
@@ -63,8 +71,16 @@ class AuxPool:
         return [a[slots] for a in self.states[k]]
 
     def write(self, k: int, slots: mx.array, values: list[mx.array]) -> None:
+        """Write ``values[j]`` (B, ...) into state j of auxiliary entry k at ``slots`` (B,)."""
         for j, value in enumerate(values):
-            self.states[k][j][slots] = value.astype(self.states[k][j].dtype)
+            value = value.astype(self.states[k][j].dtype)
+            if self.row_writes:
+                state = self.states[k][j]
+                for b in range(value.shape[0]):  # (``slots`` may be traced: a dynamic start)
+                    state = mx.slice_update(state, value[b : b + 1], slots[b : b + 1], axes=(0,))
+                self.states[k][j] = state
+            else:
+                self.states[k][j][slots] = value
 
     def caches(self, slots: mx.array | None) -> list[ArraysCache]:
         """One mlx-lm ``ArraysCache`` per auxiliary entry, holding the states at ``slots`` (B,),

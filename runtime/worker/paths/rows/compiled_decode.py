@@ -99,7 +99,7 @@ class CompiledDecode:
         step = StepArrays(rows, positions, compact, length, self.fold_heads, self.split, self.mask_rank, gathered)
         views = [RowView(k, v, h, step, w) for k, v, h, w in zip(keys, values, self.row_cache.heads, self.windows)]
         # A hybrid model's per-row states come from the traced aux-pool arrays and go back there.
-        aux_pool = AuxPool(aux_states) if aux_states is not None else None
+        aux_pool = AuxPool(aux_states, self.aux_pool.row_writes) if aux_states is not None else None
         aux = aux_pool.caches(aux_slots) if aux_pool is not None else []
         aux_iter = iter(aux)
         caches = self.nest([views[i] if i >= 0 else next(aux_iter) for i in self.kv_index])
