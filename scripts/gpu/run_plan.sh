@@ -42,7 +42,7 @@ for item in "$@"; do
   case $item in  # ITEM#N: the same item again, its log named ITEM-N
     *#[0-9]*) tag=$tag-${item#*#}; item=${item%#*} ;;
   esac
-  tag=$tag${fuse_tag:-}${cubin_tag:-}${pad_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}${win_tag:-}${sink_tag:-}${cpu_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
+  tag=$tag${fuse_tag:-}${cubin_tag:-}${pad_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}${win_tag:-}${sink_tag:-}${cpu_tag:-}${hyb_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
   case $item in
     kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
     gemv-ab) run "$item" 150 python3 scripts/gemv_ab.py ;;
@@ -71,6 +71,10 @@ for item in "$@"; do
                         # pool gather or the row cache, as before the kernel read windows (window_view)
       sed -i 's/windows_fit = all(w is None or w >= tail_capacity(TAIL_STEPS) for w in layout.windows)/windows_fit = not layout.windowed/' runtime/worker/paths/attention_paths.py; win_tag=-gathered
       echo "== windowed-gathered: $(grep -E 'windows_fit = ' runtime/worker/paths/attention_paths.py)" ;;
+    hybrid-rows)  # on this device copy only: the items after it decode hybrid models (Qwen3-Next) by the compiled
+                  # row-cache step instead of the paged kernel's uncompiled step
+      sed -i 's/        paged = (routed and layout.routed and not layout.shares_kv and windows_fit/        paged = (routed and layout.routed and not hybrid and not layout.shares_kv and windows_fit/' runtime/worker/paths/attention_paths.py; hyb_tag=-rows
+      echo "== hybrid-rows: $(grep -E 'paged = \(' runtime/worker/paths/attention_paths.py)" ;;
     pytest-sinks) run "$item" 200 python3 -m pytest -q tests/test_sinks_cuda.py tests/test_paged_attention.py -k "sink or start_up" ;;
     cpu-streams)  # on this device copy only: the items after it let a GPU's compiled row step split attention over
                   # CPU streams, as before session 33 (parallel_attention.streams_on)
@@ -89,6 +93,9 @@ for item in "$@"; do
     gpt-oss-sweep) run "$item" 300 python3 -m runtime.bench --synthetic gpt-oss-20b-8e --workloads sweep --concurrency 16,64 --json "$OUT/$item$tag.json" ;;
     mla-paired) run "$item" 300 python3 -m runtime.bench --synthetic moonlight-16b-8e --workloads paired --pairs 3 --json "$OUT/$item$tag.json" ;;
     mla-sweep) run "$item" 300 python3 -m runtime.bench --synthetic moonlight-16b-8e --workloads sweep --concurrency 16,64 --json "$OUT/$item$tag.json" ;;
+    qn-paired) run "$item" 300 python3 -m runtime.bench --synthetic qwen3-next-24l-dense --workloads paired --pairs 3 --json "$OUT/$item$tag.json" ;;
+    qn-sweep) run "$item" 300 python3 -m runtime.bench --synthetic qwen3-next-24l-dense --workloads sweep --concurrency 16,64 --json "$OUT/$item$tag.json" ;;
+    profile-qn) run "$item" 200 python3 scripts/profile_decode.py --shape qwen3-next-24l-dense --batch 1,16 --context 256 --steps 32 --modes mlx,engine-overlap --kernels ;;
     gemma-sweep-trace) RUNTIME_WORKER_TRACE="$OUT/gemma-sweep-worker-trace$tag" run "$item" 200 python3 -m runtime.bench --synthetic gemma3-1b --workloads sweep --concurrency 16 --json "$OUT/$item$tag.json" ;;
     gemma-mixed-rt-short) run "$item" 200 python3 -m runtime.bench --synthetic gemma3-1b --workloads mixed --mixed-runtime-only --mixed-requests 150 --mixed-prefix-requests 32 --json "$OUT/$item$tag.json" ;;
     no-fuse-prefill)  # and back
