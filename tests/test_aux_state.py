@@ -176,3 +176,53 @@ def test_the_loader_writes_aux_states_slot_by_slot_on_a_cpu(tmp_path):
                            "scheduler": {"max_running": 2, "max_context": 128}})
     _, aux = load(config).make_pools()
     assert aux is not None and aux.row_writes == (mx.default_device().type == mx.DeviceType.cpu)
+
+
+def _filled(row_writes: bool = False) -> AuxPool:
+    """A pool whose slot s holds s in every element."""
+    pool = _pool(row_writes)
+    slots = mx.arange(6)
+    pool.write(0, slots, [mx.broadcast_to(slots.astype(mx.float32)[:, None, None], (6, 3, 4)),
+                          mx.broadcast_to(slots.astype(mx.float32)[:, None], (6, 2))])
+    return pool
+
+
+@pytest.mark.parametrize("row_writes", [False, True], ids=["scatter", "row-writes"])
+def test_a_steady_decode_batch_keeps_its_states_out_of_the_pool(row_writes):
+    """A decode batch's new states stay batch-ordered (``keep``) while the same slots decode in
+    the same order: the next ``batch_states`` returns them without touching the pool, and the pool
+    still holds the old values until another batch comes."""
+    pool = _filled(row_writes)
+    first = pool.batch_states([3, 1])
+    assert first[0][1].tolist() == [[3, 3], [1, 1]]
+    new = [[first[0][0] + 10, first[0][1] + 10]]
+    pool.keep([3, 1], new)
+    assert pool.batch_states([3, 1]) is new  # resident: no gather
+    assert pool._read(0, mx.array([3, 1]))[1].tolist() == [[3, 3], [1, 1]]  # the pool is stale meanwhile
+    assert len(pool.arrays()) == 4  # the write marker covers the resident states too
+    # Another batch (one row left): the resident states go into the pool first.
+    assert pool.batch_states([1])[0][1].tolist() == [[11, 11]]
+    assert pool.resident_slots is None
+    assert pool._read(0, mx.array([3]))[1].tolist() == [[13, 13]]
+
+
+@pytest.mark.parametrize("row_writes", [False, True], ids=["scatter", "row-writes"])
+def test_an_access_to_a_resident_slot_writes_the_batch_back_first(row_writes):
+    """Prefill, snapshots and restores see a resident slot's newest state; an access to other
+    slots leaves the batch resident."""
+    pool = _filled(row_writes)
+    pool.keep([2, 4], [[mx.full((2, 3, 4), 20.0), mx.array([[20.0, 20], [40, 40]])]])
+    pool.copy(1, 5)  # touches no resident slot
+    pool.zero(3)
+    assert pool.read(0, mx.array([5]))[1].tolist() == [[1, 1]]
+    assert pool.resident_slots == (2, 4)
+    pool.copy(4, 5)  # a snapshot of a resident row
+    assert pool.resident_slots is None
+    assert pool.read(0, mx.array([5]))[1].tolist() == [[40, 40]]
+    assert pool.read(0, mx.array([2]))[0].sum().item() == 20.0 * 12
+    pool.keep([2], [[mx.zeros((1, 3, 4)), mx.full((1, 2), 9.0)]])
+    pool.write(0, mx.array([2]), [mx.ones((1, 3, 4)), mx.ones((1, 2))])  # a prefill overwrites the slot
+    assert pool.read(0, mx.array([2]))[1].tolist() == [[1, 1]]  # not the older resident value
+    pool.keep([4], [[mx.zeros((1, 3, 4)), mx.full((1, 2), 9.0)]])
+    pool.drop()  # a failed step: its rows are not read again
+    assert pool.batch_states([4])[0][1].tolist() == [[40, 40]]

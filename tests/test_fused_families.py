@@ -31,7 +31,8 @@ def test_which_families_take_the_fused_kernel_path(model_dir, monkeypatch):
     fused = set()
     for arch in (a for a in ARCHS if a not in REFUSED):
         engine = _service(model_dir(arch)).engine
-        assert engine.fuse_prefill == (engine.compiled_paged is not None and engine.paths.tail is not None)
+        assert engine.fuse_prefill == (engine.compiled_paged is not None and engine.paths.tail is not None
+                                       and engine.aux_pool is None)
         if engine.fuse_prefill:
             fused.add(arch)
     assert fused == set(KERNEL_PATH), " ".join(sorted(fused ^ set(KERNEL_PATH)))

@@ -101,8 +101,7 @@ def test_gemma3n_takes_no_paged_decode(model_dir, monkeypatch):
     pool = KVPool(len(layout.attention_layers), 64, layout.kv_shapes, layout.kv_dtype)
 
     def paths(shares_kv: bool) -> AttentionPaths:
-        return AttentionPaths(model, replace(layout, shares_kv=shares_kv), pool, 4, 64, row_cache=False,
-                              hybrid=False)
+        return AttentionPaths(model, replace(layout, shares_kv=shares_kv), pool, 4, 64, row_cache=False)
 
     assert paths(True).attention is None
     assert paths(False).attention is not None

@@ -270,26 +270,35 @@ def test_kernel_lanes_per_position_keep_16_bytes_per_lane():
         assert 32 % lanes == 0 and d % lanes == 0 and d // lanes >= 8
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
-def test_hybrid_models_take_the_kernel_path_without_a_tail(arch, model_dir, monkeypatch):
-    """Hybrid models keep writing each decode step's K/V to the pool (no decode tail); the
-    kernel reads the step's own K/V as a one-position tail. Runs with the reference kernels."""
-    from runtime.worker.paths.paged_attention import PagedAttention
+def test_hybrid_models_decode_through_the_kernel_and_its_tail(arch, compiled, model_dir, monkeypatch):
+    """Hybrid models take the kernel path as other models do: the decode tail, the compiled
+    step (recurrent states as its inputs and outputs), and a steady batch's states kept out of
+    the pool between steps (``AuxPool.keep``). Three requests, the third joining mid-decode and
+    the first two finishing before it, so batches change and states go back to the pool. Runs
+    with the reference kernels."""
+    from runtime.worker.pools.aux_pool import AuxPool
 
     _reference_kernels(monkeypatch)
-    lengths = []
-    kernel = PagedAttention._kernel_attend
-    monkeypatch.setattr(PagedAttention, "_kernel_attend",
-                        lambda self, *a: lengths.append(a[6].shape[2]) or kernel(self, *a))
+    resident = []
+    batch_states = AuxPool.batch_states
+    monkeypatch.setattr(AuxPool, "batch_states",
+                        lambda self, slots: resident.append(self.resident_slots == tuple(slots))
+                        or batch_states(self, slots))
     folder = model_dir(arch)
-    svc = InProcessService(folder, cache=False, aux_slots=64, row_cache=False)
-    assert svc.engine.paths.device_table is not None and svc.engine.paths.tail is None
+    svc = InProcessService(folder, cache=False, aux_slots=64, row_cache=False, compile_decode=compiled)
+    engine = svc.engine
+    assert engine.paths.device_table is not None and engine.paths.tail is not None
+    assert (engine.compiled_paged is not None) == compiled and not engine.fuse_prefill
+    if compiled:
+        assert warm_decode(engine) > 0  # the warm-up traces hybrid steps on zero states
     rng = random.Random(3)
-    reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(9 + 7 * i)], 8) for i in range(3)]
-    svc.run({0: reqs[:2], 3: reqs[2:]})
-    assert lengths and set(lengths) == {1}
+    reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(9 + 7 * i)], 8 + 4 * i) for i in range(4)]
+    svc.run({0: reqs[:2], 3: reqs[2:3], 11: reqs[3:]})
+    assert resident.count(True) >= len(resident) // 2 and resident.count(False) >= 3
     for r in reqs:
-        assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, 8, r.rid)
+        assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, len(r.output_ids), r.rid)
 
 
 def test_one_decode_trace_serves_every_tail_length(model_dir, monkeypatch):
@@ -354,19 +363,6 @@ def test_a_kernel_that_fails_its_start_up_check_is_not_used(model_dir, monkeypat
     req = svc.request("r", [5, 6, 7, 8], 12)
     svc.run({0: [req]})
     assert_greedy_like_mlx(folder, req.prompt_ids, req.output_ids, 12)
-
-
-def test_a_hybrid_model_decodes_through_the_kernel_without_a_tail(model_dir, monkeypatch):
-    """Hybrid models (no decode tail: their aux state is written in place) write each step's
-    K/V into the pool and the kernel reads them as a one-position tail."""
-    _reference_kernels(monkeypatch)
-    folder = model_dir("qwen3_next")
-    svc = InProcessService(folder, max_running=4, row_cache=False, compile_decode=True)
-    assert svc.engine.paths.device_table is not None and svc.engine.paths.tail is None
-    reqs = [svc.request(f"r{i}", [5, 6, 7, 8 + i], 10) for i in range(2)]
-    svc.run({0: reqs})
-    for req in reqs:
-        assert_greedy_like_mlx(folder, req.prompt_ids, req.output_ids, 10)
 
 
 def test_an_unknown_kernel_loop_is_refused():

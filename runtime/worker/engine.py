@@ -95,8 +95,7 @@ class Engine:
         # load-time probe and the rotating kernels' check), the compiled decode steps.
         self.startup_seconds: dict[str, float] = {}
         started = time.perf_counter()
-        self.paths = AttentionPaths(model, layout, pool, max_rows, max_context, row_cache, aux_pool is not None,
-                                    self.LENGTH_BUCKET)
+        self.paths = AttentionPaths(model, layout, pool, max_rows, max_context, row_cache, self.LENGTH_BUCKET)
         self.startup_seconds["attention paths"] = time.perf_counter() - started
         # The one place a model's forward is kept uncompiled: one that cannot be traced (it reads
         # arrays back mid-forward) gets no compiled decode, hence no fused prefill + decode step.
@@ -109,19 +108,20 @@ class Engine:
                                                               self.COMPILED_LENGTH_BUCKET, max_context, aux_pool,
                                                               streams_on(on_cpu, attention_streams))
         self.compiled_paged: CompiledPagedDecode | None = None
-        if compile_decode and self.paths.tail is not None and aux_pool is None and CompiledDecode.supports(layout):
+        if compile_decode and self.paths.tail is not None and CompiledDecode.supports(layout):
             assert self.paths.attention is not None
             started = time.perf_counter()
             rope = self.paths.kernel_rope(model, layout) if KERNEL_ROPE else None
             self.startup_seconds["kernel RoPE"] = time.perf_counter() - started
             started = time.perf_counter()
-            self.compiled_paged = CompiledPagedDecode(model, layout, pool, self.paths.attention, self.paths.tail, rope)
+            self.compiled_paged = CompiledPagedDecode(model, layout, pool, self.paths.attention, self.paths.tail, rope,
+                                                      aux_pool)
             self.startup_seconds["compiled step"] = time.perf_counter() - started
         self.chain = TokenChain()  # chained decode: the previous batch's lazy tokens
-        # Fusing needs the paged kernel's tail (every layer attention), no window or sinks (the
-        # fused prefill's attention has neither) and plain 4-D queries.
+        # Fusing needs the paged kernel's tail, every layer attention (no recurrent state), no
+        # window or sinks (the fused prefill's attention has neither) and plain 4-D queries.
         self.fuse_prefill = (FUSE_PREFILL and self.compiled_paged is not None and layout.mask_rank == 4
-                             and not layout.windowed and not layout.sinks)
+                             and aux_pool is None and not layout.windowed and not layout.sinks)
         self.output_head = OutputHead(model)
         self.sampler = RowSampler(max_rows)
         # Share of padding a batched prefill may carry (0: none, and prefill shapes unpadded).
@@ -159,8 +159,8 @@ class Engine:
     def _decode_logits(self, decode: DecodeBatch) -> tuple[mx.array, bool]:
         """A decode batch's logits (rows padded to the batch's bucket may follow), lazy."""
         plan = self._plan(decode)
-        aux_slots = mx.array(plan.aux_slots, dtype=mx.int32) if self.aux_pool is not None else None
         if self.compiled is not None:
+            aux_slots = mx.array(plan.aux_slots, dtype=mx.int32) if self.aux_pool is not None else None
             self.paths.defer_dense(decode, plan)
             inputs = self.chain.inputs(decode)
             padded = 0 if plan.compact else self.compiled.padded_rows(list(decode.rows))
@@ -171,15 +171,22 @@ class Engine:
                                            plan.length, aux_slots)
             return logits, True
         inputs, batch, in_place = self._pool_decode(decode, plan)
+        # A hybrid's states: the last step's, kept batch-ordered while the batch is unchanged
+        # (else the pool's, the last batch's written back first: a write in place).
+        states = None
+        if self.aux_pool is not None:
+            in_place = in_place or self.aux_pool.resident_slots not in (None, tuple(plan.aux_slots))
+            states = self.aux_pool.batch_states(plan.aux_slots)
         # Every row count decodes compiled: a new trace costs about 35 ms once its kernels exist
         # (scripts/decode_trace_cost.py), while eager batches of many rows ran a quarter slower.
         if self.compiled_paged is not None:
-            logits = self.compiled_paged.forward(inputs, batch)
+            logits, states = self.compiled_paged.forward(inputs, batch, states)
         else:
-            aux = self.aux_pool.caches(aux_slots) if self.aux_pool is not None else None
+            aux = AuxPool.wrap(states) if states is not None else None
             logits = self.model(inputs[:, None], cache=self._caches(batch, aux))[:, -1, :]
-            if self.aux_pool is not None:
-                self.aux_pool.store(aux, aux_slots)
+            states = [c.cache for c in aux] if aux is not None else None
+        if self.aux_pool is not None and states is not None:
+            self.aux_pool.keep(plan.aux_slots, states)
         # Padding rows stay: the sampler drops them, after drawing at the bucket's shape.
         return logits, in_place
 
@@ -397,3 +404,5 @@ class Engine:
     def reset_chain(self) -> None:
         self.chain.reset()
         self.paths.reset()
+        if self.aux_pool is not None:
+            self.aux_pool.drop()  # (the failed step's requests fail: their states are not read again)

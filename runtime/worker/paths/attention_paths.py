@@ -54,8 +54,8 @@ class AttentionPaths:
     takes the row cache, whose layers each have their own shape, or the pool gather.
 
     ``row_cache``: None picks the row cache where the kernel does not apply and it fits in
-    ``MAX_BYTES``; True forces it, False forbids it. ``hybrid`` models keep writing the
-    pool every decode step (their recurrent state is updated in place anyway).
+    ``MAX_BYTES``; True forces it, False forbids it. Hybrid models take the decode tail too:
+    their recurrent states stay out of the pool while a batch decodes (``AuxPool.keep``).
     """
 
     def __init__(
@@ -66,7 +66,6 @@ class AttentionPaths:
         max_rows: int,
         max_context: int,
         row_cache: bool | None,
-        hybrid: bool,
         length_bucket: int = 128,
     ) -> None:
         self.pool = pool
@@ -87,7 +86,7 @@ class AttentionPaths:
                  and shape.same_widths)
         self.attention = PagedAttention(PagedAttention.kernel_available()) if paged else None
         kernel = self.attention is not None and shape is not None and self.attention.supports(shape.head_dim)
-        if kernel and (problem := self._check_kernel(length_bucket, tail=not hybrid)):
+        if kernel and (problem := self._check_kernel(length_bucket, tail=True)):
             print(f"runtime worker: the paged attention kernel failed its start-up check ({problem}); "
                   "decode attends through gathered K/V instead", file=sys.stderr, flush=True)
             self.attention, kernel = PagedAttention(False), False
@@ -104,7 +103,7 @@ class AttentionPaths:
         # The kernel reads slots from a device copy of the table (one extra all-padding row for
         # padding batch rows), so a decode step uploads O(batch) ints, not O(batch * length).
         self.device_table = mx.zeros((max_rows + 1, max_context), dtype=mx.int32) if kernel else None
-        self.tail = DecodeTail(len(layout.attention_layers), TAIL_STEPS) if kernel and not hybrid else None
+        self.tail = DecodeTail(len(layout.attention_layers), TAIL_STEPS) if kernel else None
         self.pending = DeferredSteps(PENDING_STEPS)  # row-cache decode steps not in the pool yet
         self.length_bucket = length_bucket
         self.rope: tuple[RopeSpec | None, ...] | None = None  # set by kernel_rope: the kernel rotates

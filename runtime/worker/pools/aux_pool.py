@@ -20,6 +20,15 @@ class AuxPool:
     speed: at 16 rows of a tiny Qwen3-Next on 2 CPUs the scatter took 6.5 of a 25 ms decode
     step, the slice updates about 1.5 (``scripts/profile_decode.py``, docs/BENCHMARKS.md).
     A GPU keeps the one scatter kernel.
+
+    Resident batch (``batch_states``/``keep``): a decode step's new states stay batch-ordered,
+    outside the pool, while the next step decodes the same slots in the same order; they go
+    into the pool (one scatter) when another batch comes, or before any other access touches
+    one of their slots. A steady batch then neither gathers nor scatters its states: on an H100
+    MLX's CUDA gather and scatter of Qwen3-Next's 2 MB-per-row states took 4.6 of a 16-row
+    step's 15 ms of kernels (docs/BENCHMARKS.md, session 35).
+    Invariant: a slot in ``resident_slots`` holds a stale value in the pool; every method but
+    ``batch_states``/``keep``/``arrays`` flushes before touching such a slot.
     """
 
     def __init__(self, states: list[list[mx.array]], row_writes: bool = False) -> None:
@@ -28,6 +37,8 @@ class AuxPool:
         self.states = states
         self.num_slots = states[0][0].shape[0]
         self.row_writes = row_writes
+        self.resident_slots: tuple[int, ...] | None = None
+        self.resident: list[list[mx.array]] = []  # per entry, per state: (B, ...) in batch order
 
     @classmethod
     def allocate(cls, templates: list[list[tuple[tuple[int, ...], mx.Dtype]]], num_slots: int,
@@ -66,12 +77,58 @@ class AuxPool:
     def nbytes(self) -> int:
         return sum(a.nbytes for entry in self.states for a in entry)
 
+    def batch_states(self, slots: list[int]) -> list[list[mx.array]]:
+        """A decode batch's states at ``slots`` (per entry, per state, batch-major): the resident
+        ones if the last kept batch had exactly these slots, else read from the pool (the
+        resident batch written back first)."""
+        if self.resident_slots == tuple(slots):
+            return self.resident
+        self.flush()
+        index = mx.array(slots, dtype=mx.int32)
+        return [self._read(k, index) for k in range(len(self.states))]
+
+    def keep(self, slots: list[int], states: list[list[mx.array]]) -> None:
+        """Hold a decode step's new states at ``slots`` as the resident batch (``batch_states``
+        after any flush: the pool holds every other slot's latest state)."""
+        assert self.resident_slots is None or self.resident_slots == tuple(slots)
+        self.resident_slots, self.resident = tuple(slots), states
+
+    def flush(self) -> bool:
+        """Write the resident batch into the pool; whether there was one (a write in place)."""
+        if self.resident_slots is None:
+            return False
+        index = mx.array(self.resident_slots, dtype=mx.int32)
+        for k, values in enumerate(self.resident):
+            self._write(k, index, values)
+        self.drop()
+        return True
+
+    def drop(self) -> None:
+        """Forget the resident batch (its requests failed: their slots are not read again)."""
+        self.resident_slots, self.resident = None, []
+
+    def _touch(self, slots: mx.array | list[int] | int) -> None:
+        """Flush first where an access touches a resident slot."""
+        if self.resident_slots is None:
+            return
+        wanted = {slots} if isinstance(slots, int) else set(slots if isinstance(slots, list) else slots.tolist())
+        if wanted & set(self.resident_slots):
+            self.flush()
+
     def read(self, k: int, slots: mx.array) -> list[mx.array]:
         """States of auxiliary entry k at ``slots`` (B,), batch-major."""
+        self._touch(slots)
+        return self._read(k, slots)
+
+    def _read(self, k: int, slots: mx.array) -> list[mx.array]:
         return [a[slots] for a in self.states[k]]
 
     def write(self, k: int, slots: mx.array, values: list[mx.array]) -> None:
         """Write ``values[j]`` (B, ...) into state j of auxiliary entry k at ``slots`` (B,)."""
+        self._touch(slots)
+        self._write(k, slots, values)
+
+    def _write(self, k: int, slots: mx.array, values: list[mx.array]) -> None:
         for j, value in enumerate(values):
             value = value.astype(self.states[k][j].dtype)
             if self.row_writes:
@@ -85,11 +142,17 @@ class AuxPool:
     def caches(self, slots: mx.array | None) -> list[ArraysCache]:
         """One mlx-lm ``ArraysCache`` per auxiliary entry, holding the states at ``slots`` (B,),
         or empty (None: rows that start from no state)."""
+        if slots is None:
+            return [ArraysCache(len(entry)) for entry in self.states]
+        return self.wrap([self.read(k, slots) for k in range(len(self.states))])
+
+    @staticmethod
+    def wrap(states: list[list[mx.array]]) -> list[ArraysCache]:
+        """One mlx-lm ``ArraysCache`` per auxiliary entry over batch-major ``states``."""
         caches = []
-        for k in range(len(self.states)):
-            cache = ArraysCache(len(self.states[k]))
-            if slots is not None:
-                cache.cache = self.read(k, slots)
+        for entry in states:
+            cache = ArraysCache(len(entry))
+            cache.cache = list(entry)
             caches.append(cache)
         return caches
 
@@ -100,15 +163,18 @@ class AuxPool:
 
     def copy(self, src: int, dst: int) -> None:
         """Snapshot/restore/fork: copy slot ``src`` into slot ``dst`` for every entry."""
+        self._touch([src, dst])
         for entry in self.states:
             for a in entry:
                 a[dst : dst + 1] = a[src : src + 1]
 
     def zero(self, slot: int) -> None:
         """Clear a slot: the state of a request that has seen no tokens."""
+        self._touch(slot)
         for entry in self.states:
             for a in entry:
                 a[slot : slot + 1] = mx.zeros((1, *a.shape[1:]), dtype=a.dtype)
 
     def arrays(self) -> list[mx.array]:
-        return [a for entry in self.states for a in entry]
+        """The pool's arrays and the resident batch's (what a step's pool-write marker covers)."""
+        return [a for entry in self.states + self.resident for a in entry]

@@ -10,7 +10,8 @@ trace per tail length.
 Nothing is written in place, as in the uncompiled path: the kernel reads the pool through the
 device slot table plus the decode tail (``DecodeTail``) and writes the tail extended by the
 step's new K/V, a new array per step. So the step can still be submitted before the previous
-one is read back.
+one is read back. A hybrid model's recurrent states are inputs and outputs too, batch-major
+(the aux pool's resident batch, ``AuxPool.batch_states``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from runtime.worker.paths.cuda.window_view import cached_view
 from runtime.worker.paths.paged_attention import PagedAttention
 from runtime.worker.paths.pool_cache import CacheStandIn, ForwardBatch
 from runtime.worker.paths.trace_cache import MAX_TRACES, TraceCache
+from runtime.worker.pools.aux_pool import AuxPool
 from runtime.worker.pools.kv_pool import KVPool
 
 
@@ -97,40 +99,57 @@ class _TailView(CacheStandIn):
 class CompiledPagedDecode:
     """``forward(tokens, batch)``: logits of a kernel-path decode step whose bookkeeping
     (``AttentionPaths.decode_batch``: table, tail flush, lengths, launch shape) is done; the
-    step's K/V become the tail's new arrays. Only for models whose every layer is attention.
+    step's K/V become the tail's new arrays. For models whose every layer is attention or the
+    recurrent state of a hybrid layer (``aux_pool``: the states' shapes, for warm-ups).
     ``rope`` (each KV layer's spec, from ``kernel_rope.defer_rope``; None for a layer that
     rotates itself): the kernel rotates those layers' queries and new keys, their rotary
     modules do not."""
 
     def __init__(self, model: nn.Module, layout: CacheLayout, pool: KVPool, attention: PagedAttention,
-                 tail: DecodeTail, rope: tuple[RopeSpec | None, ...] | None = None) -> None:
-        assert all(i >= 0 for i in layout.kv_index), "compiled decode needs every layer to be attention"
+                 tail: DecodeTail, rope: tuple[RopeSpec | None, ...] | None = None,
+                 aux_pool: AuxPool | None = None) -> None:
+        assert all(i >= 0 or entry in layout.aux_layers for entry, i in enumerate(layout.kv_index)), \
+            "compiled decode needs every layer to be attention or a hybrid layer's state"
+        assert (aux_pool is not None) == layout.has_aux, "a hybrid model's decode needs its aux-state pool"
         self.model, self.kv_index, self.rope = model, list(layout.kv_index), rope
-        self.windows = [layout.window(entry) for entry in range(len(self.kv_index))]  # every entry is attention
-        self.pool, self.attention, self.tail = pool, attention, tail
+        self.windows = [layout.window(entry) for entry in range(len(self.kv_index))]
+        self.nest = layout.nest
+        self.pool, self.attention, self.tail, self.aux_pool = pool, attention, tail, aux_pool
         self.traces = TraceCache(self._forward, MAX_TRACES)
 
     def _forward(self, tokens: mx.array, positions: mx.array, lengths: mx.array, table: mx.array,
                  table_rows: mx.array, pool_keys: list[mx.array], pool_values: list[mx.array],
                  tail_keys: list[mx.array], tail_values: list[mx.array], tail_len: mx.array,
-                 launch: tuple[int, int]):
+                 launch: tuple[int, int], aux_states: list[list[mx.array]] | None = None):
         step = _Step(self.attention, positions, lengths, table, table_rows, pool_keys, pool_values, tail_keys,
                      tail_values, tail_len, launch, self.rope)
-        views = [_TailView(i, step, self.windows[entry]) for entry, i in enumerate(self.kv_index)]
-        logits = self.model(tokens[:, None], cache=views)[:, -1, :]
-        return logits, step.new_keys, step.new_values
+        aux = iter(AuxPool.wrap(aux_states) if aux_states is not None else [])
+        caches = [_TailView(i, step, self.windows[entry]) if i >= 0 else next(aux)
+                  for entry, i in enumerate(self.kv_index)]
+        logits = self.model(tokens[:, None], cache=self.nest(caches))[:, -1, :]
+        states = [c.cache for c in caches if not isinstance(c, _TailView)] if aux_states is not None else None
+        return logits, step.new_keys, step.new_values, states
 
-    def forward(self, tokens: mx.array, batch: ForwardBatch) -> mx.array:
+    def forward(self, tokens: mx.array, batch: ForwardBatch,
+                aux_states: list[list[mx.array]] | None = None) -> tuple[mx.array, list[list[mx.array]] | None]:
+        """The step's logits, and (hybrid models) each row's new recurrent states from its
+        ``aux_states`` (per aux entry, per state, batch-major)."""
         assert batch.tail is self.tail and batch.table is not None and batch.table_rows is not None
         assert batch.lengths is not None and batch.launch is not None and isinstance(batch.offset, mx.array)
-        assert batch.tail_len is not None
+        assert batch.tail_len is not None and (aux_states is None) == (self.aux_pool is None)
         rows, t, shape = tokens.shape[0], self.tail, self.pool.shape
         tail_keys, tail_values = t.old(rows, shape.n_kv_heads, shape.head_dim, self.pool.dtype)
-        logits, keys, values = self._traced((rows, batch.launch), tokens, batch.offset, batch.lengths, batch.table,
-                                            batch.table_rows, self.pool.keys, self.pool.values, tail_keys, tail_values,
-                                            batch.tail_len, batch.launch)
+        logits, keys, values, states = self._traced(
+            (rows, batch.launch), tokens, batch.offset, batch.lengths, batch.table, batch.table_rows, self.pool.keys,
+            self.pool.values, tail_keys, tail_values, batch.tail_len, batch.launch, aux_states)
         t.keys[:], t.values[:] = keys, values
-        return logits
+        return logits, states
+
+    def _unused_states(self, rows: int) -> list[list[mx.array]] | None:
+        """Zero states of ``rows`` rows (a warm-up's inputs), or None (no hybrid layers)."""
+        if self.aux_pool is None:
+            return None
+        return [[mx.zeros((rows, *a.shape[1:]), dtype=a.dtype) for a in entry] for entry in self.aux_pool.states]
 
     def _traced(self, key: tuple, *args):
         """``self.traces`` at ``key``. A model whose forward cannot be traced with its rotation
@@ -158,7 +177,7 @@ class CompiledPagedDecode:
             if count == MAX_TRACES // 2:
                 return count  # half the cache at most: other shapes need room
             self._traced((rows, launch), zeros, zeros, zeros + 1, table, zeros, self.pool.keys, self.pool.values,
-                         tail_keys, tail_values, zeros[:1], launch)  # outputs dropped
+                         tail_keys, tail_values, zeros[:1], launch, self._unused_states(rows))  # outputs dropped
             count += 1
         return count
 
@@ -178,12 +197,13 @@ class CompiledPagedDecode:
         for rows in row_sizes:
             zeros = mx.zeros((rows,), dtype=mx.int32)
             tail_keys, tail_values = self._unused_tail(rows)
+            states = self._unused_states(rows)
             for launch in launches(rows):
                 if time.perf_counter() > deadline or len(self.traces) >= MAX_TRACES * 3 // 4:
                     return count
-                logits, keys, values = self._traced((rows, launch), zeros, zeros, zeros + 1, table, zeros,
-                                                    self.pool.keys, self.pool.values, tail_keys, tail_values,
-                                                    zeros[:1], launch)
-                mx.eval(logits, keys, values)
+                logits, keys, values, new_states = self._traced((rows, launch), zeros, zeros, zeros + 1, table, zeros,
+                                                                self.pool.keys, self.pool.values, tail_keys,
+                                                                tail_values, zeros[:1], launch, states)
+                mx.eval(logits, keys, values, new_states or [])
                 count += 1
         return count

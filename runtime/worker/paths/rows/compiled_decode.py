@@ -127,6 +127,8 @@ class CompiledDecode:
         and the aux-state pool (hybrid models) each row's new state at ``aux_slots``."""
         c = self.row_cache
         length = self.bucket(length)
+        if self.aux_pool is not None:
+            self.aux_pool.flush()  # (this step reads and writes the pool's slots; it keeps no batch resident)
         aux = self.aux_pool.states if self.aux_pool is not None else None
         assert (aux_slots is None) == (aux is None)
         logits, keys, values, states = self.traces(
