@@ -72,8 +72,8 @@ for item in "$@"; do
       sed -i 's/windows_fit = all(w is None or w >= tail_capacity(TAIL_STEPS) for w in layout.windows)/windows_fit = not layout.windowed/' runtime/worker/paths/attention_paths.py; win_tag=-gathered
       echo "== windowed-gathered: $(grep -E 'windows_fit = ' runtime/worker/paths/attention_paths.py)" ;;
     hybrid-rows)  # on this device copy only: the items after it decode hybrid models (Qwen3-Next) by the compiled
-                  # row-cache step instead of the paged kernel's uncompiled step
-      sed -i 's/        paged = (routed and layout.routed and not layout.shares_kv and windows_fit/        paged = (routed and layout.routed and not hybrid and not layout.shares_kv and windows_fit/' runtime/worker/paths/attention_paths.py; hyb_tag=-rows
+                  # row-cache step instead of the paged kernel
+      sed -i 's/        paged = (routed and layout.routed and not layout.shares_kv and windows_fit/        paged = (routed and layout.routed and not layout.has_aux and not layout.shares_kv and windows_fit/' runtime/worker/paths/attention_paths.py; hyb_tag=-rows
       echo "== hybrid-rows: $(grep -E 'paged = \(' runtime/worker/paths/attention_paths.py)" ;;
     pytest-sinks) run "$item" 200 python3 -m pytest -q tests/test_sinks_cuda.py tests/test_paged_attention.py -k "sink or start_up" ;;
     cpu-streams)  # on this device copy only: the items after it let a GPU's compiled row step split attention over
