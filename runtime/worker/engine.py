@@ -159,36 +159,36 @@ class Engine:
     def _decode_logits(self, decode: DecodeBatch) -> tuple[mx.array, bool]:
         """A decode batch's logits (rows padded to the batch's bucket may follow), lazy."""
         plan = self._plan(decode)
+        # A hybrid's states: the last step's, kept batch-ordered while the batch is unchanged
+        # (else the pool's, the last batch's written back first: a write in place).
+        states, flushes = None, False
+        if self.aux_pool is not None:
+            flushes = self.aux_pool.resident_slots not in (None, tuple(plan.aux_slots))
+            states = self.aux_pool.batch_states(plan.aux_slots)
         if self.compiled is not None:
-            aux_slots = mx.array(plan.aux_slots, dtype=mx.int32) if self.aux_pool is not None else None
             self.paths.defer_dense(decode, plan)
             inputs = self.chain.inputs(decode)
             padded = 0 if plan.compact else self.compiled.padded_rows(list(decode.rows))
-            if padded:
+            if padded:  # (never a hybrid's batch)
                 return self.compiled.forward_padded(inputs, list(decode.rows), list(decode.positions), plan.length,
                                                     padded), True
-            logits = self.compiled.forward(inputs, mx.array(plan.rows.astype(np.int32)), plan.positions, plan.compact,
-                                           plan.length, aux_slots)
-            return logits, True
-        inputs, batch, in_place = self._pool_decode(decode, plan)
-        # A hybrid's states: the last step's, kept batch-ordered while the batch is unchanged
-        # (else the pool's, the last batch's written back first: a write in place).
-        states = None
-        if self.aux_pool is not None:
-            in_place = in_place or self.aux_pool.resident_slots not in (None, tuple(plan.aux_slots))
-            states = self.aux_pool.batch_states(plan.aux_slots)
-        # Every row count decodes compiled: a new trace costs about 35 ms once its kernels exist
-        # (scripts/decode_trace_cost.py), while eager batches of many rows ran a quarter slower.
-        if self.compiled_paged is not None:
-            logits, states = self.compiled_paged.forward(inputs, batch, states)
+            logits, states = self.compiled.forward(inputs, mx.array(plan.rows.astype(np.int32)), plan.positions,
+                                                   plan.compact, plan.length, states)
+            in_place = True
         else:
-            aux = AuxPool.wrap(states) if states is not None else None
-            logits = self.model(inputs[:, None], cache=self._caches(batch, aux))[:, -1, :]
-            states = [c.cache for c in aux] if aux is not None else None
-        if self.aux_pool is not None and states is not None:
+            inputs, batch, in_place = self._pool_decode(decode, plan)
+            # Every row count decodes compiled: a new trace costs about 35 ms once its kernels exist
+            # (scripts/decode_trace_cost.py), while eager batches of many rows ran a quarter slower.
+            if self.compiled_paged is not None:
+                logits, states = self.compiled_paged.forward(inputs, batch, states)
+            else:
+                aux = AuxPool.wrap(states) if states is not None else None
+                logits = self.model(inputs[:, None], cache=self._caches(batch, aux))[:, -1, :]
+                states = [c.cache for c in aux] if aux is not None else None
+        if states is not None:
             self.aux_pool.keep(plan.aux_slots, states)
         # Padding rows stay: the sampler drops them, after drawing at the bucket's shape.
-        return logits, in_place
+        return logits, in_place or flushes
 
     def _plan(self, decode: DecodeBatch) -> DecodePlan:
         return plan_decode(decode, dense=self.paths.dense, length_bucket=self.LENGTH_BUCKET,

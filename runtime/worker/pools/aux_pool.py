@@ -87,6 +87,10 @@ class AuxPool:
         index = mx.array(slots, dtype=mx.int32)
         return [self._read(k, index) for k in range(len(self.states))]
 
+    def zero_batch(self, rows: int) -> list[list[mx.array]]:
+        """Zero states of ``rows`` rows, batch-major (a warm-up trace's inputs)."""
+        return [[mx.zeros((rows, *a.shape[1:]), dtype=a.dtype) for a in entry] for entry in self.states]
+
     def keep(self, slots: list[int], states: list[list[mx.array]]) -> None:
         """Hold a decode step's new states at ``slots`` as the resident batch (``batch_states``
         after any flush: the pool holds every other slot's latest state)."""

@@ -147,9 +147,7 @@ class CompiledPagedDecode:
 
     def _unused_states(self, rows: int) -> list[list[mx.array]] | None:
         """Zero states of ``rows`` rows (a warm-up's inputs), or None (no hybrid layers)."""
-        if self.aux_pool is None:
-            return None
-        return [[mx.zeros((rows, *a.shape[1:]), dtype=a.dtype) for a in entry] for entry in self.aux_pool.states]
+        return self.aux_pool.zero_batch(rows) if self.aux_pool is not None else None
 
     def _traced(self, key: tuple, *args):
         """``self.traces`` at ``key``. A model whose forward cannot be traced with its rotation

@@ -48,7 +48,10 @@ class CompiledDecode:
 
     ``forward`` takes the batch's input tokens, row indices and positions, writes the new
     K/V into the row cache (its arrays are replaced by the compiled function's outputs) and
-    returns the last-position logits. Only for models whose every layer is attention.
+    returns the last-position logits. For models whose every layer is attention or the
+    recurrent state of a hybrid layer: those states are inputs and outputs of the step,
+    batch-major (the aux pool's resident batch, ``AuxPool.batch_states``; ``aux_pool``: their
+    shapes, for the warm-up traces).
     """
 
     def __init__(self, model: nn.Module, layout: CacheLayout, row_cache: RowCache, length_bucket: int,
@@ -92,21 +95,18 @@ class CompiledDecode:
         return round_length(length, self.length_bucket, self.max_context)
 
     def _forward(self, tokens: mx.array, rows: mx.array, positions: mx.array, keys: list[mx.array],
-                 values: list[mx.array], compact: bool, length: int, aux_slots: mx.array | None = None,
+                 values: list[mx.array], compact: bool, length: int,
                  aux_states: list[list[mx.array]] | None = None):
         # Windows shorter than the attended length read each row's window alone.
         gathered = tuple(w for w in self.distinct_windows if w < length)
         step = StepArrays(rows, positions, compact, length, self.fold_heads, self.split, self.mask_rank, gathered)
         views = [RowView(k, v, h, step, w) for k, v, h, w in zip(keys, values, self.row_cache.heads, self.windows)]
-        # A hybrid model's per-row states come from the traced aux-pool arrays and go back there.
-        aux_pool = AuxPool(aux_states, self.aux_pool.row_writes) if aux_states is not None else None
-        aux = aux_pool.caches(aux_slots) if aux_pool is not None else []
+        aux = AuxPool.wrap(aux_states) if aux_states is not None else []
         aux_iter = iter(aux)
         caches = self.nest([views[i] if i >= 0 else next(aux_iter) for i in self.kv_index])
         logits = self.model(tokens[:, None], cache=caches)[:, -1, :]
-        if aux_pool is not None:
-            aux_pool.store(aux, aux_slots)
-        return logits, [v.keys for v in views], [v.values for v in views], aux_states
+        states = [c.cache for c in aux] if aux_states is not None else None
+        return logits, [v.keys for v in views], [v.values for v in views], states
 
     def trace(self, rows: int) -> int:
         """Trace (without running) the compact step of ``rows`` rows at every length bucket, so
@@ -115,29 +115,24 @@ class CompiledDecode:
         index = mx.arange(rows, dtype=mx.int32)
         c = self.row_cache
         lengths = bucket_lengths(self.length_bucket, self.max_context)
-        aux = self.aux_pool.states if self.aux_pool is not None else None
+        states = self.aux_pool.zero_batch(rows) if self.aux_pool is not None else None
         for length in lengths[: MAX_TRACES // 2]:  # half the cache at most: other shapes need room
             self.traces((rows, length, True), tokens, index, index, c.keys, c.values, True, length,
-                        index if aux is not None else None, aux)  # outputs dropped
+                        states)  # outputs dropped
         return min(len(lengths), MAX_TRACES // 2)
 
     def forward(self, tokens: mx.array, rows: mx.array, positions: np.ndarray, compact: bool, length: int,
-                aux_slots: mx.array | None = None) -> mx.array:
-        """Logits (B, vocab) of one decode step; the row cache holds the step's K/V afterwards,
-        and the aux-state pool (hybrid models) each row's new state at ``aux_slots``."""
+                aux_states: list[list[mx.array]] | None = None) -> tuple[mx.array, list[list[mx.array]] | None]:
+        """Logits (B, vocab) of one decode step, and (hybrid models) each row's new recurrent
+        states from its ``aux_states``; the row cache holds the step's K/V afterwards."""
         c = self.row_cache
         length = self.bucket(length)
-        if self.aux_pool is not None:
-            self.aux_pool.flush()  # (this step reads and writes the pool's slots; it keeps no batch resident)
-        aux = self.aux_pool.states if self.aux_pool is not None else None
-        assert (aux_slots is None) == (aux is None)
+        assert (aux_states is None) == (self.aux_pool is None)
         logits, keys, values, states = self.traces(
             (tokens.shape[0], length, compact), tokens, rows, mx.array(positions.astype(np.int32)), c.keys,
-            c.values, compact, length, aux_slots, aux)
+            c.values, compact, length, aux_states)
         c.keys[:], c.values[:] = keys, values
-        if self.aux_pool is not None:
-            self.aux_pool.states = states
-        return logits
+        return logits, states
 
     def padded_rows(self, rows: list[int]) -> int:
         """Rows 0..R-1 for a scattered batch to run as a compact one (its missing rows as
@@ -166,5 +161,5 @@ class CompiledDecode:
         all_tokens[index] = tokens
         all_positions = np.full(padded, self.row_cache.max_context, dtype=np.int32)
         all_positions[rows] = positions
-        logits = self.forward(all_tokens, mx.arange(padded, dtype=mx.int32), all_positions, True, length)
+        logits, _ = self.forward(all_tokens, mx.arange(padded, dtype=mx.int32), all_positions, True, length)
         return logits[index]
