@@ -86,7 +86,7 @@ class AttentionPaths:
                  and shape.same_widths)
         self.attention = PagedAttention(PagedAttention.kernel_available()) if paged else None
         kernel = self.attention is not None and shape is not None and self.attention.supports(shape.head_dim)
-        if kernel and (problem := self._check_kernel(length_bucket, tail=True)):
+        if kernel and (problem := self._check_kernel(length_bucket)):
             print(f"runtime worker: the paged attention kernel failed its start-up check ({problem}); "
                   "decode attends through gathered K/V instead", file=sys.stderr, flush=True)
             self.attention, kernel = PagedAttention(False), False
@@ -108,20 +108,20 @@ class AttentionPaths:
         self.length_bucket = length_bucket
         self.rope: tuple[RopeSpec | None, ...] | None = None  # set by kernel_rope: the kernel rotates
 
-    def _check_kernel(self, length_bucket: int, tail: bool) -> str | None:
+    def _check_kernel(self, length_bucket: int) -> str | None:
         """The paged kernel's start-up check (``check_paged_kernel``) of the kernel kind decode
-        will use (appending to a ``tail``, or not) at one launch of every kernel the warm-up
+        uses (appending to the decode tail) at one launch of every kernel the warm-up
         builds anyway (one per warps count, unsplit and split; the split count is a grid size),
         so a kernel that cannot launch (too many registers for its block) is found here."""
         assert self.attention is not None
         shape = self.pool.shape
         n_rep = shape.n_heads // shape.n_kv_heads
         launches = self._kernel_launches(length_bucket)
-        self._prefetch(launches, tail)
+        self._prefetch(launches)
         return check_paged_kernel(self.attention, self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim,
-                                  launches, tail, self.sinks)
+                                  launches, True, self.sinks)
 
-    def _prefetch(self, launches: list[tuple[int, int]], tail: bool, specs: tuple[RopeSpec, ...] = ()) -> None:
+    def _prefetch(self, launches: list[tuple[int, int]], specs: tuple[RopeSpec, ...] = ()) -> None:
         """Start the NVRTC builds of the kernels ``launches`` use (rotating as each of ``specs``
         says, if any) side by side in build processes, so the check after them waits for builds that
         ran together; only where our kernels' modules are written ahead (``cubin_kernels.prefetching``)."""
@@ -133,7 +133,7 @@ class AttentionPaths:
                 return
             for spec in specs or (None,):
                 self.attention.warm_up(self.pool.dtype, shape.n_kv_heads, n_rep, shape.head_dim, set(launches),
-                                       tail=tail, rope=spec, sinks=self.sinks)
+                                       tail=True, rope=spec, sinks=self.sinks)
 
     def _kernel_launches(self, length_bucket: int) -> list[tuple[int, int]]:
         """One launch of every kernel decode builds (one per warps count, unsplit and split)."""
@@ -158,7 +158,7 @@ class AttentionPaths:
         shape = self.pool.shape
         launches = self._kernel_launches(self.length_bucket)
         kinds = {(s.mode, s.dims, s.traditional): s for s in specs if s is not None}  # each rotating kernel
-        self._prefetch(launches, True, tuple(kinds.values()))
+        self._prefetch(launches, tuple(kinds.values()))
         problem = check_kernel_rope(self.attention, self.pool.dtype, shape.n_kv_heads,
                                     shape.n_heads // shape.n_kv_heads, shape.head_dim,
                                     tuple(s for s in specs if s is not None), launches, self.max_context)
@@ -262,20 +262,16 @@ class AttentionPaths:
                                  window_gather=self.window_gather(plan, index) if narrow else None)
             return batch, True
         table_rows = mx.array(rows.astype(np.int32))
-        in_place = True
-        if self.tail is None:
-            self.device_table[table_rows, offsets] = write_slots
-        else:
-            # A batch that only advances every row by one chained token extends the tail and
-            # writes nothing in place; any other batch first moves the tail into the pool.
-            in_place = False
-            if not self.tail.steps.continues(decode, plan.pad):
-                in_place = self.tail.flush(self.pool, self.device_table)
-            self.tail.steps.add(decode, plan.pad, rows, positions, plan.slot_ids)
+        assert self.tail is not None  # (the kernel's device table comes with the decode tail)
+        # A batch that only advances every row by one chained token extends the tail and
+        # writes nothing in place; any other batch first moves the tail into the pool.
+        in_place = False
+        if not self.tail.steps.continues(decode, plan.pad):
+            in_place = self.tail.flush(self.pool, self.device_table)
+        self.tail.steps.add(decode, plan.pad, rows, positions, plan.slot_ids)
         batch = ForwardBatch(write_slots=write_slots, gather_index=None, offset=offsets, mask=mask,
                              lengths=mx.array(positions32 + 1), attention=self.attention, table=self.device_table,
-                             table_rows=table_rows, tail=self.tail,
-                             tail_len=self.tail.old_length() if self.tail is not None else None,
+                             table_rows=table_rows, tail=self.tail, tail_len=self.tail.old_length(),
                              launch=self.launch(len(rows), plan.length))
         return batch, in_place
 

@@ -144,8 +144,8 @@ class PagedAttention:
         ((B, Hkv, 1, D)), after the pool and the ``tail_len[0]`` positions of
         ``tail_keys``/``tail_values`` ((B, Hkv, capacity, D)); returns the output and the tail
         of the same capacity with the new K/V appended, which one kernel writes while it attends
-        (no separate concatenation per layer and step). Without a tail (None: a model without
-        a ``DecodeTail``) the step's K/V are the whole tail and are returned as it. ``rope``
+        (no separate concatenation per layer and step). Without a tail (None; the decode paths
+        always pass one) the step's K/V are the whole tail and are returned as it. ``rope``
         (the layer's spec, each row's position; a tail present): the queries and new keys come
         unrotated, and the kernel rotates them as ``mx.fast.rope`` would (``kernel_rope``).
         ``sinks``: the model's attention-sink logits, one per query head (gpt-oss), or None."""
@@ -263,7 +263,8 @@ class PagedAttention:
                 sinks: bool = False) -> None:
         """Compile every kernel variant decode can use now (tiny inputs), not in the middle of
         a request: each launch shape appending to a decode ``tail`` (rotating as ``rope`` says,
-        if given), or (without one, hybrid models) reading the step's own K/V as the tail;
+        if given), or (without one: no decode path since hybrids took the tail in session 36,
+        only the kernel tests) reading the step's own K/V as the tail;
         ``sinks``: the variants with attention sinks."""
         table = mx.zeros((1, 64), dtype=mx.int32)
         pool = mx.zeros((2, n_kv, head_dim), dtype=dtype)

@@ -215,19 +215,14 @@ class PoolLayerCache(CacheStandIn):
             return b.attention.attend(queries, self.pool, layer, scale, b.gather_index, b.mask, sinks)
         assert b.table_rows is not None and self.new is not None
         tail = b.tail
-        # Without a tail (hybrid models) the pool holds this step's K/V too; the kernel reads
-        # them as a one-position tail all the same.
-        old_k = old_v = None
-        if tail is not None:
-            b_rows, n_kv, _, head_dim = self.new[0].shape
-            keys, values = tail.old(b_rows, n_kv, head_dim, self.new[0].dtype)
-            old_k, old_v = keys[layer], values[layer]
+        assert tail is not None, "the kernel path decodes through a decode tail"
+        b_rows, n_kv, _, head_dim = self.new[0].shape
+        keys, values = tail.old(b_rows, n_kv, head_dim, self.new[0].dtype)
         table, table_rows, lengths = b.kernel_view(self.window)
         out, keys, values = b.attention.attend_appending(
-            queries, self.pool.keys[layer], self.pool.values[layer], table, table_rows, lengths, old_k, old_v,
-            b.tail_len, *self.new, scale, b.launch, sinks=sinks)
-        if tail is not None:
-            tail.set(layer, keys, values)
+            queries, self.pool.keys[layer], self.pool.values[layer], table, table_rows, lengths, keys[layer],
+            values[layer], b.tail_len, *self.new, scale, b.launch, sinks=sinks)
+        tail.set(layer, keys, values)
         return out
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
