@@ -9,6 +9,10 @@
 | CPU | ``rows/``: dense per-row K/V, the compiled decode step (``compiled_decode``), attention split over CPU streams (``parallel_attention``) | ``rows/`` as well | unpadded |
 | Metal | ``rows/``, eager (the compiled step is not yet checked there) | ``rows/`` | padded as on CUDA |
 
+Hybrid models' recurrent layers take whichever path their attention layers take; a steady
+decode batch's states are that path's step inputs and outputs, in batch order, and reach the
+aux pool only when the batch changes (``pools/aux_pool.AuxPool.keep``).
+
 Files here are shared by every path: the decode plan (row buckets, lengths), prefill
 grouping and shapes, steps whose K/V reach the pool later (``deferred_steps``) and the
 compiled-trace cache.
