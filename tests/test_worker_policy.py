@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from runtime.worker.engine import Engine
+from runtime.worker.overlap import overlap_submit
 
 
 def test_overlap_submit_on_gpu_with_small_pools_and_on_cpu_when_compiled():
-    assert Engine.overlap_submit(True, 100 * 2**20, 1024)
-    assert not Engine.overlap_submit(True, 2048 * 2**20, 1024)  # a big pool: copying it each write costs more
-    assert not Engine.overlap_submit(False, 1, 1024)  # CPU, graph built layer by layer: read back first
-    assert Engine.overlap_submit(False, 2048 * 2**20, 1024, compiled=True)  # CPU, compiled decode
+    assert overlap_submit(True, 100 * 2**20, 1024)
+    assert not overlap_submit(True, 2048 * 2**20, 1024)  # a big pool: copying it each write costs more
+    assert not overlap_submit(False, 1, 1024)  # CPU, graph built layer by layer: read back first
+    assert overlap_submit(False, 2048 * 2**20, 1024, compiled=True)  # CPU, compiled decode
 
 
 def test_buffer_cache_limit_is_raised_but_never_lowered():

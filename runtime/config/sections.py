@@ -100,7 +100,7 @@ class WorkerConfig:
     so it only pays for small pools. Decode steps that write nothing in place (the CUDA
     kernel path's decode tail) are always submitted first. On the CPU, decode steps are
     submitted first with ``compile_decode`` (their writes stay in place there, see
-    ``Engine.overlap_submit``) and read back first without it.
+    ``worker/overlap.py``) and read back first without it.
 
     ``compile_decode``: run each decode step as one ``mx.compile``d function per batch shape:
     on the CPU and, where shapes are padded (``pad_shapes``), a CUDA GPU's row-cache path

@@ -370,20 +370,6 @@ class Engine:
         launched.draws = None
         return launched.tokens.tolist()
 
-    @staticmethod
-    def overlap_submit(on_gpu: bool, pool_bytes: int, limit_mb: int, compiled: bool = False) -> bool:
-        """Whether to submit a step before reading the previous one back (see WorkerConfig).
-
-        On a GPU: where the pools are small enough that copying them is cheaper than the launch
-        gap. On the CPU: with compiled decode. MLX's CPU stream runs only about 100 operations
-        behind the host, so when step N+1's layer-i write is queued, step N's layer i has long
-        finished and the write stays in place; the host's work between steps (the socket, the
-        next plan) then overlaps the device's instead of leaving it idle.
-        """
-        if on_gpu:
-            return pool_bytes <= limit_mb * 2**20
-        return compiled
-
     def state_arrays(self) -> list[mx.array]:
         """Every array a step updates in place (KV pool, aux pool, the paths' tables and caches)."""
         arrays = self.pool.arrays() + (self.aux_pool.arrays() if self.aux_pool is not None else [])

@@ -5,7 +5,7 @@ step N is read back, step N+1 is submitted, and step N's tokens are reported. Su
 only after the read-back keeps the KV/aux pool updates in place (a graph still in
 flight would hold the pools and force MLX to copy them on every write). Steps that write
 nothing in place (paged-kernel decode steps, whose K/V go to the decode tail) and every
-decode step where ``Engine.overlap_submit`` says so (a GPU with small pools, where that
+decode step where ``overlap.overlap_submit`` says so (a GPU with small pools, where that
 copy is cheaper than the launch gap; the CPU with compiled decode, where the writes stay
 in place) are submitted before N is read back.
 """
@@ -71,6 +71,7 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         from runtime.worker.engine import Engine
         from runtime.worker.loader import buffer_cache_bytes, load
         from runtime.worker.model.fused_projections import stacked_line
+        from runtime.worker.overlap import overlap_submit
         from runtime.worker.paths.cuda.cuda_graphs import (
             GRAPHS_VAR,
             launch_directly,
@@ -176,8 +177,8 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         return 1
     sock.send(worker_encoder.encode(ready))
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
-    overlap = engine.overlap_submit(on_gpu, engine.state_bytes, config.worker.overlap_submit_max_mb,
-                                    engine.compiled is not None)
+    overlap = overlap_submit(on_gpu, engine.state_bytes, config.worker.overlap_submit_max_mb,
+                             engine.compiled is not None)
     clock = IdleClock()
     send, recv, poll = sock.send, sock.recv, sock.poll
     trace = None
