@@ -31,6 +31,19 @@ def test_single_request(folder):
     assert r.output_ids == reference_greedy(folder, prompt, 20)
 
 
+def test_the_eager_row_cache_step_keeps_a_steady_batchs_states(folder):
+    """The uncompiled decode (Metal's row-cache path; ``compile_decode = false``): states stay
+    resident between steps and go back to the pool as requests join and finish."""
+    svc = InProcessService(folder, aux_slots=64, compile_decode=False, track_chunk=8)
+    assert svc.engine.compiled is None and svc.engine.compiled_paged is None  # (mamba2: no attention, no row cache)
+    rng = random.Random(1)
+    reqs = [svc.request(f"r{i}", _ids(rng, 9 + 5 * i), 6 + 3 * i) for i in range(4)]
+    svc.run({0: reqs[:2], 3: reqs[2:]})
+    assert svc.engine.aux_pool.resident_slots is not None  # the last batch's states, still resident
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
 def test_eight_concurrent_then_prefix_hits_at_chunk_boundaries(folder):
     svc = InProcessService(folder, aux_slots=64, track_chunk=16, prefill_chunk=48)
     rng = random.Random(3)
