@@ -142,9 +142,9 @@ def test_batched_read_and_write_split_state_per_request(row_writes):
 
 
 def test_row_writes_match_the_scatter_inside_a_compiled_step():
-    """A CPU's pool writes a batch slot by slot (``row_writes``), also where the slots are a
-    traced input of the compiled decode step: the same slots end up with the same states, the
-    others untouched, whatever the order of the slots."""
+    """A CPU's pool writes a batch slot by slot (``row_writes``, a flush's write-back), also
+    where the slots are a traced input of a compiled function: the same slots end up with the
+    same states, the others untouched, whatever the order of the slots."""
     rng = np.random.default_rng(0)
     values = [mx.array(rng.normal(size=(3, 3, 4)).astype(np.float32)), mx.array(rng.normal(size=(3, 2)).astype(np.float32))]
     slots = mx.array([4, 1, 3], dtype=mx.int32)
@@ -223,6 +223,12 @@ def test_an_access_to_a_resident_slot_writes_the_batch_back_first(row_writes):
     pool.keep([2], [[mx.zeros((1, 3, 4)), mx.full((1, 2), 9.0)]])
     pool.write(0, mx.array([2]), [mx.ones((1, 3, 4)), mx.ones((1, 2))])  # a prefill overwrites the slot
     assert pool.read(0, mx.array([2]))[1].tolist() == [[1, 1]]  # not the older resident value
+    pool.keep([2], [[mx.zeros((1, 3, 4)), mx.full((1, 2), 8.0)]])
+    assert pool.caches(mx.array([2]))[0].cache[1].tolist() == [[8, 8]]  # a prefix restore reads it
+    pool.keep([2], [[mx.zeros((1, 3, 4)), mx.full((1, 2), 7.0)]])
+    restored = AuxPool.wrap([[mx.ones((1, 3, 4)), mx.full((1, 2), 6.0)]])
+    pool.store(restored, mx.array([2]))  # a prefill's states, written over the resident row's
+    assert pool.batch_states([2])[0][1].tolist() == [[6, 6]]
     pool.keep([4], [[mx.zeros((1, 3, 4)), mx.full((1, 2), 9.0)]])
     pool.drop()  # a failed step: its rows are not read again
     assert pool.batch_states([4])[0][1].tolist() == [[40, 40]]

@@ -32,8 +32,7 @@ class AuxPool:
     """
 
     def __init__(self, states: list[list[mx.array]], row_writes: bool = False) -> None:
-        """A pool over existing state arrays (``allocate`` makes new ones; a compiled decode
-        step wraps its traced inputs)."""
+        """A pool over existing state arrays (``allocate`` makes new ones)."""
         self.states = states
         self.num_slots = states[0][0].shape[0]
         self.row_writes = row_writes
@@ -148,7 +147,8 @@ class AuxPool:
         or empty (None: rows that start from no state)."""
         if slots is None:
             return [ArraysCache(len(entry)) for entry in self.states]
-        return self.wrap([self.read(k, slots) for k in range(len(self.states))])
+        self._touch(slots)  # (once, not per entry)
+        return self.wrap([self._read(k, slots) for k in range(len(self.states))])
 
     @staticmethod
     def wrap(states: list[list[mx.array]]) -> list[ArraysCache]:
@@ -162,8 +162,9 @@ class AuxPool:
 
     def store(self, caches: list[ArraysCache], slots: mx.array) -> None:
         """Write each cache's states back at ``slots``."""
+        self._touch(slots)
         for k, cache in enumerate(caches):
-            self.write(k, slots, cache.cache)
+            self._write(k, slots, cache.cache)
 
     def copy(self, src: int, dst: int) -> None:
         """Snapshot/restore/fork: copy slot ``src`` into slot ``dst`` for every entry."""

@@ -28,9 +28,10 @@ def check_paged_kernel(attention: PagedAttention, dtype: mx.Dtype, n_kv: int, n_
     random batch at each of ``launches`` ((splits, warps); default: unsplit and split in two);
     else what was wrong. With a decode ``tail`` that is the appending kernel (output within
     ``TOLERANCE``, the new tail exact); without one (the kernel tests only: every decode path
-    has a tail) the kernel that reads the step's own K/V as the whole tail. Only that kind is built: each build is NVRTC seconds at
-    every start on a GPU. ``sinks``: the kernels with attention sinks (random logits, some above
-    every score), against MLX's attention with the same ``sinks``."""
+    has a tail) the kernel that reads the step's own K/V as the whole tail. Only that kind is
+    built: each build is NVRTC seconds at every start on a GPU. ``sinks``: the kernels with
+    attention sinks (random logits, some above every score), against MLX's attention with the
+    same ``sinks``."""
     rng = np.random.default_rng(0)
     slots = ROWS * CONTEXT + 1
     key = mx.random.key(0)
