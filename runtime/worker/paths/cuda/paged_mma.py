@@ -156,8 +156,8 @@ _MMA_SLOTS = """
 # mma: a pass loaded (its slots were read during the pass before), then computed.
 _MMA_LOOP = """
     int sk[2], sv[4];
-{SLOTS_FIRST}    for (int t0 = tbegin + warp * 16; t0 < tend; t0 += STRIDE) {
-        unsigned kw[2][KW];
+{SLOTS_FIRST}{PREFETCH_START}    for (int t0 = tbegin + warp * 16; t0 < tend; t0 += STRIDE) {
+{PREFETCH_STEP}        unsigned kw[2][KW];
         unsigned vw[4][MT];
 {LOAD_T0}{SLOTS_NEXT}{COMPUTE_T0}    }
 """
@@ -170,8 +170,8 @@ _MMA_AHEAD_LOOP = """
     int t0 = tbegin + warp * 16;
 {SLOTS_A_T0}    if (t0 < tend) {
 {LOAD_A_T0}    }
-{SLOTS_B_T1}    while (t0 < tend) {
-        const int t1 = t0 + STRIDE;
+{SLOTS_B_T1}{PREFETCH_START}    while (t0 < tend) {
+{PREFETCH_STEP}        const int t1 = t0 + STRIDE;
         const int t2 = t1 + STRIDE;
         if (t1 < tend) {
 {LOAD_B_T1}        }
@@ -202,7 +202,52 @@ MMA_WARP_OUT = """    if (q4 == 0 && g < NREP) {
 """
 
 
-MMA_LOOPS = ("mma", "mma_ahead")
+# Each loop also with L2 prefetches (``_l2``): a warp asks the L2 for the K/V rows of the pass
+# ``PREFETCH_PASSES`` passes past the one it computes, which holds no registers while in flight,
+# so more of the pool's bytes are on their way than the register buffers alone allow (a one-row
+# long launch has 8 warps an SM, each with one or two passes in flight).
+PREFETCH = "_l2"
+PREFETCH_PASSES = 4
+MMA_LOOPS = ("mma", "mma_ahead", "mma" + PREFETCH, "mma_ahead" + PREFETCH)
+
+
+def base_loop(loop: str) -> str:
+    """The loop without its prefetches: ``mma_l2`` is ``mma``'s loop, its launch rules included."""
+    return loop.removesuffix(PREFETCH) if loop in MMA_LOOPS else loop
+
+
+# The prefetch's first rows and its slot pipeline: a lane asks for position pf_pos of pass
+# PF_PASS + pf_pass (its keys' row, its values', or both), reading the slot of its next
+# iteration's position one iteration ahead so that no prefetch waits for a table read.
+_PREFETCH_START = """
+    constexpr int PF = {PF};  // passes between the one computed and the one prefetched
+    constexpr int PASSES = {PASSES};  // passes an iteration computes: the prefetched pass moves as far
+    const int pf_pos = lane & 15;
+    const int pf_pass = PASSES == 2 ? lane >> 4 : 0;
+    const bool pf_keys = PASSES == 2 || lane < 16;
+    const bool pf_values = PASSES == 2 || lane >= 16;
+#pragma unroll
+    for (int k = PASSES; k < PF; k += PASSES) {  // the passes before the loop's first prefetch
+        const int tq = tbegin + warp * 16 + (k + pf_pass) * STRIDE + pf_pos;
+        if (tq < pool_end) {
+            const size_t row = ((size_t)trow[tq] * HKV + h) * D;
+            if (pf_keys) prefetch_l2<D * sizeof(T)>(keys + row);
+            if (pf_values) prefetch_l2<D * sizeof(T)>(values + row);
+        }
+    }
+    int pf_t = tbegin + warp * 16 + (PF + pf_pass) * STRIDE + pf_pos;
+    int pf_slot = pf_t < pool_end ? trow[pf_t] : -1;
+"""
+
+# One iteration's prefetch (first in the iteration, before its loads), then the next one's slot.
+_PREFETCH_STEP = """        if (pf_slot >= 0) {
+            const size_t row = ((size_t)pf_slot * HKV + h) * D;
+            if (pf_keys) prefetch_l2<D * sizeof(T)>(keys + row);
+            if (pf_values) prefetch_l2<D * sizeof(T)>(values + row);
+        }
+        pf_t += PASSES * STRIDE;
+        pf_slot = pf_t < pool_end ? trow[pf_t] : -1;
+"""
 
 
 def mma_loop_source(appending: bool, loop: str = "mma") -> str:
@@ -238,12 +283,19 @@ def mma_loop_source(appending: bool, loop: str = "mma") -> str:
 
     a, b = ("sk", "sv"), ("skn", "svn")
 
+    base = base_loop(loop)
+    prefetch = {"{PREFETCH_START}": "", "{PREFETCH_STEP}": ""}
+    if loop != base:
+        passes = 2 if base == "mma_ahead" else 1
+        prefetch = {"{PREFETCH_START}": _PREFETCH_START.replace("{PF}", str(PREFETCH_PASSES)).replace("{PASSES}", str(passes)),
+                    "{PREFETCH_STEP}": _PREFETCH_STEP}
+
     def loop_text(aligned: str) -> str:
-        if loop == "mma":
+        if base == "mma":
             parts = {"{SLOTS_FIRST}": slots_for("(tbegin + warp * 16)", a), "{LOAD_T0}": loads("kw", "vw", "t0", aligned, a),
                      "{SLOTS_NEXT}": slots_for("(t0 + STRIDE)", a), "{COMPUTE_T0}": computes("kw", "vw", "t0")}
             source = _MMA_LOOP
-        elif loop == "mma_ahead":
+        elif base == "mma_ahead":
             parts = {"{SLOTS_A_T0}": slots_for("t0", a), "{LOAD_A_T0}": loads("kw", "vw", "t0", aligned, a),
                      "{SLOTS_B_T1}": slots_for("(t0 + STRIDE)", b), "{LOAD_B_T1}": loads("kn", "vn", "t1", aligned, b),
                      "{SLOTS_A_T2}": slots_for("t2", a), "{LOAD_A_T2}": loads("kw", "vw", "t2", aligned, a),
@@ -252,7 +304,7 @@ def mma_loop_source(appending: bool, loop: str = "mma") -> str:
             source = _MMA_AHEAD_LOOP
         else:
             raise ValueError(f"unknown mma loop {loop!r}")
-        for marker, text in parts.items():
+        for marker, text in (parts | prefetch).items():
             source = source.replace(marker, text)
         return source
 
