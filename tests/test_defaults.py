@@ -8,7 +8,7 @@ from runtime.config import parse_config
 from runtime.scheduler.admission import Limits as SchedLimits
 from runtime.scheduler.core import Scheduler
 from runtime.scheduler.request import Request, SamplingParams
-from runtime.worker.defaults import GIB, ROW_CACHE_BYTES, Device, choose
+from runtime.worker.defaults import AUX_MIN_PER_ROW, AUX_WORKING_PER_ROW, GIB, ROW_CACHE_BYTES, Device, choose
 
 KIB = 1024
 
@@ -149,3 +149,57 @@ def test_service_without_limits_reports_what_it_chose(model_dir, service_factory
             after = client.status(timeout=15.0)
             # Warm-up ran a prefill and traced the compiled decode step; the request added a shape.
             assert after.worker_prefill_shapes >= 2 and after.worker_decode_traces >= 1
+
+
+def _pools(lim, kv_per_slot: int, aux_per_slot: int) -> int:
+    """Bytes of the KV pool, the recurrent-state pool and a decode step's states beside it."""
+    return lim.num_slots * kv_per_slot + (lim.aux_slots + AUX_WORKING_PER_ROW * lim.max_running) * aux_per_slot
+
+
+def test_a_hybrid_with_small_states_keeps_eight_state_slots_a_row():
+    lim = choose(_config(), Device("cuda", 80 * GIB, free_bytes=60 * GIB), model_context=32768,
+                 bytes_per_slot=32 * KIB, aux_bytes_per_slot=64 * KIB)
+    assert lim.max_running == 256 and lim.aux_slots == 8 * 256 + 1
+    assert "aux_slots 2049 (auto)" in lim.describe()
+    plain = choose(_config(), Device("cuda", 80 * GIB, free_bytes=60 * GIB), model_context=32768,
+                   bytes_per_slot=32 * KIB)
+    assert plain.aux_slots == 0 and "aux_slots" not in plain.describe()
+
+
+def test_a_hybrid_with_large_states_runs_fewer_rows_within_the_memory_it_has():
+    # Qwen3-Next-80B's states: 36 delta-net layers x 2 MiB, and its conv states: about 74 MB a slot;
+    # 8 a row of 256 rows would be 150 GB. A 4-bit copy's weights (45 GB) loaded on a 141 GB card.
+    per_slot, kv = 74 * 10**6, 24 * KIB
+    memory, free = 141 * 10**9, 96 * 10**9
+    lim = choose(_config(), Device("cuda", memory, free_bytes=free), model_context=262144, bytes_per_slot=kv,
+                 aux_bytes_per_slot=per_slot)
+    share = int(memory * 0.25)
+    assert lim.max_running == share // (per_slot * (AUX_MIN_PER_ROW + AUX_WORKING_PER_ROW)) < 256
+    assert AUX_MIN_PER_ROW * lim.max_running <= lim.aux_slots - 1 <= 8 * lim.max_running
+    assert (lim.aux_slots - 1 + AUX_WORKING_PER_ROW * lim.max_running) * per_slot <= share
+    assert _pools(lim, kv, per_slot) <= free - int(memory * 0.15)  # the reserve stays free
+    # The same model where the device says nothing of free memory (a Mac): the same share.
+    mac = choose(_config(), Device("metal", 192 * GIB), model_context=262144, bytes_per_slot=kv,
+                 aux_bytes_per_slot=per_slot)
+    assert (mac.aux_slots - 1 + AUX_WORKING_PER_ROW * mac.max_running) * per_slot <= 192 * GIB // 4
+
+
+def test_tight_memory_splits_the_room_between_the_pools():
+    memory, free = 80 * GIB, 28 * GIB  # room: 16 GiB for both pools
+    room = free - int(memory * 0.15)
+    lim = choose(_config(), Device("cuda", memory, free_bytes=free), model_context=131072, bytes_per_slot=128 * KIB,
+                 aux_bytes_per_slot=32 * 2**20)
+    assert _pools(lim, 128 * KIB, 32 * 2**20) <= room
+    assert lim.num_slots * 128 * KIB >= room // 2 - 32 * 2**20  # the KV pool keeps about half
+
+
+def test_configured_rows_and_state_slots_stand():
+    config = parse_config({"model": {"path": "/m"}, "cache": {"aux_slots": 40}, "scheduler": {"max_running": 100}})
+    lim = choose(config, Device("cuda", 80 * GIB, free_bytes=60 * GIB), model_context=32768, bytes_per_slot=32 * KIB,
+                 aux_bytes_per_slot=74 * 10**6)
+    assert (lim.max_running, lim.aux_slots) == (100, 41)
+    assert "aux_slots 41" in lim.describe() and "aux_slots 41 (auto)" not in lim.describe()
+    rows_only = choose(_config(max_running=100), Device("cuda", 80 * GIB, free_bytes=60 * GIB), model_context=32768,
+                       bytes_per_slot=32 * KIB, aux_bytes_per_slot=74 * 10**6)
+    assert rows_only.max_running == 100  # the config's rows stand: state slots are what fits, three at least
+    assert rows_only.aux_slots - 1 == max(AUX_MIN_PER_ROW, 20 * GIB // (74 * 10**6) - 1 - AUX_WORKING_PER_ROW * 100)

@@ -84,7 +84,7 @@ def test_loader_sizes_the_pool_over_every_layers_shape(model_dir, monkeypatch):
 
     seen = []
     choose = loader.defaults.choose
-    monkeypatch.setattr(loader.defaults, "choose", lambda *a: seen.append(a[-1]) or choose(*a))
+    monkeypatch.setattr(loader.defaults, "choose", lambda *a: seen.append(a[3]) or choose(*a))
     svc = InProcessService(model_dir("gemma4_text"), max_running=4)
     # Layer 0: 2 KV heads x (16 + 16) floats; layer 1: 2 x (32 + 32); the shared layers none.
     assert seen == [(2 * 32 + 2 * 64) * 4]
@@ -179,3 +179,16 @@ def test_gemma4_global_kv_heads_and_k_eq_v(gemma4_moe_k_eq_v, path):
     svc.run({0: reqs})
     assert reqs[0].prefix_len == len(reqs[0].prompt_ids) - 1 and reqs[1].prefix_len >= len(shared)
     assert_requests_like_mlx(folder, [first] + reqs)
+
+
+def test_loader_sizes_the_state_pool_from_its_slots_bytes(model_dir, monkeypatch):
+    from runtime.worker import loader
+    from runtime.worker.pools.aux_pool import AuxPool
+
+    seen = []
+    choose = loader.defaults.choose
+    monkeypatch.setattr(loader.defaults, "choose", lambda *a: seen.append(a[4]) or choose(*a))
+    svc = InProcessService(model_dir("qwen3_next"), max_running=4, aux_slots=0)
+    states = svc.engine.aux_pool.arrays()
+    assert seen == [AuxPool.bytes_per_slot([[(s.shape[1:], s.dtype)] for s in states])] and seen[0] > 0
+    assert all(s.shape[0] == 8 * 4 + 1 for s in states)  # 8 a row, and the reserved slot

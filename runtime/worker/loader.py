@@ -177,7 +177,8 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
         model_context = min(model_context, position_limit)
     # Each layer's K/V at its own shape (Gemma 4's global layers are wider than its sliding ones).
     per_slot = KVPool.bytes_per_slot(len(layout.attention_layers), layout.kv_shapes, layout.kv_dtype)
-    limits = defaults.choose(config, device(), model_context, per_slot)
+    aux_per_slot = AuxPool.bytes_per_slot(aux_templates) if aux_templates is not None else 0
+    limits = defaults.choose(config, device(), model_context, per_slot, aux_per_slot)
     if group is not None:
         from runtime.worker.ranks import agree_limits
 
@@ -185,7 +186,6 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
     stacked_rows = None
     if fused_groups:
         stacked_rows = probe_rows(model, row_classes(limits.max_running))
-    aux_slots = (config.cache.aux_slots or 8 * limits.max_running) + 1 if layout.has_aux else 0
     if limits.num_slots < 2:
         raise ValueError(f"KV pool of {limits.num_slots} slots is too small; raise cache.kv_slots")
     return LoadedModel(
@@ -195,7 +195,7 @@ def load(config: Config, group: mx.distributed.Group | None = None) -> LoadedMod
         vocab_size=vocab_size,
         limits=limits,
         aux_templates=aux_templates,
-        aux_slots=aux_slots,
+        aux_slots=limits.aux_slots,
         fused_groups=fused_groups,
         residual_blocks=residual_blocks,
         norm_offsets=norm_offsets,

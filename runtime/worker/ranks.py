@@ -81,11 +81,11 @@ def agree_limits(limits: Limits, group: mx.distributed.Group) -> Limits:
     """The smallest of every rank's limits (ranks on other machines may have chosen others),
     so every rank allocates the same pools and the scheduler's slot ids fit them all."""
     mine = mx.array([limits.max_running, limits.max_step_tokens, limits.prefill_chunk, limits.max_context,
-                     limits.num_slots], dtype=mx.int32)
+                     limits.num_slots, limits.aux_slots], dtype=mx.int32)
     every = mx.distributed.all_gather(mine[None], group=group)
     low = [int(v) for v in mx.min(every, axis=0).tolist()]
     return replace(limits, max_running=low[0], max_step_tokens=low[1], prefill_chunk=low[2],
-                   max_context=low[3], num_slots=low[4])
+                   max_context=low[3], num_slots=low[4], aux_slots=low[5])
 
 
 class Fanout:
