@@ -17,7 +17,7 @@ import kernel_trace
 import mlx.core as mx
 import numpy as np
 
-from runtime.worker.paths.cuda import paged_loops, paged_mma
+from runtime.worker.paths.cuda import paged_loops
 from runtime.worker.paths.cuda.kernel_launch import launch_shape
 from runtime.worker.paths.paged_attention import PagedAttention
 
@@ -72,8 +72,6 @@ def main() -> None:
     p.add_argument("--sweep", default="", help="splits x warps to try, e.g. 1,2,4,8x4,8 (appending kernel only)")
     p.add_argument("--variant", default="", choices=["", *VARIANTS])
     p.add_argument("--scatter", action="store_true", help="each row's slots at random places in the pool")
-    p.add_argument("--prefetch-passes", type=int, default=0,
-                   help="the _l2 loops' prefetch distance in passes (default: paged_mma.PREFETCH_PASSES)")
     p.add_argument("--loop", default="", help="the kernel's loop for every launch (default: the worker's, "
                                               "paged_attention.LOOP and SPLIT_LOOP)")
     p.add_argument("--no-trace", action="store_true", help="no CUPTI (under ncu)")
@@ -82,8 +80,6 @@ def main() -> None:
     p.add_argument("--split-registers", type=int, default=None,
                    help="the split kernels' register cap (default: the worker's, SPLIT_MAX_REGISTERS; 0 none)")
     args = p.parse_args()
-    if args.prefetch_passes:
-        paged_mma.PREFETCH_PASSES = args.prefetch_passes
     if args.head_major:
         slot_major = paged_loops.mma_loop_source
         paged_loops.mma_loop_source = lambda *a, **k: head_major(slot_major(*a, **k))
@@ -95,8 +91,7 @@ def main() -> None:
     dtype = mx.bfloat16
     attn = PagedAttention(True, loop="classic" if args.variant else args.loop or None,
                           split_registers=args.split_registers)
-    print(f"loop {args.loop or 'default'}, prefetch passes {paged_mma.PREFETCH_PASSES}, "
-          f"split kernels' register cap {attn.split_registers}"
+    print(f"loop {args.loop or 'default'}, split kernels' register cap {attn.split_registers}"
           f"{', pool read head-major' if args.head_major else ''}{', scattered slots' if args.scatter else ''}", flush=True)
     for b in [int(r) for r in args.rows.split(",")]:
         n = args.context - args.tail - 1  # pool positions

@@ -42,7 +42,6 @@ _STUBS = r"""
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 using std::min;
@@ -141,22 +140,6 @@ inline void mma16816(float* c, const unsigned* a, const unsigned* b, const bf16*
     }
 }
 inline unsigned pack2(float lo, float hi, const bf16*) { return unsigned(bf16(lo).bits) | (unsigned(bf16(hi).bits) << 16); }
-// A hint to the L2, nothing for the CPU to do: the stand-in logs which array and element each
-// prefetch starts at (stderr), so a test can check that the rows asked for are pool rows.
-const void* sim_pool[2][2];  // keys' and values' first and past-the-end bytes
-std::mutex sim_prefetch_lock;
-template <int BYTES, typename P>
-inline void prefetch_l2(const P* p) {
-    const char* c = reinterpret_cast<const char*>(p);
-    std::lock_guard<std::mutex> hold(sim_prefetch_lock);
-    for (int a = 0; a < 2; ++a) {
-        if (c >= sim_pool[a][0] && c + BYTES <= sim_pool[a][1]) {
-            fprintf(stderr, "prefetch %d %ld\n", a, long((c - static_cast<const char*>(sim_pool[a][0])) / sizeof(P)));
-            return;
-        }
-    }
-    fprintf(stderr, "prefetch outside the pool\n");
-}
 """
 
 _RUNNER = r"""
@@ -250,8 +233,6 @@ def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n
             "    const int table_shape[2] = {dims[1], dims[2]};",
             "    const int tail_keys_shape[4] = {B, HKV, RCAP, D};"]
     main += [f"    const auto {name} = read_array<{_input_type(name, 'T')}>();" for name in inputs]
-    main += [f"    sim_pool[{a}][0] = {name}.data(), sim_pool[{a}][1] = {name}.data() + {name}.size();"
-             for a, name in enumerate(("keys", "values"))]
     main += [f"    std::vector<{'float' if name.startswith('part') else 'T'}> {name}({sizes[name]});"
              for name in outputs + (["out"] if split else [])]
     args = [f"{name}.data()" for name in inputs] + ["queries_shape", "table_shape", "tail_keys_shape"]
@@ -302,7 +283,7 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
                      context: int = 70, tail: int = 3, capacity: int = 6, seed: int = 0,
                      edit: Callable[[str], str] | None = None, full: bool = False,
                      rope: tuple[int, int, bool] | None = None, outputs: list[np.ndarray] | None = None,
-                     sinks: bool = False, prefetched: dict | None = None) -> tuple[float, bool]:
+                     sinks: bool = False) -> tuple[float, bool]:
     """One simulated decode step of ``rows`` rows, each with up to ``context`` pool positions
     (``tail`` more in a tail of ``capacity``; appending: ``tail - 1`` old ones and the new
     K/V): the largest absolute difference from the reference, and whether the appended tail
@@ -312,10 +293,7 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
     ``rope`` (mode 1 base or 2 frequencies, dims, traditional): the kernel rotates the queries
     and new keys (each row at a random position), against a float64 rotation (the appended
     new row then within a bf16 rounding of it, not exact); ``outputs``: a list the step's output array is appended to;
-    ``sinks``: the kernel with one attention-sink logit per query head (drawn, some above every score);
-    ``prefetched``: a dict given ``"rows"`` (the (array 0 keys / 1 values, slot, KV head) rows the
-    kernel's L2 prefetches started at, with repeats), ``"outside"`` (prefetches not at a pool
-    row's start) and ``"slots"`` (each batch row's pool slots in position order)."""
+    ``sinks``: the kernel with one attention-sink logit per query head (drawn, some above every score)."""
     assert dtype in ("float", "bf16") and 1 <= tail <= capacity and (appending or rope is None)
     rng = np.random.default_rng(seed)
     cast = (lambda x: _from_bf16(_bf16(x))) if dtype == "bf16" else (lambda x: x.astype(np.float32))
@@ -362,12 +340,6 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
     # A timeout: lanes that disagree on which shuffles they reach wait on a barrier forever.
     ran = subprocess.run([str(_binary(source))], input=b"".join(stdin), capture_output=True, check=True, timeout=60)
     result = np.frombuffer(ran.stdout, np.float32)
-    if prefetched is not None:
-        starts = [line.split() for line in ran.stderr.decode().splitlines() if line.startswith("prefetch ")]
-        inside = [(int(a), int(e)) for _, a, e in (s for s in starts if len(s) == 3)]
-        prefetched["rows"] = [(a, e // head_dim // n_kv, e // head_dim % n_kv) for a, e in inside if e % head_dim == 0]
-        prefetched["outside"] = len(starts) - len(prefetched["rows"])
-        prefetched["slots"] = [table[order[b], : n_pool[b]].tolist() for b in range(rows)]
     out = result[: queries.size].reshape(rows, n_q, head_dim)
     if outputs is not None:
         outputs.append(out.copy())

@@ -35,8 +35,7 @@ def nvrtc():
 # (loop, query heads per KV head, head dim): Llama-8B's 4 x 128, Llama-1B's 4 x 64, Qwen's 7 x
 # 128, a wide group 8 x 128, and 2 x 96.
 CASES = [("pipelined", 4, 128), ("pipelined", 8, 128), ("classic", 4, 64), ("pipelined", 2, 96),
-         ("mma", 4, 128), ("mma", 4, 64), ("mma", 7, 128), ("mma_ahead", 4, 128), ("mma_ahead", 2, 96),
-         ("mma_l2", 4, 128), ("mma_ahead_l2", 4, 64)]
+         ("mma", 4, 128), ("mma", 4, 64), ("mma", 7, 128), ("mma_ahead", 4, 128), ("mma_ahead", 2, 96)]
 
 
 @pytest.mark.parametrize(("loop", "n_rep", "head_dim"), CASES)

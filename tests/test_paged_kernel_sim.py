@@ -39,8 +39,6 @@ CASES = [
     ("mma_ahead", True, 3, "bf16", 1, 96, 2, 2),
     ("mma_ahead", True, 1, "bf16", 1, 64, 8, 2),
     ("mma_ahead", True, 3, "bf16", 1, 128, 4, 4),  # the 8B's long rows: split blocks of 4 warps (loop_warps)
-    ("mma_l2", False, 3, "bf16", 1, 64, 4, 2),
-    ("mma_ahead_l2", True, 1, "bf16", 1, 96, 2, 2),
 ]
 
 
@@ -164,26 +162,3 @@ def test_attention_sinks_join_the_softmax(loop: str, appending: bool, splits: in
                                            warps=warps, context=context, tail=tail, seed=seed, sinks=True)
         assert err < TOLERANCE[dtype], f"context {context}, tail {tail}: error {err:.3g}"
         assert tail_exact
-
-
-@pytest.mark.parametrize(("loop", "passes", "splits"), [("mma_l2", 1, 1), ("mma_ahead_l2", 2, 1), ("mma_ahead_l2", 2, 3)])
-def test_the_l2_loops_prefetch_each_pool_row_past_a_warps_first_passes(loop: str, passes: int, splits: int) -> None:
-    # A warp prefetches the rows of its passes after the first one (mma) or two (mma_ahead), whose
-    # loads the loop issues itself: every such pool row of every KV head, keys and values, and
-    # nothing else (no tail row, nothing past the pool). The results still match the reference.
-    warps, context = 2, 1000
-    stride = warps * 16
-    seen: dict = {}
-    err, tail_exact = run_paged_kernel(loop, True, splits, dtype="bf16", head_dim=128, n_rep=4, n_kv=2, warps=warps,
-                                       context=context, tail=3, full=True, prefetched=seen)
-    assert err < TOLERANCE["bf16"] and tail_exact
-    assert seen["outside"] == 0
-    total = context + 3  # the pool's positions and the appended tail's
-    chunk = -(-total // splits)
-    expected = set()
-    for slots in seen["slots"]:
-        for split in range(splits):
-            begin, pool_end = split * chunk, min(context, (split + 1) * chunk)
-            for t in range(begin + passes * stride, pool_end):
-                expected |= {(a, slots[t], h) for a in (0, 1) for h in range(2)}
-    assert expected and set(seen["rows"]) == expected

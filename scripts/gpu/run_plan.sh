@@ -132,13 +132,6 @@ for item in "$@"; do
                    # and does a big pool with scattered slots cost more (the service's pool, not the bench's)?
       run "$item" 150 bash -c "for c in 8192 16384 32768 65536 131072; do python3 scripts/kernel_bench.py --rows 1 --context \$c --calls 20; done &&
                                python3 scripts/kernel_bench.py --rows 1 --context 32768 --slots 1048576 --scatter --calls 20" ;;
-    kernel-l2)  # the L2-prefetching loops against mma_ahead / mma (CUPTI), one row and 8 at 32k, 64 rows at 2k
-      run "$item" 330 bash -c "for v in mma_ahead:0 mma_ahead_l2:4 mma_ahead_l2:8 mma_l2:4 mma_l2:8 mma_ahead_l2:12; do
-                                 python3 scripts/kernel_bench.py --loop \${v%:*} --prefetch-passes \${v#*:} --rows 1,8 --context 32768 --calls 20; done;
-                               for v in mma:0 mma_l2:4 mma_l2:8; do
-                                 python3 scripts/kernel_bench.py --loop \${v%:*} --prefetch-passes \${v#*:} --rows 1,64 --context 2048 --calls 20; done;
-                               python3 scripts/kernel_bench.py --loop mma_l2 --rows 1 --context 32768 --calls 20 --sweep 32,64x2,4" ;;
-    pytest-kernel-l2) run "$item" 200 python3 -m pytest -q tests/test_paged_kernel_cuda.py -k "l2 and 32-8" ;;
     kernel-regs)  # the split kernels' loop and register cap, one row x 32k (the base, the worker's own, first)
       run "$item" 200 bash -c "for v in mma_ahead:0 mma:0 mma:168 mma:128 mma_ahead:168 mma:96; do
                                  python3 scripts/kernel_bench.py --loop \${v%:*} --split-registers \${v#*:} --rows 1,1,8 --context 32768 --calls 30; done" ;;
@@ -190,7 +183,7 @@ for item in "$@"; do
     pytest-residual) run "$item" 200 python3 -m pytest -q tests/test_fused_residual.py tests/test_service_exact.py ;;
     pytest-shapes)  # attention layers of several shapes, KV-shared layers (Gemma 4, Gemma 3n): token-exact on CUDA too
       run "$item" 400 python3 -m pytest -q tests/test_layer_shapes_exact.py tests/test_kv_read_back.py tests/test_kv_shared_paths.py ;;
-    *) echo "== $item: unknown (kernel-l2 pytest-kernel-l2 pytest-hybrid qn-mixed mla-sweep-trace profile-mla qn-paired qn-sweep profile-qn mla-paired mla-sweep cpu-streams path-diff sinks-gathered gpt-oss-paired gpt-oss-sweep pytest-sinks gemma-sweep-trace windowed-gathered pytest-windowed pytest-windowed-cuda gemma-mixed-rt-short gemma-first-user 1b-paired-short unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
+    *) echo "== $item: unknown (pytest-hybrid qn-mixed mla-sweep-trace profile-mla qn-paired qn-sweep profile-qn mla-paired mla-sweep cpu-streams path-diff sinks-gathered gpt-oss-paired gpt-oss-sweep pytest-sinks gemma-sweep-trace windowed-gathered pytest-windowed pytest-windowed-cuda gemma-mixed-rt-short gemma-first-user 1b-paired-short unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then

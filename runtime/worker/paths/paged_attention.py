@@ -34,8 +34,7 @@ from runtime.worker.paths.cuda.paged_kernels import (
     kernel_inputs,
     register_cap,
 )
-from runtime.worker.paths.cuda import paged_mma
-from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS, base_loop
+from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS
 from runtime.worker.paths.decode_plan import bucket_lengths
 from runtime.worker.pools.kv_pool import KVPool
 
@@ -201,8 +200,7 @@ class PagedAttention:
                 cap = self.split_registers if kind != "single" else 0
                 kernel = cuda_kernel(  # a capped build has a name of its own (MLX caches by name)
                     name=(f"runtime_paged_decode_{kind}{'_append' if appending else ''}{'_rope' if rope else ''}"
-                          f"{'_sinks' if sinks else ''}_{loop}{paged_mma.PREFETCH_PASSES if loop != base_loop(loop) else ''}"
-                          f"{f'_r{cap}' if cap else ''}"),
+                          f"{'_sinks' if sinks else ''}_{loop}{f'_r{cap}' if cap else ''}"),
                     input_names=kernel_inputs(appending, rope, sinks),
                     output_names=outputs + (APPEND_OUTPUTS if appending else []),
                     source=(body(appending, loop, rope) + (SINK_MERGE if sinks else "")

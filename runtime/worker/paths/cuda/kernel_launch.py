@@ -7,7 +7,7 @@ shape alone, so the warm-up builds exactly the kernels the steps use.
 
 from __future__ import annotations
 
-from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS, base_loop
+from runtime.worker.paths.cuda.paged_mma import MMA_LOOPS
 
 UNROLL = 1  # positions per lane group and warp pass: more costs registers, hence occupancy (1 measured best)
 MAX_WARPS = 16  # a block of few (row, KV head) pairs: its warps are the kernel's only parallelism
@@ -83,7 +83,7 @@ def loop_warps(loop: str, warps: int, head_dim: int, split: bool = False) -> int
         return warps
     if split and head_dim > MMA_SMALL_DIMS and warps > 4:
         warps //= 2
-    if base_loop(loop) == "mma" and head_dim <= MMA_SMALL_DIMS:
+    if loop == "mma" and head_dim <= MMA_SMALL_DIMS:
         return warps
     return min(warps, MMA_MAX_WARPS)
 

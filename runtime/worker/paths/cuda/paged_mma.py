@@ -19,7 +19,11 @@ session-19 loop of the same name (K by 4-byte loads, V through a shared-memory t
 ``cp.async`` (no register buffer for the passes in flight: 167-181 registers a lane against
 mma_ahead's 255) were correct on an H100 in session 28 but slower at every launch tried: 84.7-89.5
 against 74.0 us at 1 x 32k with scattered slots, 437-450 against 370 at 8 x 32k, 231 against 197
-(mma) at 64 x 2k (``docs/runs/h100-s28-w3-kernel-staged.log``). Its device helpers are in ``tensor_core``; ``tests/cuda_sim.py`` emulates
+(mma) at 64 x 2k (``docs/runs/h100-s28-w3-kernel-staged.log``). So were loops that asked the L2 for the pool rows of the
+pass 4-12 passes ahead (``prefetch.L2``, no registers held): correct, bit for bit the loops'
+own results, and slower everywhere on an H100 in session 37: 81-91 against 65 us at 1 x 32k, 569-643
+against 366 at 8 x 32k, 293-306 against 201 at 64 x 2k (``docs/runs/h100-s37-w1-kernel-l2.log``).
+Its device helpers are in ``tensor_core``; ``tests/cuda_sim.py`` emulates
 ``mma.sync`` with the PTX ISA's fragment layouts, and the warp intrinsics.
 """
 
@@ -156,8 +160,8 @@ _MMA_SLOTS = """
 # mma: a pass loaded (its slots were read during the pass before), then computed.
 _MMA_LOOP = """
     int sk[2], sv[4];
-{SLOTS_FIRST}{PREFETCH_START}    for (int t0 = tbegin + warp * 16; t0 < tend; t0 += STRIDE) {
-{PREFETCH_STEP}        unsigned kw[2][KW];
+{SLOTS_FIRST}    for (int t0 = tbegin + warp * 16; t0 < tend; t0 += STRIDE) {
+        unsigned kw[2][KW];
         unsigned vw[4][MT];
 {LOAD_T0}{SLOTS_NEXT}{COMPUTE_T0}    }
 """
@@ -170,8 +174,8 @@ _MMA_AHEAD_LOOP = """
     int t0 = tbegin + warp * 16;
 {SLOTS_A_T0}    if (t0 < tend) {
 {LOAD_A_T0}    }
-{SLOTS_B_T1}{PREFETCH_START}    while (t0 < tend) {
-{PREFETCH_STEP}        const int t1 = t0 + STRIDE;
+{SLOTS_B_T1}    while (t0 < tend) {
+        const int t1 = t0 + STRIDE;
         const int t2 = t1 + STRIDE;
         if (t1 < tend) {
 {LOAD_B_T1}        }
@@ -202,52 +206,7 @@ MMA_WARP_OUT = """    if (q4 == 0 && g < NREP) {
 """
 
 
-# Each loop also with L2 prefetches (``_l2``): a warp asks the L2 for the K/V rows of the pass
-# ``PREFETCH_PASSES`` passes past the one it computes, which holds no registers while in flight,
-# so more of the pool's bytes are on their way than the register buffers alone allow (a one-row
-# long launch has 8 warps an SM, each with one or two passes in flight).
-PREFETCH = "_l2"
-PREFETCH_PASSES = 4
-MMA_LOOPS = ("mma", "mma_ahead", "mma" + PREFETCH, "mma_ahead" + PREFETCH)
-
-
-def base_loop(loop: str) -> str:
-    """The loop without its prefetches: ``mma_l2`` is ``mma``'s loop, its launch rules included."""
-    return loop.removesuffix(PREFETCH) if loop in MMA_LOOPS else loop
-
-
-# The prefetch's first rows and its slot pipeline: a lane asks for position pf_pos of pass
-# PF_PASS + pf_pass (its keys' row, its values', or both), reading the slot of its next
-# iteration's position one iteration ahead so that no prefetch waits for a table read.
-_PREFETCH_START = """
-    constexpr int PF = {PF};  // passes between the one computed and the one prefetched
-    constexpr int PASSES = {PASSES};  // passes an iteration computes: the prefetched pass moves as far
-    const int pf_pos = lane & 15;
-    const int pf_pass = PASSES == 2 ? lane >> 4 : 0;
-    const bool pf_keys = PASSES == 2 || lane < 16;
-    const bool pf_values = PASSES == 2 || lane >= 16;
-#pragma unroll
-    for (int k = PASSES; k < PF; k += PASSES) {  // the passes before the loop's first prefetch
-        const int tq = tbegin + warp * 16 + (k + pf_pass) * STRIDE + pf_pos;
-        if (tq < pool_end) {
-            const size_t row = ((size_t)trow[tq] * HKV + h) * D;
-            if (pf_keys) prefetch_l2<D * sizeof(T)>(keys + row);
-            if (pf_values) prefetch_l2<D * sizeof(T)>(values + row);
-        }
-    }
-    int pf_t = tbegin + warp * 16 + (PF + pf_pass) * STRIDE + pf_pos;
-    int pf_slot = pf_t < pool_end ? trow[pf_t] : -1;
-"""
-
-# One iteration's prefetch (first in the iteration, before its loads), then the next one's slot.
-_PREFETCH_STEP = """        if (pf_slot >= 0) {
-            const size_t row = ((size_t)pf_slot * HKV + h) * D;
-            if (pf_keys) prefetch_l2<D * sizeof(T)>(keys + row);
-            if (pf_values) prefetch_l2<D * sizeof(T)>(values + row);
-        }
-        pf_t += PASSES * STRIDE;
-        pf_slot = pf_t < pool_end ? trow[pf_t] : -1;
-"""
+MMA_LOOPS = ("mma", "mma_ahead")
 
 
 def mma_loop_source(appending: bool, loop: str = "mma") -> str:
@@ -283,19 +242,12 @@ def mma_loop_source(appending: bool, loop: str = "mma") -> str:
 
     a, b = ("sk", "sv"), ("skn", "svn")
 
-    base = base_loop(loop)
-    prefetch = {"{PREFETCH_START}": "", "{PREFETCH_STEP}": ""}
-    if loop != base:
-        passes = 2 if base == "mma_ahead" else 1
-        prefetch = {"{PREFETCH_START}": _PREFETCH_START.replace("{PF}", str(PREFETCH_PASSES)).replace("{PASSES}", str(passes)),
-                    "{PREFETCH_STEP}": _PREFETCH_STEP}
-
     def loop_text(aligned: str) -> str:
-        if base == "mma":
+        if loop == "mma":
             parts = {"{SLOTS_FIRST}": slots_for("(tbegin + warp * 16)", a), "{LOAD_T0}": loads("kw", "vw", "t0", aligned, a),
                      "{SLOTS_NEXT}": slots_for("(t0 + STRIDE)", a), "{COMPUTE_T0}": computes("kw", "vw", "t0")}
             source = _MMA_LOOP
-        elif base == "mma_ahead":
+        elif loop == "mma_ahead":
             parts = {"{SLOTS_A_T0}": slots_for("t0", a), "{LOAD_A_T0}": loads("kw", "vw", "t0", aligned, a),
                      "{SLOTS_B_T1}": slots_for("(t0 + STRIDE)", b), "{LOAD_B_T1}": loads("kn", "vn", "t1", aligned, b),
                      "{SLOTS_A_T2}": slots_for("t2", a), "{LOAD_A_T2}": loads("kw", "vw", "t2", aligned, a),
@@ -304,7 +256,7 @@ def mma_loop_source(appending: bool, loop: str = "mma") -> str:
             source = _MMA_AHEAD_LOOP
         else:
             raise ValueError(f"unknown mma loop {loop!r}")
-        for marker, text in (parts | prefetch).items():
+        for marker, text in parts.items():
             source = source.replace(marker, text)
         return source
 

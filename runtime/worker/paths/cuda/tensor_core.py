@@ -21,13 +21,6 @@ __device__ inline void mma16816(float* c, const unsigned* a, const unsigned* b, 
                  "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-// BYTES from p into the L2 (one prefetch a 128-byte line; generic addressing): no register waits
-// for it, the later loads find the lines there. The CPU simulator's stand-in does nothing.
-template <int BYTES, typename P>
-__device__ inline void prefetch_l2(const P* p) {
-#pragma unroll
-    for (int off = 0; off < BYTES; off += 128) asm volatile("prefetch.L2 [%0];" :: "l"(reinterpret_cast<const char*>(p) + off));
-}
 template <int UNUSED = 0>
 __device__ inline unsigned pack2(float lo, float hi, const __nv_bfloat16*) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
