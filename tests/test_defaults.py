@@ -202,4 +202,5 @@ def test_configured_rows_and_state_slots_stand():
     rows_only = choose(_config(max_running=100), Device("cuda", 80 * GIB, free_bytes=60 * GIB), model_context=32768,
                        bytes_per_slot=32 * KIB, aux_bytes_per_slot=74 * 10**6)
     assert rows_only.max_running == 100  # the config's rows stand: state slots are what fits, three at least
+    assert f"state slots for {(rows_only.aux_slots - 1) // AUX_MIN_PER_ROW} rows' prefills" in rows_only.describe()
     assert rows_only.aux_slots - 1 == max(AUX_MIN_PER_ROW, 20 * GIB // (74 * 10**6) - 1 - AUX_WORKING_PER_ROW * 100)

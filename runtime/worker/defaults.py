@@ -74,7 +74,11 @@ class Limits:
             return f"{key} {getattr(self, key)}" + (" (auto)" if key in self.auto else "")
 
         keys = ("max_running", "max_step_tokens", "prefill_chunk", "max_context", "num_slots")
-        return ", ".join(show(k) for k in keys + (("aux_slots",) if self.aux_slots else ()))
+        line = ", ".join(show(k) for k in keys + (("aux_slots",) if self.aux_slots else ()))
+        rows = (self.aux_slots - 1) // AUX_MIN_PER_ROW
+        if self.aux_slots and rows < self.max_running:  # admission waits for state slots past that
+            line += f" (state slots for {rows} rows' prefills at once, {AUX_MIN_PER_ROW} a row)"
+        return line
 
 
 def device_rows(device: Device, context: int = 0, bytes_per_slot: int = 0) -> int:
