@@ -226,3 +226,21 @@ def test_stdout_of_reads_what_is_written_to_descriptor_one():
     import os
 
     assert cubin_kernels._stdout_of(lambda: os.write(1, b"from C++ as it were\n")) == "from C++ as it were\n"
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(("vectorized", "masked"), [(False, False), (False, True), (True, False)])
+def test_the_delta_net_prefill_kernel_builds_into_mlx_cache(tmp_path, vectorized, masked):
+    from runtime.worker.paths.cuda import gated_delta
+
+    store = _store(tmp_path)
+    template = [("InT", mx.bfloat16), ("GT", mx.float32), ("BT", mx.bfloat16), ("StT", mx.float32), ("Dk", 128),
+                ("Dv", 128), ("Hk", 16), ("Hv", 32)]
+    func = mlx_source.kernel_name(f"runtime_gated_delta{'_vec' if vectorized else ''}{'_mask' if masked else ''}",
+                                  template)
+    names = gated_delta.input_names(masked)
+    dtypes = [mx.bfloat16] * 3 + [mx.float32, mx.bfloat16, mx.float32] + [mx.bool_] * masked
+    ndims = [4, 4, 4, 4 if vectorized else 3, 3, 4] + [2] * masked
+    unit = mlx_source.mlx_unit(func, "", gated_delta.source(vectorized, masked), names, dtypes, ndims,
+                               ["y", "state_out"], [mx.bfloat16, mx.float32], template)
+    assert store.prepare(func, unit) and (store.built, store.failed) == (1, 0)

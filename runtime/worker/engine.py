@@ -21,6 +21,7 @@ from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.model.output_head import OutputHead
 from runtime.worker.paths.attention_paths import AttentionPaths
 from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
+from runtime.worker.paths.cuda.gated_delta import GatedDeltaPrefill
 from runtime.worker.paths.cuda.fused_step import fused_logits
 from runtime.worker.paths.decode_plan import DecodePlan, plan_decode
 from runtime.worker.paths.pool_cache import ForwardBatch, PoolLayerCache
@@ -97,6 +98,10 @@ class Engine:
         started = time.perf_counter()
         self.paths = AttentionPaths(model, layout, pool, max_rows, max_context, row_cache, self.LENGTH_BUCKET)
         self.startup_seconds["attention paths"] = time.perf_counter() - started
+        started = time.perf_counter()
+        self.gated_delta = GatedDeltaPrefill.for_model(model, on_gpu and aux_pool is not None and mx.cuda.is_available())
+        if self.gated_delta.use_kernel or self.gated_delta.problem:
+            self.startup_seconds["delta-net kernel"] = time.perf_counter() - started
         # The one place a model's forward is kept uncompiled: one that cannot be traced (it reads
         # arrays back mid-forward) gets no compiled decode, hence no fused prefill + decode step.
         compile_decode = compile_decode and layout.traceable
@@ -292,7 +297,8 @@ class Engine:
             if group[0].aux_source != AUX_FRESH:
                 sources = [c.aux_slot if c.aux_source == AUX_CONTINUE else c.aux_source for c in group]
             aux = self.aux_pool.caches(None if sources is None else mx.array(sources, dtype=mx.int32))
-        logits = self.model(mx.array(tokens, dtype=mx.int32), cache=self._caches(batch, aux))
+        with self.gated_delta.scope():  # a delta-net layer's prompt as one kernel (CUDA)
+            logits = self.model(mx.array(tokens, dtype=mx.int32), cache=self._caches(batch, aux))
         asked = [(c, *prompt_logprobs(logits[i, : len(c.token_ids)], c.logprob_targets, c.top_logprobs))
                  for i, c in enumerate(group) if c.logprob_targets]
         if aux is not None:

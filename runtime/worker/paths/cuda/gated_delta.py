@@ -1,0 +1,228 @@
+"""A prompt's gated delta rule (Qwen3-Next's, Qwen3.5's, Kimi Linear's delta-net layers) as one
+CUDA kernel over all of its tokens.
+
+mlx-lm runs the recurrence as one Metal kernel on a Mac; elsewhere (``gated_delta_ops``) as a
+Python loop of about eight MLX operations a token and layer, so on a CUDA GPU a 512-token prefill
+chunk of a 48-layer hybrid is some 150,000 kernels, each encoded by the host: hybrid prefill ran
+at a few hundred tokens a second (session 37's ``qn-mixed``). This kernel is mlx-lm's Metal one
+in CUDA: a warp per (row, value head, value dim), each lane holding ``Dk / 32`` of that state
+row in registers for the whole prompt, token after token, with the ops path's float32
+arithmetic (the decay, ``k . s``, the delta, the update, ``q . s``), its dot products summed
+lane by lane and then across the warp (MLX's reductions sum in another order, so the outputs
+are not MLX's bits: like every GPU kernel here, tokens may part from mlx-lm's at near-ties).
+A padded position (``mask`` false) keeps the state, as the ops path's ``where`` does.
+
+Only prefill takes it (``GatedDeltaPrefill.scope`` around the worker's prefill forwards): a
+decode step's one token runs inside the compiled decode step as before. The worker checks the
+kernel against the ops path at start-up (``check``) and keeps the ops path if they differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from runtime.worker.paths.cuda.cubin_kernels import cuda_kernel
+
+WARPS = 4  # value dims (warps) a block: blocks of 128 threads
+
+# Template parameters: InT (q, k, v, y), GT (g), BT (beta), StT (the state), Dk, Dv, Hk, Hv.
+# Markers: {G_AT} a lane's decay for its state element i, {G_STEP} the decay's advance a token,
+# {KEEP} whether a position updates the state (the mask).
+SOURCE = """
+    constexpr int PER = Dk / 32;  // state elements a lane holds
+    constexpr int NWARPS = WARPS_PER_BLOCK;
+    const int n = blockIdx.x / (Dv / NWARPS);  // (row, value head)
+    const int dv = (blockIdx.x % (Dv / NWARPS)) * NWARPS + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int b = n / Hv;
+    const int hv = n % Hv;
+    const int hk = hv / (Hv / Hk);
+    const int T = q_shape[1];
+    const InT* qp = q + ((size_t)b * T * Hk + hk) * Dk + lane * PER;
+    const InT* kp = k + ((size_t)b * T * Hk + hk) * Dk + lane * PER;
+    const InT* vp = v + ((size_t)b * T * Hv + hv) * Dv + dv;
+    const BT* bp = beta + (size_t)b * T * Hv + hv;
+    {G_START}
+    InT* yp = y + ((size_t)b * T * Hv + hv) * Dv + dv;
+    const size_t srow = ((size_t)n * Dv + dv) * Dk + lane * PER;
+    float s[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) s[i] = static_cast<float>(state_in[srow + i]);
+    for (int t = 0; t < T; ++t) {
+        float kk[PER], qq[PER], sn[PER];
+        float kv = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            kk[i] = static_cast<float>(kp[i]);
+            qq[i] = static_cast<float>(qp[i]);
+            sn[i] = __fmul_rn(s[i], static_cast<float>({G_AT}));
+            kv = __fadd_rn(kv, __fmul_rn(sn[i], kk[i]));
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) kv += __shfl_xor_sync(0xffffffff, kv, off);
+        const float delta = __fmul_rn(__fsub_rn(static_cast<float>(*vp), kv), static_cast<float>(*bp));
+        float out = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            sn[i] = __fadd_rn(sn[i], __fmul_rn(kk[i], delta));
+            out = __fadd_rn(out, __fmul_rn(sn[i], qq[i]));
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) out += __shfl_xor_sync(0xffffffff, out, off);
+        if (lane == 0) *yp = static_cast<InT>(out);
+        if ({KEEP}) {
+#pragma unroll
+            for (int i = 0; i < PER; ++i) s[i] = sn[i];
+        }
+        qp += Hk * Dk;
+        kp += Hk * Dk;
+        vp += Hv * Dv;
+        yp += Hv * Dv;
+        bp += Hv;
+        {G_STEP}
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) state_out[srow + i] = static_cast<StT>(s[i]);
+""".replace("WARPS_PER_BLOCK", str(WARPS))
+
+_G = {  # the decay: one a (token, value head), or one a state column (Kimi Linear's)
+    False: ("const GT* gp = g + (size_t)b * T * Hv + hv;", "gp[0]", "gp += Hv;"),
+    True: ("const GT* gp = g + ((size_t)b * T * Hv + hv) * Dk + lane * PER;", "gp[i]", "gp += Hv * Dk;"),
+}
+
+
+def source(vectorized: bool, masked: bool) -> str:
+    """The kernel's body for a decay per head or per state column, with or without a mask."""
+    start, at, step = _G[vectorized]
+    keep = "mask[(size_t)b * T + t]" if masked else "true"
+    return SOURCE.replace("{G_START}", start).replace("{G_AT}", at).replace("{G_STEP}", step).replace("{KEEP}", keep)
+
+
+def input_names(masked: bool) -> list[str]:
+    return ["q", "k", "v", "g", "beta", "state_in"] + (["mask"] if masked else [])
+
+
+def ops_path(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array | None,
+             mask: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """mlx-lm's own ``gated_delta_ops`` (the one it ships, whatever a scope has put in its place)."""
+    return _MLX_OPS(q, k, v, g, beta, state, mask)
+
+
+def _mlx_ops():
+    from mlx_lm.models import gated_delta
+
+    return gated_delta.gated_delta_ops
+
+
+_MLX_OPS = _mlx_ops()  # read once at import, before any scope: mlx-lm's function itself
+
+
+class GatedDeltaPrefill:
+    """mlx-lm's ``gated_delta_ops`` as the kernel where ``use_kernel`` and the shapes allow it.
+
+    ``scope()`` puts ``__call__`` in the place of ``mlx_lm.models.gated_delta.gated_delta_ops``
+    (which ``gated_delta_update`` calls off a Mac) while a forward is being built, and refuses
+    nesting; outside it mlx-lm is as shipped."""
+
+    def __init__(self, use_kernel: bool) -> None:
+        self.use_kernel = use_kernel
+        self.problem: str | None = None  # why the kernel was dropped at start-up (``check``), if it was
+        self._kernels: dict[tuple[bool, bool], object] = {}
+
+    def applies(self, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                state: mx.array | None) -> bool:
+        if not self.use_kernel or q.ndim != 4 or v.ndim != 4:
+            return False
+        _, _, hk, dk = k.shape
+        hv, dv = v.shape[-2:]
+        floats = (mx.float32, mx.float16, mx.bfloat16)
+        return (dk % 32 == 0 and dv % WARPS == 0 and hv % hk == 0 and q.shape == k.shape
+                and g.ndim in (3, 4) and beta.ndim == 3 and all(a.dtype in floats for a in (q, k, v, g, beta))
+                and (state is None or state.dtype in floats))
+
+    def __call__(self, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                 state: mx.array | None = None, mask: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        if not self.applies(q, k, v, g, beta, state):
+            return ops_path(q, k, v, g, beta, state, mask)
+        batch, steps, hk, dk = q.shape
+        hv, dv = v.shape[-2:]
+        if state is None:
+            state = mx.zeros((batch, hv, dv, dk), dtype=mx.float32)
+        vectorized, masked = g.ndim == 4, mask is not None
+        kernel = self._kernels.get((vectorized, masked))
+        if kernel is None:
+            kernel = self._kernels[(vectorized, masked)] = cuda_kernel(
+                name=f"runtime_gated_delta{'_vec' if vectorized else ''}{'_mask' if masked else ''}",
+                input_names=input_names(masked), output_names=["y", "state_out"], source=source(vectorized, masked))
+        inputs = [q, k, v, g, beta, state] + ([mask.astype(mx.bool_)] if masked else [])
+        blocks = batch * hv * (dv // WARPS)
+        y, new_state = kernel(
+            inputs=inputs,
+            template=[("InT", q.dtype), ("GT", g.dtype), ("BT", beta.dtype), ("StT", state.dtype), ("Dk", dk),
+                      ("Dv", dv), ("Hk", hk), ("Hv", hv)],
+            grid=(blocks * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+            output_shapes=[(batch, steps, hv, dv), state.shape], output_dtypes=[q.dtype, state.dtype])
+        return y, new_state
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """The kernel in the place of mlx-lm's ops path for the forwards built inside (nothing
+        where the kernel is not used)."""
+        if not self.use_kernel:
+            yield
+            return
+        from mlx_lm.models import gated_delta
+
+        if gated_delta.gated_delta_ops is not _MLX_OPS:
+            raise RuntimeError("GatedDeltaPrefill.scope does not nest")
+        gated_delta.gated_delta_ops = self
+        try:
+            yield
+        finally:
+            gated_delta.gated_delta_ops = _MLX_OPS
+
+    @classmethod
+    def for_model(cls, model: nn.Module, on_cuda: bool) -> GatedDeltaPrefill:
+        """The kernel for a model whose layers call mlx-lm's ``gated_delta_update``, on a CUDA
+        GPU, where its start-up ``check`` passes (else the ops path, and ``problem`` says why)."""
+        uses = any(hasattr(sys.modules.get(type(m).__module__), "gated_delta_update") for m in model.modules())
+        prefill = cls(on_cuda and uses)
+        if prefill.use_kernel:
+            prefill.problem = prefill.check()
+            prefill.use_kernel = prefill.problem is None
+        return prefill
+
+    def check(self, steps: int = 37) -> str | None:
+        """None where the kernel's outputs are within float rounding of the ops path's (random
+        inputs: scalar and per-column decays, two value heads per key head, a masked position),
+        else what differed; the kernel is then not used."""
+        key = mx.random.key(11)
+        for vectorized, masked in ((False, False), (False, True), (True, False)):
+            keys = mx.random.split(key, 8)
+            key = keys[7]
+            batch, hk, hv, dk, dv = 2, 2, 4, 64, 32
+            q = (mx.random.normal((batch, steps, hk, dk), key=keys[0]) * dk**-0.5).astype(mx.bfloat16)
+            k = (mx.random.normal((batch, steps, hk, dk), key=keys[1]) * dk**-0.5).astype(mx.bfloat16)
+            v = mx.random.normal((batch, steps, hv, dv), key=keys[2]).astype(mx.bfloat16)
+            g_shape = (batch, steps, hv, dk) if vectorized else (batch, steps, hv)
+            g = mx.exp(-mx.exp(mx.random.normal(g_shape, key=keys[3]) - 2))
+            beta = mx.sigmoid(mx.random.normal((batch, steps, hv), key=keys[4])).astype(mx.bfloat16)
+            state = mx.random.normal((batch, hv, dv, dk), key=keys[5]) * 0.1
+            mask = (mx.arange(steps)[None, :] < mx.array([[steps], [steps - 5]])) if masked else None
+            try:
+                got = self(q, k, v, g, beta, state, mask)
+                mx.eval(*got)
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot build or run is not used
+                return f"the kernel failed: {str(exc)[:200]}"
+            want = ops_path(q, k, v, g, beta, state, mask)
+            for name, a, b, tol in (("output", got[0], want[0], 2e-2), ("state", got[1], want[1], 1e-4)):
+                err = mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+                scale = mx.abs(b.astype(mx.float32)).max().item()
+                if not err <= tol * max(scale, 1.0):
+                    return f"the {name} differs from the ops path's by {err:.3g} (scale {scale:.3g})"
+        return None

@@ -1,0 +1,132 @@
+"""The delta-net prefill kernel (``paths/cuda/gated_delta.py``): its CUDA source run on the CPU
+(``cuda_sim``'s stubs, one thread per lane) against mlx-lm's ops path, the scope that puts it in
+the ops path's place, and the worker's prefill taking that scope."""
+
+from __future__ import annotations
+
+import subprocess
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from cuda_sim import _RUNNER, _STUBS, _binary, _bf16, _from_bf16, unavailable
+from harness import InProcessService
+from mlx_lm.models import gated_delta as mlx_gated_delta
+
+from runtime.worker.paths.cuda import gated_delta as gd
+
+UNAVAILABLE = unavailable()
+
+
+def _data(name: str) -> str:
+    return "reinterpret_cast<const bool*>(mask.data())" if name == "mask" else f"{name}.data()"
+
+
+def _program(vectorized: bool, masked: bool, dk: int, dv: int, hk: int, hv: int) -> str:
+    params = ["const bf16* q", "const bf16* k", "const bf16* v", "const float* g", "const bf16* beta",
+              "const float* state_in"] + (["const bool* mask"] if masked else [])
+    params += ["const int* q_shape", "bf16* y", "float* state_out"]
+    kernel = ("template <typename InT, typename GT, typename BT, typename StT, int Dk, int Dv, int Hk, int Hv>\n"
+              f"void gated_delta({', '.join(params)}) {{\n{gd.source(vectorized, masked)}\n}}\n")
+    names = gd.input_names(masked)
+    types = {"q": "bf16", "k": "bf16", "v": "bf16", "g": "float", "beta": "bf16", "state_in": "float", "mask": "unsigned char"}
+    main = ["int main() {", "    int dims[2];  // rows, tokens", "    if (fread(dims, sizeof(int), 2, stdin) != 2) return 1;",
+            "    const int B = dims[0], T = dims[1];", f"    const int q_shape[4] = {{B, T, {hk}, {dk}}};"]
+    main += [f"    const auto {n} = read_array<{types[n]}>();" for n in names]
+    main += [f"    std::vector<bf16> y(B * T * {hv} * {dv});", "    std::vector<float> state_out(state_in.size());",
+             f"    launch(B * {hv} * ({dv} / {gd.WARPS}), {gd.WARPS * 32}, [&] {{ gated_delta<bf16, float, bf16, float, "
+             f"{dk}, {dv}, {hk}, {hv}>({', '.join(_data(n) for n in names)}, q_shape, y.data(), state_out.data()); }});",
+             "    write_array(y);", "    write_array(state_out);", "    return 0;", "}"]
+    return _STUBS + "\n#include <mutex>\n" + kernel + _RUNNER + "\n".join(main) + "\n"
+
+
+def _simulate(vectorized: bool, masked: bool, batch=2, steps=23, hk=2, hv=4, dk=64, dv=8, seed=0, keep=None):
+    """The simulated kernel's and mlx-lm's ops path's (y, state) on the same random prompt
+    (``keep``: its first tokens only), and the state before it."""
+    rng = np.random.default_rng(seed)
+    q = _from_bf16(_bf16(rng.standard_normal((batch, steps, hk, dk)) * dk**-0.5))
+    k = _from_bf16(_bf16(rng.standard_normal((batch, steps, hk, dk)) * dk**-0.5))
+    v = _from_bf16(_bf16(rng.standard_normal((batch, steps, hv, dv))))
+    g = np.exp(-np.exp(rng.standard_normal((batch, steps, hv) + ((dk,) if vectorized else ())) - 2)).astype(np.float32)
+    beta = _from_bf16(_bf16(1 / (1 + np.exp(-rng.standard_normal((batch, steps, hv))))))
+    state = (rng.standard_normal((batch, hv, dv, dk)) * 0.1).astype(np.float32)
+    mask = np.arange(steps)[None, :] < np.array([[steps], [steps - 4]]) if masked else None
+    if keep is not None:
+        q, k, v, g, beta, steps = q[:, :keep], k[:, :keep], v[:, :keep], g[:, :keep], beta[:, :keep], keep
+    arrays = {"q": _bf16(q), "k": _bf16(k), "v": _bf16(v), "g": g, "beta": _bf16(beta), "state_in": state,
+              "mask": mask}
+    stdin = [np.array([batch, steps], np.int32).tobytes()]
+    for name in gd.input_names(masked):
+        a = arrays[name]
+        stdin += [np.array([a.size], np.int64).tobytes(), np.ascontiguousarray(a).tobytes()]
+    ran = subprocess.run([str(_binary(_program(vectorized, masked, dk, dv, hk, hv)))], input=b"".join(stdin),
+                         capture_output=True, check=True, timeout=120)
+    out = np.frombuffer(ran.stdout, np.float32)
+    y, new_state = out[: batch * steps * hv * dv].reshape(batch, steps, hv, dv), out[batch * steps * hv * dv:]
+    want_y, want_state = mlx_gated_delta.gated_delta_ops(
+        mx.array(q, dtype=mx.bfloat16), mx.array(k, dtype=mx.bfloat16), mx.array(v, dtype=mx.bfloat16),
+        mx.array(g), mx.array(beta, dtype=mx.bfloat16), mx.array(state), None if mask is None else mx.array(mask))
+    return y, new_state.reshape(state.shape), np.array(want_y.astype(mx.float32)), np.array(want_state), state
+
+
+@pytest.mark.skipif(UNAVAILABLE is not None, reason=f"cannot simulate the CUDA kernels: {UNAVAILABLE}")
+@pytest.mark.parametrize(("vectorized", "masked"), [(False, False), (False, True), (True, False)])
+def test_the_kernel_source_matches_mlx_lms_ops_path(vectorized, masked):
+    # Two value heads per key head, several blocks per head: each lane's slice of each state row.
+    y, state, want_y, want_state, before = _simulate(vectorized, masked)
+    assert np.abs(state - want_state).max() < 1e-5 * max(1.0, np.abs(want_state).max())
+    assert np.abs(y - want_y).max() < 2e-2 * max(1.0, np.abs(want_y).max())  # bf16 outputs: a rounding apart
+    assert np.abs(state - before).max() > 1e-2  # the prompt moved the state
+    if masked:  # row 1's last 4 positions are padding: its state is the one after position 18
+        _, state_18, _, want_18, _ = _simulate(vectorized, False, keep=19)
+        assert np.abs(state[1] - state_18[1]).max() < 1e-6 and np.abs(want_state[1] - want_18[1]).max() < 1e-6
+
+
+def test_the_scope_puts_the_kernel_in_the_ops_paths_place_and_refuses_nesting():
+    original = mlx_gated_delta.gated_delta_ops
+    prefill = gd.GatedDeltaPrefill(True)
+    with prefill.scope():
+        assert mlx_gated_delta.gated_delta_ops is prefill
+        with pytest.raises(RuntimeError, match="nest"), gd.GatedDeltaPrefill(True).scope():
+            pass
+        assert mlx_gated_delta.gated_delta_ops is prefill
+    assert mlx_gated_delta.gated_delta_ops is original
+    with gd.GatedDeltaPrefill(False).scope():  # not used: mlx-lm stays as shipped
+        assert mlx_gated_delta.gated_delta_ops is original
+    # Shapes the kernel does not take go to the ops path.
+    q = mx.zeros((1, 3, 2, 48))  # 48 key dims: not whole warps of lanes
+    assert not prefill.applies(q, q, mx.zeros((1, 3, 2, 8)), mx.zeros((1, 3, 2)), mx.zeros((1, 3, 2)), None)
+
+
+def test_the_workers_prefill_runs_inside_the_scope(model_dir, monkeypatch):
+    """On a GPU the kernel; here a stand-in that counts its calls and returns the ops path's
+    results, so the prefill's tokens stay mlx-lm's (the service's own exactness tests hold)."""
+    calls = []
+
+    def stand_in(self, q, k, v, g, beta, state=None, mask=None):
+        calls.append(q.shape[1])
+        return gd.ops_path(q, k, v, g, beta, state, mask)
+
+    monkeypatch.setattr(gd.GatedDeltaPrefill, "__call__", stand_in)
+    monkeypatch.setattr(gd.GatedDeltaPrefill, "for_model", classmethod(lambda cls, model, on_cuda: cls(True)))
+    svc = InProcessService(model_dir("qwen3_next"), max_running=4, aux_slots=16)
+    req = svc.request("r0", list(range(3, 40)), 4)
+    svc.run({0: [req]})
+    assert calls and max(calls) > 1  # prompt chunks of many tokens went through it
+    assert mlx_gated_delta.gated_delta_ops is gd._MLX_OPS
+    from near_tie import assert_requests_like_mlx
+
+    assert_requests_like_mlx(model_dir("qwen3_next"), [req])
+
+
+def test_which_models_take_the_kernel(model_dir, monkeypatch):
+    from mlx_lm.utils import load_model
+
+    qwen, llama = load_model(model_dir("qwen3_next"))[0], load_model(model_dir("llama"))[0]
+    assert not gd.GatedDeltaPrefill.for_model(qwen, on_cuda=False).use_kernel  # not on a CPU
+    monkeypatch.setattr(gd.GatedDeltaPrefill, "check", lambda self: None)
+    assert gd.GatedDeltaPrefill.for_model(qwen, on_cuda=True).use_kernel
+    assert not gd.GatedDeltaPrefill.for_model(llama, on_cuda=True).use_kernel  # no delta-net layers
+    monkeypatch.setattr(gd.GatedDeltaPrefill, "check", lambda self: "the output differs")
+    dropped = gd.GatedDeltaPrefill.for_model(qwen, on_cuda=True)
+    assert not dropped.use_kernel and dropped.problem == "the output differs"
