@@ -130,3 +130,22 @@ def test_which_models_take_the_kernel(model_dir, monkeypatch):
     monkeypatch.setattr(gd.GatedDeltaPrefill, "check", lambda self: "the output differs")
     dropped = gd.GatedDeltaPrefill.for_model(qwen, on_cuda=True)
     assert not dropped.use_kernel and dropped.problem == "the output differs"
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on a CUDA GPU")
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_the_kernel_on_a_gpu_matches_the_ops_path_at_qwen3_next_widths(vectorized):
+    prefill = gd.GatedDeltaPrefill(True)
+    assert prefill.check() is None
+    key = mx.random.split(mx.random.key(3), 6)
+    batch, steps, hk, hv, dk, dv = 2, 300, 16, 32, 128, 128
+    q = (mx.random.normal((batch, steps, hk, dk), key=key[0]) * dk**-0.5).astype(mx.bfloat16)
+    k = (mx.random.normal((batch, steps, hk, dk), key=key[1]) * dk**-0.5).astype(mx.bfloat16)
+    v = mx.random.normal((batch, steps, hv, dv), key=key[2]).astype(mx.bfloat16)
+    g = mx.exp(-mx.exp(mx.random.normal((batch, steps, hv) + ((dk,) if vectorized else ()), key=key[3]) - 2))
+    beta = mx.sigmoid(mx.random.normal((batch, steps, hv), key=key[4])).astype(mx.bfloat16)
+    y, state = prefill(q, k, v, g, beta, None)
+    want_y, want_state = gd.ops_path(q, k, v, g, beta, None)
+    assert mx.abs(state - want_state).max().item() < 1e-4 * max(1.0, mx.abs(want_state).max().item())
+    assert mx.abs(y.astype(mx.float32) - want_y.astype(mx.float32)).max().item() < 2e-2 * max(
+        1.0, mx.abs(want_y.astype(mx.float32)).max().item())
