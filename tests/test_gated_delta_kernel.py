@@ -113,7 +113,7 @@ def test_the_workers_prefill_runs_inside_the_scope(model_dir, monkeypatch):
     req = svc.request("r0", list(range(3, 40)), 4)
     svc.run({0: [req]})
     assert calls and max(calls) > 1  # prompt chunks of many tokens went through it
-    assert mlx_gated_delta.gated_delta_ops is gd._MLX_OPS
+    assert mlx_gated_delta.gated_delta_ops is gd._mlx_gated_delta_ops
     from near_tie import assert_requests_like_mlx
 
     assert_requests_like_mlx(model_dir("qwen3_next"), [req])

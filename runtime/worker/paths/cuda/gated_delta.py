@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.gated_delta import gated_delta_ops as _mlx_gated_delta_ops
 
 from runtime.worker.paths.cuda.cubin_kernels import cuda_kernel
 
@@ -110,16 +111,7 @@ def input_names(masked: bool) -> list[str]:
 def ops_path(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array | None,
              mask: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """mlx-lm's own ``gated_delta_ops`` (the one it ships, whatever a scope has put in its place)."""
-    return _MLX_OPS(q, k, v, g, beta, state, mask)
-
-
-def _mlx_ops():
-    from mlx_lm.models import gated_delta
-
-    return gated_delta.gated_delta_ops
-
-
-_MLX_OPS = _mlx_ops()  # read once at import, before any scope: mlx-lm's function itself
+    return _mlx_gated_delta_ops(q, k, v, g, beta, state, mask)
 
 
 class GatedDeltaPrefill:
@@ -135,19 +127,24 @@ class GatedDeltaPrefill:
         self._kernels: dict[tuple[bool, bool], object] = {}
 
     def applies(self, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
-                state: mx.array | None) -> bool:
+                state: mx.array | None, mask: mx.array | None = None) -> bool:
+        """Whether the kernel takes these inputs (else the ops path does): key dims in whole warps
+        of lanes, value dims in whole blocks, q, k and v of one float dtype, a decay per head or
+        per state column, a (rows, tokens) mask."""
         if not self.use_kernel or q.ndim != 4 or v.ndim != 4:
             return False
-        _, _, hk, dk = k.shape
+        batch, steps, hk, dk = k.shape
         hv, dv = v.shape[-2:]
         floats = (mx.float32, mx.float16, mx.bfloat16)
         return (dk % 32 == 0 and dv % WARPS == 0 and hv % hk == 0 and q.shape == k.shape
-                and g.ndim in (3, 4) and beta.ndim == 3 and all(a.dtype in floats for a in (q, k, v, g, beta))
-                and (state is None or state.dtype in floats))
+                and v.shape[:2] == (batch, steps) and q.dtype == k.dtype == v.dtype
+                and g.shape[:3] == (batch, steps, hv) and g.ndim in (3, 4) and beta.shape == (batch, steps, hv)
+                and all(a.dtype in floats for a in (q, g, beta)) and (state is None or state.dtype in floats)
+                and (mask is None or mask.shape == (batch, steps)))
 
     def __call__(self, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
                  state: mx.array | None = None, mask: mx.array | None = None) -> tuple[mx.array, mx.array]:
-        if not self.applies(q, k, v, g, beta, state):
+        if not self.applies(q, k, v, g, beta, state, mask):
             return ops_path(q, k, v, g, beta, state, mask)
         batch, steps, hk, dk = q.shape
         hv, dv = v.shape[-2:]
@@ -178,13 +175,13 @@ class GatedDeltaPrefill:
             return
         from mlx_lm.models import gated_delta
 
-        if gated_delta.gated_delta_ops is not _MLX_OPS:
+        if gated_delta.gated_delta_ops is not _mlx_gated_delta_ops:
             raise RuntimeError("GatedDeltaPrefill.scope does not nest")
         gated_delta.gated_delta_ops = self
         try:
             yield
         finally:
-            gated_delta.gated_delta_ops = _MLX_OPS
+            gated_delta.gated_delta_ops = _mlx_gated_delta_ops
 
     @classmethod
     def for_model(cls, model: nn.Module, on_cuda: bool) -> GatedDeltaPrefill:
