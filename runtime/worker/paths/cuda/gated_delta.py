@@ -33,7 +33,7 @@ WARPS = 4  # value dims (warps) a block: blocks of 128 threads
 
 # Template parameters: InT (q, k, v, y), GT (g), BT (beta), StT (the state), Dk, Dv, Hk, Hv.
 # Markers: {G_AT} a lane's decay for its state element i, {G_STEP} the decay's advance a token,
-# {KEEP} whether a position updates the state (the mask).
+# {KEEP} whether position t updates the state (the mask).
 SOURCE = """
     constexpr int PER = Dk / 32;  // state elements a lane holds
     constexpr int NWARPS = WARPS_PER_BLOCK;
@@ -54,19 +54,47 @@ SOURCE = """
     float s[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) s[i] = static_cast<float>(state_in[srow + i]);
-    for (int t = 0; t < T; ++t) {
-        float kk[PER], qq[PER], sn[PER];
-        float kv = 0.f;
+    // A token's inputs are loaded during the token before it: the loop waits on the state only.
+    float kk[PER], qq[PER], gg[PER], vv = 0.f, bb = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) kk[i] = qq[i] = gg[i] = 0.f;
+    if (T > 0) {
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
             kk[i] = static_cast<float>(kp[i]);
             qq[i] = static_cast<float>(qp[i]);
-            sn[i] = __fmul_rn(s[i], static_cast<float>({G_AT}));
+            gg[i] = static_cast<float>({G_AT});
+        }
+        vv = static_cast<float>(*vp);
+        bb = static_cast<float>(*bp);
+    }
+    for (int t = 0; t < T; ++t) {
+        float kn[PER], qn[PER], gn[PER], vn = 0.f, bn = 0.f;
+        qp += Hk * Dk;
+        kp += Hk * Dk;
+        vp += Hv * Dv;
+        bp += Hv;
+        {G_STEP}
+        if (t + 1 < T) {
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                kn[i] = static_cast<float>(kp[i]);
+                qn[i] = static_cast<float>(qp[i]);
+                gn[i] = static_cast<float>({G_AT});
+            }
+            vn = static_cast<float>(*vp);
+            bn = static_cast<float>(*bp);
+        }
+        float sn[PER];
+        float kv = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            sn[i] = __fmul_rn(s[i], gg[i]);
             kv = __fadd_rn(kv, __fmul_rn(sn[i], kk[i]));
         }
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) kv += __shfl_xor_sync(0xffffffff, kv, off);
-        const float delta = __fmul_rn(__fsub_rn(static_cast<float>(*vp), kv), static_cast<float>(*bp));
+        const float delta = __fmul_rn(__fsub_rn(vv, kv), bb);
         float out = 0.f;
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
@@ -76,16 +104,19 @@ SOURCE = """
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) out += __shfl_xor_sync(0xffffffff, out, off);
         if (lane == 0) *yp = static_cast<InT>(out);
+        yp += Hv * Dv;
         if ({KEEP}) {
 #pragma unroll
             for (int i = 0; i < PER; ++i) s[i] = sn[i];
         }
-        qp += Hk * Dk;
-        kp += Hk * Dk;
-        vp += Hv * Dv;
-        yp += Hv * Dv;
-        bp += Hv;
-        {G_STEP}
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            kk[i] = kn[i];
+            qq[i] = qn[i];
+            gg[i] = gn[i];
+        }
+        vv = vn;
+        bb = bn;
     }
 #pragma unroll
     for (int i = 0; i < PER; ++i) state_out[srow + i] = static_cast<StT>(s[i]);
