@@ -55,27 +55,13 @@ SOURCE = """
     float s[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) s[i] = static_cast<float>(state_in[srow + i]);
-    // A token's inputs are loaded during the token before it: the loop waits on the state only.
+    // Token t + 1's inputs are loaded while token t is computed: the loop waits on the state only.
+    // (Iteration -1 loads token 0 and computes nothing.)
     float kk[PER], qq[PER], gg[PER], vv = 0.f, bb = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) kk[i] = qq[i] = gg[i] = 0.f;
-    if (T > 0) {
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            kk[i] = static_cast<float>(kp[i]);
-            qq[i] = static_cast<float>(qp[i]);
-            gg[i] = static_cast<float>({G_AT});
-        }
-        vv = static_cast<float>(*vp);
-        bb = static_cast<float>(*bp);
-    }
-    for (int t = 0; t < T; ++t) {
+    for (int t = -1; t < T; ++t) {
         float kn[PER], qn[PER], gn[PER], vn = 0.f, bn = 0.f;
-        qp += Hk * Dk;
-        kp += Hk * Dk;
-        vp += Hv * Dv;
-        bp += Hv;
-        {G_STEP}
+#pragma unroll
+        for (int i = 0; i < PER; ++i) kn[i] = qn[i] = gn[i] = 0.f;
         if (t + 1 < T) {
 #pragma unroll
             for (int i = 0; i < PER; ++i) {
@@ -85,30 +71,37 @@ SOURCE = """
             }
             vn = static_cast<float>(*vp);
             bn = static_cast<float>(*bp);
+            qp += Hk * Dk;
+            kp += Hk * Dk;
+            vp += Hv * Dv;
+            bp += Hv;
+            {G_STEP}
         }
-        float sn[PER];
-        float kv = 0.f;
+        if (t >= 0) {
+            float sn[PER];
+            float kv = 0.f;
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            sn[i] = __fmul_rn(s[i], gg[i]);
-            kv = __fadd_rn(kv, __fmul_rn(sn[i], kk[i]));
-        }
+            for (int i = 0; i < PER; ++i) {
+                sn[i] = __fmul_rn(s[i], gg[i]);
+                kv = __fadd_rn(kv, __fmul_rn(sn[i], kk[i]));
+            }
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) kv += __shfl_xor_sync(0xffffffff, kv, off);
-        const float delta = __fmul_rn(__fsub_rn(vv, kv), bb);
-        float out = 0.f;
+            for (int off = 16; off > 0; off >>= 1) kv += __shfl_xor_sync(0xffffffff, kv, off);
+            const float delta = __fmul_rn(__fsub_rn(vv, kv), bb);
+            float out = 0.f;
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            sn[i] = __fadd_rn(sn[i], __fmul_rn(kk[i], delta));
-            out = __fadd_rn(out, __fmul_rn(sn[i], qq[i]));
-        }
+            for (int i = 0; i < PER; ++i) {
+                sn[i] = __fadd_rn(sn[i], __fmul_rn(kk[i], delta));
+                out = __fadd_rn(out, __fmul_rn(sn[i], qq[i]));
+            }
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) out += __shfl_xor_sync(0xffffffff, out, off);
-        if (lane == 0) *yp = static_cast<InT>(out);
-        yp += Hv * Dv;
-        if ({KEEP}) {
+            for (int off = 16; off > 0; off >>= 1) out += __shfl_xor_sync(0xffffffff, out, off);
+            if (lane == 0) *yp = static_cast<InT>(out);
+            yp += Hv * Dv;
+            if ({KEEP}) {
 #pragma unroll
-            for (int i = 0; i < PER; ++i) s[i] = sn[i];
+                for (int i = 0; i < PER; ++i) s[i] = sn[i];
+            }
         }
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
