@@ -96,6 +96,11 @@ def test_the_scope_puts_the_kernel_in_the_ops_paths_place_and_refuses_nesting():
     # Shapes the kernel does not take go to the ops path.
     q = mx.zeros((1, 3, 2, 48))  # 48 key dims: not whole warps of lanes
     assert not prefill.applies(q, q, mx.zeros((1, 3, 2, 8)), mx.zeros((1, 3, 2)), mx.zeros((1, 3, 2)), None)
+    q, v, g = mx.zeros((1, 3, 2, 64)), mx.zeros((1, 3, 2, 8)), mx.zeros((1, 3, 2))
+    assert prefill.applies(q, q, v, g, g, mx.zeros((1, 2, 8, 64)))
+    assert not prefill.applies(q, q, v, g, g, mx.zeros((1, 2, 64, 8)))  # a state of other widths
+    assert not prefill.applies(q, q, v, mx.zeros((1, 3, 2, 32)), g, None)  # a decay of other columns
+    assert not prefill.applies(q, q, v.astype(mx.float16), g, g, None)  # v of another dtype than q's
 
 
 def test_the_workers_prefill_runs_inside_the_scope(model_dir, monkeypatch):

@@ -163,8 +163,9 @@ class GatedDeltaPrefill:
         floats = (mx.float32, mx.float16, mx.bfloat16)
         return (dk % 32 == 0 and dv % WARPS == 0 and hv % hk == 0 and q.shape == k.shape
                 and v.shape[:2] == (batch, steps) and q.dtype == k.dtype == v.dtype
-                and g.shape[:3] == (batch, steps, hv) and g.ndim in (3, 4) and beta.shape == (batch, steps, hv)
-                and all(a.dtype in floats for a in (q, g, beta)) and (state is None or state.dtype in floats)
+                and g.shape in ((batch, steps, hv), (batch, steps, hv, dk)) and beta.shape == (batch, steps, hv)
+                and all(a.dtype in floats for a in (q, g, beta))
+                and (state is None or (state.shape == (batch, hv, dv, dk) and state.dtype in floats))
                 and (mask is None or mask.shape == (batch, steps)))
 
     def __call__(self, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
