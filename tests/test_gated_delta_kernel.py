@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from cuda_sim import _RUNNER, _STUBS, _binary, _bf16, _from_bf16, unavailable
 from harness import InProcessService
+from near_tie import assert_requests_like_mlx
 from mlx_lm.models import gated_delta as mlx_gated_delta
 
 from runtime.worker.paths.cuda import gated_delta as gd
@@ -37,7 +38,7 @@ def _program(vectorized: bool, masked: bool, dk: int, dv: int, hk: int, hv: int)
              f"    launch(B * {hv} * ({dv} / {gd.WARPS}), {gd.WARPS * 32}, [&] {{ gated_delta<bf16, float, bf16, float, "
              f"{dk}, {dv}, {hk}, {hv}>({', '.join(_data(n) for n in names)}, q_shape, y.data(), state_out.data()); }});",
              "    write_array(y);", "    write_array(state_out);", "    return 0;", "}"]
-    return _STUBS + "\n#include <mutex>\n" + kernel + _RUNNER + "\n".join(main) + "\n"
+    return _STUBS + kernel + _RUNNER + "\n".join(main) + "\n"
 
 
 def _simulate(vectorized: bool, masked: bool, batch=2, steps=23, hk=2, hv=4, dk=64, dv=8, seed=0, keep=None):
@@ -119,8 +120,6 @@ def test_the_workers_prefill_runs_inside_the_scope(model_dir, monkeypatch):
     svc.run({0: [req]})
     assert calls and max(calls) > 1  # prompt chunks of many tokens went through it
     assert mlx_gated_delta.gated_delta_ops is gd._mlx_gated_delta_ops
-    from near_tie import assert_requests_like_mlx
-
     assert_requests_like_mlx(model_dir("qwen3_next"), [req])
 
 

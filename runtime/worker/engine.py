@@ -21,8 +21,8 @@ from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.model.output_head import OutputHead
 from runtime.worker.paths.attention_paths import AttentionPaths
 from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
-from runtime.worker.paths.cuda.gated_delta import GatedDeltaPrefill
 from runtime.worker.paths.cuda.fused_step import fused_logits
+from runtime.worker.paths.cuda.gated_delta import GatedDeltaPrefill
 from runtime.worker.paths.decode_plan import DecodePlan, plan_decode
 from runtime.worker.paths.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.paths.prefill_groups import prefill_groups
