@@ -1,4 +1,4 @@
-"""The delta-net prefill kernel (``paths/cuda/gated_delta.py``): its CUDA source run on the CPU
+"""The delta-net kernel (``paths/cuda/gated_delta.py``): its CUDA source run on the CPU
 (``cuda_sim``'s stubs, one thread per lane) against mlx-lm's ops path, the scope that puts it in
 the ops path's place, and the worker's prefill taking that scope."""
 
@@ -85,14 +85,14 @@ def test_the_kernel_source_matches_mlx_lms_ops_path(vectorized, masked):
 
 def test_the_scope_puts_the_kernel_in_the_ops_paths_place_and_refuses_nesting():
     original = mlx_gated_delta.gated_delta_ops
-    prefill = gd.GatedDeltaPrefill(True)
+    prefill = gd.GatedDeltaKernel(True)
     with prefill.scope():
         assert mlx_gated_delta.gated_delta_ops is prefill
-        with pytest.raises(RuntimeError, match="nest"), gd.GatedDeltaPrefill(True).scope():
+        with pytest.raises(RuntimeError, match="nest"), gd.GatedDeltaKernel(True).scope():
             pass
         assert mlx_gated_delta.gated_delta_ops is prefill
     assert mlx_gated_delta.gated_delta_ops is original
-    with gd.GatedDeltaPrefill(False).scope():  # not used: mlx-lm stays as shipped
+    with gd.GatedDeltaKernel(False).scope():  # not used: mlx-lm stays as shipped
         assert mlx_gated_delta.gated_delta_ops is original
     # Shapes the kernel does not take go to the ops path.
     q = mx.zeros((1, 3, 2, 48))  # 48 key dims: not whole warps of lanes
@@ -104,7 +104,7 @@ def test_the_scope_puts_the_kernel_in_the_ops_paths_place_and_refuses_nesting():
     assert not prefill.applies(q, q, v.astype(mx.float16), g, g, None)  # v of another dtype than q's
 
 
-def test_the_workers_prefill_runs_inside_the_scope(model_dir, monkeypatch):
+def test_the_workers_prefill_and_decode_run_inside_the_scope(model_dir, monkeypatch):
     """On a GPU the kernel; here a stand-in that counts its calls and returns the ops path's
     results, so the prefill's tokens stay mlx-lm's (the service's own exactness tests hold)."""
     calls = []
@@ -113,12 +113,13 @@ def test_the_workers_prefill_runs_inside_the_scope(model_dir, monkeypatch):
         calls.append(q.shape[1])
         return gd.ops_path(q, k, v, g, beta, state, mask)
 
-    monkeypatch.setattr(gd.GatedDeltaPrefill, "__call__", stand_in)
-    monkeypatch.setattr(gd.GatedDeltaPrefill, "for_model", classmethod(lambda cls, model, on_cuda: cls(True)))
+    monkeypatch.setattr(gd.GatedDeltaKernel, "__call__", stand_in)
+    monkeypatch.setattr(gd.GatedDeltaKernel, "for_model", classmethod(lambda cls, model, on_cuda: cls(True)))
     svc = InProcessService(model_dir("qwen3_next"), max_running=4, aux_slots=16)
     req = svc.request("r0", list(range(3, 40)), 4)
     svc.run({0: [req]})
     assert calls and max(calls) > 1  # prompt chunks of many tokens went through it
+    assert 1 in calls  # and decode steps (their one token, as traced or built)
     assert mlx_gated_delta.gated_delta_ops is gd._mlx_gated_delta_ops
     assert_requests_like_mlx(model_dir("qwen3_next"), [req])
 
@@ -127,19 +128,19 @@ def test_which_models_take_the_kernel(model_dir, monkeypatch):
     from mlx_lm.utils import load_model
 
     qwen, llama = load_model(model_dir("qwen3_next"))[0], load_model(model_dir("llama"))[0]
-    assert not gd.GatedDeltaPrefill.for_model(qwen, on_cuda=False).use_kernel  # not on a CPU
-    monkeypatch.setattr(gd.GatedDeltaPrefill, "check", lambda self: None)
-    assert gd.GatedDeltaPrefill.for_model(qwen, on_cuda=True).use_kernel
-    assert not gd.GatedDeltaPrefill.for_model(llama, on_cuda=True).use_kernel  # no delta-net layers
-    monkeypatch.setattr(gd.GatedDeltaPrefill, "check", lambda self: "the output differs")
-    dropped = gd.GatedDeltaPrefill.for_model(qwen, on_cuda=True)
+    assert not gd.GatedDeltaKernel.for_model(qwen, on_cuda=False).use_kernel  # not on a CPU
+    monkeypatch.setattr(gd.GatedDeltaKernel, "check", lambda self: None)
+    assert gd.GatedDeltaKernel.for_model(qwen, on_cuda=True).use_kernel
+    assert not gd.GatedDeltaKernel.for_model(llama, on_cuda=True).use_kernel  # no delta-net layers
+    monkeypatch.setattr(gd.GatedDeltaKernel, "check", lambda self: "the output differs")
+    dropped = gd.GatedDeltaKernel.for_model(qwen, on_cuda=True)
     assert not dropped.use_kernel and dropped.problem == "the output differs"
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on a CUDA GPU")
 @pytest.mark.parametrize("vectorized", [False, True])
 def test_the_kernel_on_a_gpu_matches_the_ops_path_at_qwen3_next_widths(vectorized):
-    prefill = gd.GatedDeltaPrefill(True)
+    prefill = gd.GatedDeltaKernel(True)
     assert prefill.check() is None
     key = mx.random.split(mx.random.key(3), 6)
     batch, steps, hk, hv, dk, dv = 2, 300, 16, 32, 128, 128

@@ -38,10 +38,13 @@ def warm_decode(engine: Engine, progress: Callable[[str], None] | None = None) -
         return count
 
     variants = stage("decode kernel variants", engine.paths.warm_up(engine.LENGTH_BUCKET))
+    # The traces a step replays are made with the delta-net kernel in place, as steps make them.
+    traced = engine.gated_delta.scope
     ran = False
     if engine.compiled is not None:
         try:
-            variants += stage("one-row decode traces", engine.compiled.trace(1))
+            with traced():
+                variants += stage("one-row decode traces", engine.compiled.trace(1))
             _run_request(engine)  # the compiled step's first real run
             ran = True
         except Exception as exc:  # noqa: BLE001 - a step MLX cannot compile on this device: serve uncompiled
@@ -58,11 +61,13 @@ def warm_decode(engine: Engine, progress: Callable[[str], None] | None = None) -
         def launches(rows: int) -> list[tuple[int, int]]:
             return sorted({engine.paths.launch(rows, n) for n in lengths})
 
-        variants += stage("one-row decode traces",
-                          engine.compiled_paged.trace(1, engine.paths.device_table, launches(1)))
-        classes = row_classes(engine.paths.max_rows, smallest=2)
-        variants += stage(f"first decode steps of {len(classes)} row classes",
-                          engine.compiled_paged.warm_rows(classes, engine.paths.device_table, launches, ROW_WARM_S))
+        with traced():
+            variants += stage("one-row decode traces",
+                              engine.compiled_paged.trace(1, engine.paths.device_table, launches(1)))
+            classes = row_classes(engine.paths.max_rows, smallest=2)
+            variants += stage(f"first decode steps of {len(classes)} row classes",
+                              engine.compiled_paged.warm_rows(classes, engine.paths.device_table, launches,
+                                                              ROW_WARM_S))
     if not ran:
         _run_request(engine)
     return variants

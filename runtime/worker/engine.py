@@ -22,7 +22,7 @@ from runtime.worker.model.output_head import OutputHead
 from runtime.worker.paths.attention_paths import AttentionPaths
 from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
 from runtime.worker.paths.cuda.fused_step import fused_logits
-from runtime.worker.paths.cuda.gated_delta import GatedDeltaPrefill
+from runtime.worker.paths.cuda.gated_delta import GatedDeltaKernel
 from runtime.worker.paths.decode_plan import DecodePlan, plan_decode
 from runtime.worker.paths.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.paths.prefill_groups import prefill_groups
@@ -99,7 +99,7 @@ class Engine:
         self.paths = AttentionPaths(model, layout, pool, max_rows, max_context, row_cache, self.LENGTH_BUCKET)
         self.startup_seconds["attention paths"] = time.perf_counter() - started
         started = time.perf_counter()
-        self.gated_delta = GatedDeltaPrefill.for_model(model, on_gpu and aux_pool is not None and mx.cuda.is_available())
+        self.gated_delta = GatedDeltaKernel.for_model(model, on_gpu and aux_pool is not None and mx.cuda.is_available())
         if self.gated_delta.use_kernel or self.gated_delta.problem:
             self.startup_seconds["delta-net kernel"] = time.perf_counter() - started
         # The one place a model's forward is kept uncompiled: one that cannot be traced (it reads
@@ -162,7 +162,12 @@ class Engine:
         mx.async_eval(*draws.arrays())
 
     def _decode_logits(self, decode: DecodeBatch) -> tuple[mx.array, bool]:
-        """A decode batch's logits (rows padded to the batch's bucket may follow), lazy."""
+        """A decode batch's logits (rows padded to the batch's bucket may follow), lazy, and
+        whether building them updated pools in place."""
+        with self.gated_delta.scope():  # a delta-net layer's step as one kernel (CUDA), traced or not
+            return self._decode_forward(decode)
+
+    def _decode_forward(self, decode: DecodeBatch) -> tuple[mx.array, bool]:
         plan = self._plan(decode)
         # A hybrid's states: the last step's, kept batch-ordered while the batch is unchanged
         # (else the pool's, the last batch's written back first: a write in place).

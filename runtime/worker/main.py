@@ -136,9 +136,9 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         print(f"runtime worker: pools and attention paths ready in {time.perf_counter() - paths_started:.1f} s"
               f" ({parts}){rope}", flush=True)
         if engine.gated_delta.use_kernel or engine.gated_delta.problem:
-            how = ("one kernel a layer and prompt" if engine.gated_delta.use_kernel else
-                   f"mlx-lm's ops, token by token ({engine.gated_delta.problem})")
-            print(f"runtime worker: delta-net prefill: {how}", flush=True)
+            how = ("one kernel a layer and forward (prompts and decode steps)" if engine.gated_delta.use_kernel
+                   else f"mlx-lm's ops, token by token ({engine.gated_delta.problem})")
+            print(f"runtime worker: delta-net layers: {how}", flush=True)
         started = time.perf_counter()
         variants = warm_decode(engine, lambda line: print(f"runtime worker: warm-up: {line}", flush=True))
         decode_s = time.perf_counter() - started

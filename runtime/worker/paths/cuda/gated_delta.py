@@ -1,4 +1,4 @@
-"""A prompt's gated delta rule (Qwen3-Next's, Qwen3.5's, Kimi Linear's delta-net layers) as one
+"""The gated delta rule (Qwen3-Next's, Qwen3.5's, Kimi Linear's delta-net layers) as one
 CUDA kernel over all of its tokens.
 
 mlx-lm runs the recurrence as one Metal kernel on a Mac; elsewhere (``gated_delta_ops``) as a
@@ -13,9 +13,11 @@ lane by lane and then across the warp (MLX's reductions sum in another order, so
 are not MLX's bits: like every GPU kernel here, tokens may part from mlx-lm's at near-ties).
 A padded position (``mask`` false) keeps the state, as the ops path's ``where`` does.
 
-Only prefill takes it (``GatedDeltaPrefill.scope`` around the worker's prefill forwards): a
-decode step's one token runs inside the compiled decode step as before. The worker checks the
-kernel against the ops path at start-up (``check``) and keeps the ops path if they differ.
+The worker's prefill and decode forwards take it (``GatedDeltaKernel.scope`` around their
+builds, and around the decode traces a compiled step replays): a decode step's one token is one
+launch a layer instead of about ten, and reads and writes each state once instead of about five
+times. The worker checks the kernel against the ops path at start-up (``check``) and keeps the
+ops path if they differ.
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ def ops_path(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
     return _mlx_gated_delta_ops(q, k, v, g, beta, state, mask)
 
 
-class GatedDeltaPrefill:
+class GatedDeltaKernel:
     """mlx-lm's ``gated_delta_ops`` as the kernel where ``use_kernel`` and the shapes allow it.
 
     ``scope()`` puts ``__call__`` in the place of ``mlx_lm.models.gated_delta.gated_delta_ops``
@@ -202,7 +204,7 @@ class GatedDeltaPrefill:
         from mlx_lm.models import gated_delta
 
         if gated_delta.gated_delta_ops is not _mlx_gated_delta_ops:
-            raise RuntimeError("GatedDeltaPrefill.scope does not nest")
+            raise RuntimeError("GatedDeltaKernel.scope does not nest")
         gated_delta.gated_delta_ops = self
         try:
             yield
@@ -210,7 +212,7 @@ class GatedDeltaPrefill:
             gated_delta.gated_delta_ops = _mlx_gated_delta_ops
 
     @classmethod
-    def for_model(cls, model: nn.Module, on_cuda: bool) -> GatedDeltaPrefill:
+    def for_model(cls, model: nn.Module, on_cuda: bool) -> GatedDeltaKernel:
         """The kernel for a model whose layers call mlx-lm's ``gated_delta_update``, on a CUDA
         GPU, where its start-up ``check`` passes (else the ops path, and ``problem`` says why)."""
         uses = any(hasattr(sys.modules.get(type(m).__module__), "gated_delta_update") for m in model.modules())
