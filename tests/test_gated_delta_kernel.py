@@ -1,6 +1,6 @@
 """The delta-net kernel (``paths/cuda/gated_delta.py``): its CUDA source run on the CPU
 (``cuda_sim``'s stubs, one thread per lane) against mlx-lm's ops path, the scope that puts it in
-the ops path's place, and the worker's prefill taking that scope."""
+the ops path's place, and the worker's prefill and decode taking that scope."""
 
 from __future__ import annotations
 
@@ -139,11 +139,12 @@ def test_which_models_take_the_kernel(model_dir, monkeypatch):
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on a CUDA GPU")
 @pytest.mark.parametrize("vectorized", [False, True])
-def test_the_kernel_on_a_gpu_matches_the_ops_path_at_qwen3_next_widths(vectorized):
+@pytest.mark.parametrize("batch,steps", [(2, 300), (16, 1)])  # a prompt; a decode step of 16 rows
+def test_the_kernel_on_a_gpu_matches_the_ops_path_at_qwen3_next_widths(vectorized, batch, steps):
     prefill = gd.GatedDeltaKernel(True)
     assert prefill.check() is None
     key = mx.random.split(mx.random.key(3), 6)
-    batch, steps, hk, hv, dk, dv = 2, 300, 16, 32, 128, 128
+    hk, hv, dk, dv = 16, 32, 128, 128
     q = (mx.random.normal((batch, steps, hk, dk), key=key[0]) * dk**-0.5).astype(mx.bfloat16)
     k = (mx.random.normal((batch, steps, hk, dk), key=key[1]) * dk**-0.5).astype(mx.bfloat16)
     v = mx.random.normal((batch, steps, hv, dv), key=key[2]).astype(mx.bfloat16)
