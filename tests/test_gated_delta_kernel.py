@@ -83,6 +83,14 @@ def test_the_kernel_source_matches_mlx_lms_ops_path(vectorized, masked):
         assert np.abs(state[1] - state_18[1]).max() < 1e-6 and np.abs(want_state[1] - want_18[1]).max() < 1e-6
 
 
+@pytest.mark.skipif(UNAVAILABLE is not None, reason=f"cannot simulate the CUDA kernels: {UNAVAILABLE}")
+def test_the_kernel_source_takes_a_decode_steps_one_token():
+    y, state, want_y, want_state, before = _simulate(False, False, batch=3, steps=1)
+    assert np.abs(state - want_state).max() < 1e-5 * max(1.0, np.abs(want_state).max())
+    assert np.abs(y - want_y).max() < 2e-2 * max(1.0, np.abs(want_y).max())
+    assert np.abs(state - before).max() > 1e-3  # the token moved the state
+
+
 def test_the_scope_puts_the_kernel_in_the_ops_paths_place_and_refuses_nesting():
     original = mlx_gated_delta.gated_delta_ops
     prefill = gd.GatedDeltaKernel(True)
