@@ -19,6 +19,7 @@ from runtime.protocol.worker import (
 from runtime.worker.launched_step import LaunchedStep
 from runtime.worker.model.discovery import CacheLayout
 from runtime.worker.model.output_head import OutputHead
+from runtime.worker.model.padding_probe import pads_recurrent_exactly
 from runtime.worker.paths.attention_paths import AttentionPaths
 from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
 from runtime.worker.paths.cuda.fused_step import fused_logits
@@ -131,6 +132,9 @@ class Engine:
         self.sampler = RowSampler(max_rows)
         # Share of padding a batched prefill may carry (0: none, and prefill shapes unpadded).
         self.max_padding = 0.25 if self.padded_shapes else 0.0
+        # A hybrid's prompts are padded too where its recurrent layers honour the real lengths
+        # (``padding_probe``); else each prompt length is a shape of its own.
+        self.pads_recurrent = self.padded_shapes and aux_pool is not None and pads_recurrent_exactly(model, layout)
         self.prefill_shapes: set[tuple[int, int, int]] = set()  # (rows, queries, keys) of every prefill forward run
 
     def _caches(self, batch: ForwardBatch, aux: list | None = None) -> list:
@@ -243,7 +247,7 @@ class Engine:
             return
         self.paths.flush()
         groups = prefill_groups(launched.step.prefills, batchable=True, max_padding=self.max_padding,
-                                recurrent=self.aux_pool is not None)
+                                recurrent=self.aux_pool is not None, pads_recurrent=self.pads_recurrent)
         decode = launched.step.decode
         if (self.fuse_prefill and decode is not None and decode.rows
                 and sum(len(c.token_ids) for c in launched.step.prefills) <= FUSE_MAX_TOKENS
@@ -266,11 +270,12 @@ class Engine:
         start = group[0].start
         n = max(len(c.token_ids) for c in group)
         rows = len(group)
-        padded = self.max_padding > 0 and self.aux_pool is None
+        padded = self.max_padding > 0 and (self.aux_pool is None or self.pads_recurrent)
         if padded:
             # Padded even alone: every new (rows, length) shape costs kernel builds on a GPU.
             n = min((continuation_length if start else prefill_length)(n), self.max_context - start)
-            rows = padded_rows(rows) if self.paths.row_cache is None else rows  # a row span is per real row
+            # (A row span is per real row; a hybrid's states are per real row.)
+            rows = padded_rows(rows) if self.paths.row_cache is None and self.aux_pool is None else rows
         for chunk in group:
             self.paths.admit_chunk(chunk)
         batch = self.paths.prefill_batch(group, n, rows, pad_keys=padded)
@@ -302,6 +307,9 @@ class Engine:
             if group[0].aux_source != AUX_FRESH:
                 sources = [c.aux_slot if c.aux_source == AUX_CONTINUE else c.aux_source for c in group]
             aux = self.aux_pool.caches(None if sources is None else mx.array(sources, dtype=mx.int32))
+            if any(len(c.token_ids) < len(tokens[0]) for c in group):  # padded at the end (``pads_recurrent``)
+                for cache in aux:
+                    cache.prepare(lengths=[len(c.token_ids) for c in group])
         with self.gated_delta.scope():  # a delta-net layer's prompt as one kernel (CUDA)
             logits = self.model(mx.array(tokens, dtype=mx.int32), cache=self._caches(batch, aux))
         asked = [(c, *prompt_logprobs(logits[i, : len(c.token_ids)], c.logprob_targets, c.top_logprobs))

@@ -6,7 +6,8 @@ from runtime.protocol.worker import AUX_FRESH, PrefillChunk
 
 
 def prefill_groups(
-    chunks: list[PrefillChunk], batchable: bool, max_padding: float, recurrent: bool = False
+    chunks: list[PrefillChunk], batchable: bool, max_padding: float, recurrent: bool = False,
+    pads_recurrent: bool = False,
 ) -> list[list[PrefillChunk]]:
     """Batches of prefill chunks, in an order that runs every chunk after those it reads.
 
@@ -16,13 +17,14 @@ def prefill_groups(
     per row, are independent of one another. Those are sorted by length and cut into batches
     whose padding (shorter chunks are padded at the end; causal attention keeps real tokens
     blind to it) stays within ``max_padding`` of the real tokens. ``recurrent`` (models with
-    recurrent state, which padding would change): no padding, and a batch's rows either all
-    start from an empty state or all from saved ones. ``batchable`` False keeps every chunk
-    on its own, in the given order.
+    recurrent state): a batch's rows either all start from an empty state or all from saved
+    ones, and no padding unless ``pads_recurrent`` (the model's recurrent layers honour the
+    real lengths, ``padding_probe``). ``batchable`` False keeps every chunk on its own, in the
+    given order.
     """
     if not batchable:
         return [[chunk] for chunk in chunks]
-    if recurrent:
+    if recurrent and not pads_recurrent:
         max_padding = 0.0
     runs: dict[tuple[int, bool], list[PrefillChunk]] = {}
     first: dict[tuple[int, bool], int] = {}

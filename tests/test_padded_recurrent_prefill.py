@@ -1,0 +1,78 @@
+"""A hybrid's prompts padded at the end (``worker.pad_shapes`` on; ``padding_probe``): the probe
+that lets them, and tokens that stay mlx-lm's on the CPU, from empty states and from saved ones."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from harness import InProcessService
+from mlx_lm.utils import load_model
+from model_factory import reference_greedy
+
+from runtime.worker.model.discovery import discover
+from runtime.worker.model.padding_probe import pads_recurrent_exactly
+from runtime.worker.paths.prefill_groups import prefill_groups
+from runtime.worker.paths.prefill_shapes import prefill_length
+from runtime.protocol.worker import AUX_FRESH, PrefillChunk
+
+
+def _probe(folder) -> bool:
+    model = load_model(folder)[0]
+    return pads_recurrent_exactly(model, discover(model))
+
+
+@pytest.mark.parametrize(("arch", "pads"), [
+    ("qwen3_next", True),  # delta-net layers that read ``cache.lengths``
+    ("falcon_h1", True),   # a CacheList (Mamba state and KV cache) a layer
+    ("mamba", False),      # its conv state takes the padding
+    ("llama", False),      # nothing recurrent: nothing to decide
+])
+def test_the_probe_lets_only_models_whose_recurrent_layers_honour_the_lengths(model_dir, arch, pads):
+    assert _probe(model_dir(arch)) is pads
+
+
+def test_recurrent_groups_are_padded_only_where_the_model_allows_it():
+    chunks = [PrefillChunk(row=i, start=0, token_ids=[1] * n, slot_ids=[0] * n, aux_slot=i + 1, aux_source=AUX_FRESH)
+              for i, n in enumerate((30, 25))]
+    shapes = lambda groups: [[len(c.token_ids) for c in g] for g in groups]  # noqa: E731
+    assert shapes(prefill_groups(chunks, True, 0.25, recurrent=True)) == [[25], [30]]
+    assert shapes(prefill_groups(chunks, True, 0.25, recurrent=True, pads_recurrent=True)) == [[25, 30]]
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randint(3, 200) for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "falcon_h1"])
+def test_padded_hybrid_prompts_keep_mlx_lms_tokens(model_dir, arch):
+    folder = model_dir(arch)
+    svc = InProcessService(folder, max_running=8, aux_slots=64, track_chunk=16, prefill_chunk=48, pad_shapes=True)
+    assert svc.engine.pads_recurrent
+    rng = random.Random(5)
+    shared = _ids(rng, 40)
+    # Together: prompts of several lengths (one forward, the shorter ones padded), from empty states.
+    cold = [svc.request(f"c{i}", _ids(rng, n), 8) for i, n in enumerate((38, 21, 29, 12))]
+    cold += [svc.request("s0", shared + _ids(rng, 3), 4)]
+    svc.run({0: cold})
+    # Then suffixes of several lengths on the cached prefix: padded, from the saved state at 32.
+    warm = [svc.request(f"w{i}", shared + _ids(rng, n), 8) for i, n in enumerate((2, 9, 5))]
+    svc.run({0: warm})
+    assert [r.prefix_len for r in warm] == [32, 32, 32]
+    # Prompts are cut at multiples of the tracking chunk (16); the rests (5, 4, 12, 11, 11 of the
+    # first wave) were padded to 16 in one forward with the full chunks.
+    queries = {n for _, n, _ in svc.engine.prefill_shapes}
+    assert queries and all(n == prefill_length(n) for n in queries), queries
+    for r in cold + warm:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+def test_a_model_the_probe_refuses_keeps_its_prompts_unpadded(model_dir):
+    folder = model_dir("mamba")
+    svc = InProcessService(folder, max_running=4, aux_slots=32, pad_shapes=True)
+    assert not svc.engine.pads_recurrent
+    reqs = [svc.request(f"r{i}", _ids(random.Random(i), n), 6) for i, n in enumerate((38, 21))]
+    svc.run({0: reqs})
+    assert {n for _, n, _ in svc.engine.prefill_shapes} == {37, 20}
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
