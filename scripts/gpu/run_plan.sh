@@ -28,7 +28,7 @@ run() {  # name, seconds at most, command... (the item's @tag, if any, names its
   local started=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "   rc $?, $(( SECONDS - started )) s"
-  grep -E "^\| |^8b |^1b |^summed|^rows |^ +start |^ *[0-9]+ \||^total|stacked products|warmed up in|pools and attention|loaded the model|our CUDA kernels|WARNING|passed|failed|match|loaded:|delta-net" \
+  grep -E "^\| |^8b |^1b |^summed|^rows |^ +start |^ *[0-9]+ \||^total|stacked products|warmed up in|pools and attention|loaded the model|our CUDA kernels|WARNING|passed|failed|match|loaded:|delta-net|recurrent model" \
     "$OUT/$name.log" | grep -v "^| *-" | head -40
 }
 
