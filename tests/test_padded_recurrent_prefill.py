@@ -10,11 +10,11 @@ from harness import InProcessService
 from mlx_lm.utils import load_model
 from model_factory import reference_greedy
 
+from runtime.protocol.worker import AUX_FRESH, PrefillChunk
 from runtime.worker.model.discovery import discover
 from runtime.worker.model.padding_probe import pads_recurrent_exactly
 from runtime.worker.paths.prefill_groups import prefill_groups
 from runtime.worker.paths.prefill_shapes import prefill_length
-from runtime.protocol.worker import AUX_FRESH, PrefillChunk
 
 
 def _probe(folder) -> bool:
@@ -35,9 +35,12 @@ def test_the_probe_lets_only_models_whose_recurrent_layers_honour_the_lengths(mo
 def test_recurrent_groups_are_padded_only_where_the_model_allows_it():
     chunks = [PrefillChunk(row=i, start=0, token_ids=[1] * n, slot_ids=[0] * n, aux_slot=i + 1, aux_source=AUX_FRESH)
               for i, n in enumerate((30, 25))]
-    shapes = lambda groups: [[len(c.token_ids) for c in g] for g in groups]  # noqa: E731
-    assert shapes(prefill_groups(chunks, True, 0.25, recurrent=True)) == [[25], [30]]
-    assert shapes(prefill_groups(chunks, True, 0.25, recurrent=True, pads_recurrent=True)) == [[25, 30]]
+
+    def lengths(groups: list[list[PrefillChunk]]) -> list[list[int]]:
+        return [[len(c.token_ids) for c in g] for g in groups]
+
+    assert lengths(prefill_groups(chunks, True, 0.25, recurrent=True)) == [[25], [30]]
+    assert lengths(prefill_groups(chunks, True, 0.25, recurrent=True, pads_recurrent=True)) == [[25, 30]]
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
