@@ -14,7 +14,10 @@ from harness import InProcessService
 from near_tie import assert_requests_like_mlx
 from mlx_lm.models import gated_delta as mlx_gated_delta
 
+from runtime.worker import engine as engine_module
+from runtime.worker.model.discovery import discover
 from runtime.worker.paths.cuda import gated_delta as gd
+from runtime.worker.paths.cuda import gated_delta_check as gdc
 
 UNAVAILABLE = unavailable()
 
@@ -122,7 +125,7 @@ def test_the_workers_prefill_and_decode_run_inside_the_scope(model_dir, monkeypa
         return gd.ops_path(q, k, v, g, beta, state, mask)
 
     monkeypatch.setattr(gd.GatedDeltaKernel, "__call__", stand_in)
-    monkeypatch.setattr(gd.GatedDeltaKernel, "for_model", classmethod(lambda cls, model, on_cuda: cls(True)))
+    monkeypatch.setattr(engine_module, "kernel_for", lambda model, layout, on_cuda: gd.GatedDeltaKernel(True))
     svc = InProcessService(model_dir("qwen3_next"), max_running=4, aux_slots=16)
     req = svc.request("r0", list(range(3, 40)), 4)
     svc.run({0: [req]})
@@ -136,13 +139,32 @@ def test_which_models_take_the_kernel(model_dir, monkeypatch):
     from mlx_lm.utils import load_model
 
     qwen, llama = load_model(model_dir("qwen3_next"))[0], load_model(model_dir("llama"))[0]
-    assert not gd.GatedDeltaKernel.for_model(qwen, on_cuda=False).use_kernel  # not on a CPU
-    monkeypatch.setattr(gd.GatedDeltaKernel, "check", lambda self: None)
-    assert gd.GatedDeltaKernel.for_model(qwen, on_cuda=True).use_kernel
-    assert not gd.GatedDeltaKernel.for_model(llama, on_cuda=True).use_kernel  # no delta-net layers
-    monkeypatch.setattr(gd.GatedDeltaKernel, "check", lambda self: "the output differs")
-    dropped = gd.GatedDeltaKernel.for_model(qwen, on_cuda=True)
+    qwen_layout, llama_layout = discover(qwen), discover(llama)
+    assert not gdc.kernel_for(qwen, qwen_layout, on_cuda=False).use_kernel  # not on a CPU
+    checked = []
+    monkeypatch.setattr(gdc, "check", lambda kernel, calls: checked.append(calls))
+    assert gdc.kernel_for(qwen, qwen_layout, on_cuda=True).use_kernel
+    assert checked == [gdc.model_calls(qwen, qwen_layout)]  # checked at the model's own calls
+    assert not gdc.kernel_for(llama, llama_layout, on_cuda=True).use_kernel  # no delta-net layers
+    monkeypatch.setattr(gdc, "check", lambda kernel, calls: "the output differs")
+    dropped = gdc.kernel_for(qwen, qwen_layout, on_cuda=True)
     assert not dropped.use_kernel and dropped.problem == "the output differs"
+
+
+@pytest.mark.parametrize(("arch", "vectorized", "widths"), [("qwen3_next", False, ("head_k_dim", "head_v_dim")),
+                                                         ("kimi_linear", True, ("head_dim", "head_dim"))])
+def test_the_check_takes_the_calls_the_models_forwards_make(model_dir, arch, vectorized, widths):
+    from mlx_lm.utils import load_model
+
+    model = load_model(model_dir(arch))[0]
+    calls = gdc.model_calls(model, discover(model))
+    assert calls != gdc.SMALL
+    # A padded prompt's call is masked, a decode step's and an unpadded prompt's are not.
+    assert {c.masked for c in calls} == {True, False}
+    assert {c.vectorized for c in calls} == {vectorized}
+    assert mlx_gated_delta.gated_delta_ops is gd._mlx_gated_delta_ops  # put back
+    delta = next(m for m in model.modules() if "A_log" in m)  # a delta-net layer: its widths
+    assert {(c.dk, c.dv) for c in calls} == {(getattr(delta, widths[0]), getattr(delta, widths[1]))}
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on a CUDA GPU")
@@ -150,7 +172,7 @@ def test_which_models_take_the_kernel(model_dir, monkeypatch):
 @pytest.mark.parametrize("batch,steps", [(2, 300), (16, 1)])  # a prompt; a decode step of 16 rows
 def test_the_kernel_on_a_gpu_matches_the_ops_path_at_qwen3_next_widths(vectorized, batch, steps):
     prefill = gd.GatedDeltaKernel(True)
-    assert prefill.check() is None
+    assert gdc.check(prefill, gdc.SMALL) is None
     key = mx.random.split(mx.random.key(3), 6)
     hk, hv, dk, dv = 16, 32, 128, 128
     q = (mx.random.normal((batch, steps, hk, dk), key=key[0]) * dk**-0.5).astype(mx.bfloat16)
@@ -163,3 +185,12 @@ def test_the_kernel_on_a_gpu_matches_the_ops_path_at_qwen3_next_widths(vectorize
     assert mx.abs(state - want_state).max().item() < 1e-4 * max(1.0, mx.abs(want_state).max().item())
     assert mx.abs(y.astype(mx.float32) - want_y.astype(mx.float32)).max().item() < 2e-2 * max(
         1.0, mx.abs(want_y.astype(mx.float32)).max().item())
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on a CUDA GPU")
+def test_the_start_up_check_passes_at_a_models_own_calls(model_dir):
+    from mlx_lm.utils import load_model
+
+    model = load_model(model_dir("qwen3_next"))[0]
+    kernel = gdc.kernel_for(model, discover(model), on_cuda=True)
+    assert kernel.use_kernel and kernel.problem is None

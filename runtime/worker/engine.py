@@ -23,7 +23,7 @@ from runtime.worker.model.padding_probe import pads_recurrent_exactly
 from runtime.worker.paths.attention_paths import AttentionPaths
 from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
 from runtime.worker.paths.cuda.fused_step import fused_logits
-from runtime.worker.paths.cuda.gated_delta import GatedDeltaKernel
+from runtime.worker.paths.cuda.gated_delta_check import kernel_for
 from runtime.worker.paths.decode_plan import DecodePlan, plan_decode
 from runtime.worker.paths.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.paths.prefill_groups import prefill_groups
@@ -100,7 +100,7 @@ class Engine:
         self.paths = AttentionPaths(model, layout, pool, max_rows, max_context, row_cache, self.LENGTH_BUCKET)
         self.startup_seconds["attention paths"] = time.perf_counter() - started
         started = time.perf_counter()
-        self.gated_delta = GatedDeltaKernel.for_model(model, on_gpu and aux_pool is not None and mx.cuda.is_available())
+        self.gated_delta = kernel_for(model, layout, on_gpu and aux_pool is not None and mx.cuda.is_available())
         if self.gated_delta.use_kernel or self.gated_delta.problem:
             self.startup_seconds["delta-net kernel"] = time.perf_counter() - started
         # The one place a model's forward is kept uncompiled: one that cannot be traced (it reads

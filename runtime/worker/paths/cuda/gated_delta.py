@@ -16,18 +16,16 @@ A padded position (``mask`` false) keeps the state, as the ops path's ``where`` 
 The worker's prefill and decode forwards take it (``GatedDeltaKernel.scope`` around their
 builds, and around the decode traces a compiled step replays): a decode step's one token is one
 launch a layer instead of about ten, and reads and writes each state once instead of about five
-times. The worker checks the kernel against the ops path at start-up (``check``) and keeps the
-ops path if they differ.
+times. The worker checks the kernel against the ops path at start-up, at the shapes the model calls it
+with (``gated_delta_check``), and keeps the ops path if they differ.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models.gated_delta import gated_delta_ops as _mlx_gated_delta_ops
 
 from runtime.worker.paths.cuda.cubin_kernels import cuda_kernel
@@ -141,12 +139,26 @@ def ops_path(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
     return _mlx_gated_delta_ops(q, k, v, g, beta, state, mask)
 
 
+@contextlib.contextmanager
+def in_place_of_ops(replacement) -> Iterator[None]:
+    """``replacement`` in the place of ``mlx_lm.models.gated_delta.gated_delta_ops`` (which
+    ``gated_delta_update`` calls off a Mac) inside; refuses nesting."""
+    from mlx_lm.models import gated_delta
+
+    if gated_delta.gated_delta_ops is not _mlx_gated_delta_ops:
+        raise RuntimeError("the delta-net ops path is replaced already: scopes do not nest")
+    gated_delta.gated_delta_ops = replacement
+    try:
+        yield
+    finally:
+        gated_delta.gated_delta_ops = _mlx_gated_delta_ops
+
+
 class GatedDeltaKernel:
     """mlx-lm's ``gated_delta_ops`` as the kernel where ``use_kernel`` and the shapes allow it.
 
     ``scope()`` puts ``__call__`` in the place of ``mlx_lm.models.gated_delta.gated_delta_ops``
-    (which ``gated_delta_update`` calls off a Mac) while a forward is being built, and refuses
-    nesting; outside it mlx-lm is as shipped."""
+    while a forward is being built (``in_place_of_ops``); outside it mlx-lm is as shipped."""
 
     def __init__(self, use_kernel: bool) -> None:
         self.use_kernel = use_kernel
@@ -197,57 +209,9 @@ class GatedDeltaKernel:
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
         """The kernel in the place of mlx-lm's ops path for the forwards built inside (nothing
-        where the kernel is not used)."""
+        where the kernel is not used); refuses nesting."""
         if not self.use_kernel:
             yield
             return
-        from mlx_lm.models import gated_delta
-
-        if gated_delta.gated_delta_ops is not _mlx_gated_delta_ops:
-            raise RuntimeError("GatedDeltaKernel.scope does not nest")
-        gated_delta.gated_delta_ops = self
-        try:
+        with in_place_of_ops(self):
             yield
-        finally:
-            gated_delta.gated_delta_ops = _mlx_gated_delta_ops
-
-    @classmethod
-    def for_model(cls, model: nn.Module, on_cuda: bool) -> GatedDeltaKernel:
-        """The kernel for a model whose layers call mlx-lm's ``gated_delta_update``, on a CUDA
-        GPU, where its start-up ``check`` passes (else the ops path, and ``problem`` says why)."""
-        uses = any(hasattr(sys.modules.get(type(m).__module__), "gated_delta_update") for m in model.modules())
-        prefill = cls(on_cuda and uses)
-        if prefill.use_kernel:
-            prefill.problem = prefill.check()
-            prefill.use_kernel = prefill.problem is None
-        return prefill
-
-    def check(self, steps: int = 37) -> str | None:
-        """None where the kernel's outputs are within float rounding of the ops path's (random
-        inputs: scalar and per-column decays, two value heads per key head, a masked position),
-        else what differed; the kernel is then not used."""
-        key = mx.random.key(11)
-        for vectorized, masked in ((False, False), (False, True), (True, False)):
-            keys = mx.random.split(key, 8)
-            key = keys[7]
-            batch, hk, hv, dk, dv = 2, 2, 4, 64, 32
-            q = (mx.random.normal((batch, steps, hk, dk), key=keys[0]) * dk**-0.5).astype(mx.bfloat16)
-            k = (mx.random.normal((batch, steps, hk, dk), key=keys[1]) * dk**-0.5).astype(mx.bfloat16)
-            v = mx.random.normal((batch, steps, hv, dv), key=keys[2]).astype(mx.bfloat16)
-            g_shape = (batch, steps, hv, dk) if vectorized else (batch, steps, hv)
-            g = mx.exp(-mx.exp(mx.random.normal(g_shape, key=keys[3]) - 2))
-            beta = mx.sigmoid(mx.random.normal((batch, steps, hv), key=keys[4])).astype(mx.bfloat16)
-            state = mx.random.normal((batch, hv, dv, dk), key=keys[5]) * 0.1
-            mask = (mx.arange(steps)[None, :] < mx.array([[steps], [steps - 5]])) if masked else None
-            try:
-                got = self(q, k, v, g, beta, state, mask)
-                mx.eval(*got)
-            except Exception as exc:  # noqa: BLE001 - a kernel that cannot build or run is not used
-                return f"the kernel failed: {str(exc)[:200]}"
-            want = ops_path(q, k, v, g, beta, state, mask)
-            for name, a, b, tol in (("output", got[0], want[0], 2e-2), ("state", got[1], want[1], 1e-4)):
-                err = mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
-                scale = mx.abs(b.astype(mx.float32)).max().item()
-                if not err <= tol * max(scale, 1.0):
-                    return f"the {name} differs from the ops path's by {err:.3g} (scale {scale:.3g})"
-        return None
