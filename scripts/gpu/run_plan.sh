@@ -28,7 +28,7 @@ run() {  # name, seconds at most, command... (the item's @tag, if any, names its
   local started=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "   rc $?, $(( SECONDS - started )) s"
-  grep -E "^\| |^8b |^1b |^summed|^rows |^ +start |^ *[0-9]+ \||^total|stacked products|warmed up in|pools and attention|loaded the model|our CUDA kernels|WARNING|passed|failed|match|loaded:|delta-net|recurrent model" \
+  grep -E "^\| |^8b |^1b |^summed|^rows |^ +start |^ *[0-9]+ \||^total|stacked products|warmed up in|pools and attention|loaded the model|our CUDA kernels|WARNING|passed|failed|match|loaded:|delta-net|recurrent model|pads_recurrent|kernel_for|DeltaCall" \
     "$OUT/$name.log" | grep -v "^| *-" | head -40
 }
 
@@ -98,6 +98,7 @@ for item in "$@"; do
     pytest-gated-delta) run "$item" 200 python3 -m pytest -q tests/test_gated_delta_kernel.py ;;
     pytest-hybrid) run "$item" 200 python3 -m pytest -q tests/test_aux_state.py tests/test_hybrid_kernel_path.py -k "resident or steady or qwen3_next or qwen3_5 or falcon_h1 or jamba" ;;
     profile-mla) run "$item" 200 python3 scripts/profile_decode.py --shape moonlight-16b-8e --batch 1,16 --context 256 --steps 32 --modes mlx,engine-overlap --kernels ;;
+    hybrid-checks) run "$item" 120 python3 scripts/gpu/hybrid_checks.py --shape qwen3-next-24l-dense ;;
     qn-mixed-rt) run "$item" 300 python3 -m runtime.bench --synthetic qwen3-next-24l-dense --workloads mixed --mixed-rate 10 --mixed-runtime-only --mixed-requests 150 --mixed-prefix-requests 32 --json "$OUT/$item$tag.json" ;;
     qn-mixed) run "$item" 400 python3 -m runtime.bench --synthetic qwen3-next-24l-dense --workloads mixed --mixed-rate 10 --json "$OUT/$item$tag.json" ;;
     mla-sweep-trace) RUNTIME_WORKER_TRACE="$OUT/mla-sweep-worker-trace$tag" run "$item" 300 python3 -m runtime.bench --synthetic moonlight-16b-8e --workloads sweep --concurrency 16 --json "$OUT/$item$tag.json" ;;
