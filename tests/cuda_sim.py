@@ -32,7 +32,8 @@ from runtime.worker.paths.cuda.kernel_launch import lanes_per_position
 
 CXX = ["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-pthread"]
 
-_STUBS = r"""
+# C++ stand-ins for CUDA's built-ins (threads of a block run as host threads), for any simulated kernel.
+STUBS = r"""
 #include <algorithm>
 #include <barrier>
 #include <cmath>
@@ -142,7 +143,8 @@ inline void mma16816(float* c, const unsigned* a, const unsigned* b, const bf16*
 inline unsigned pack2(float lo, float hi, const bf16*) { return unsigned(bf16(lo).bits) | (unsigned(bf16(hi).bits) << 16); }
 """
 
-_RUNNER = r"""
+# Reading a simulated kernel's input arrays from stdin and writing its outputs to stdout.
+RUNNER = r"""
 template <typename E>
 std::vector<E> read_array() {
     long long n;
@@ -246,7 +248,7 @@ def program(appending: bool, split: bool, loop: str, elem: str, head_dim: int, n
     main += ["    write_array(out);"] + [f"    write_array({name});" for name in pk.APPEND_OUTPUTS if appending]
     main += ["    return 0;", "}"]
     assert pk.MMA in pk.HEADER
-    return _STUBS + pk.HEADER.replace(pk.MMA, _MMA) + decode + combine + _RUNNER + "\n".join(main) + "\n"
+    return STUBS + pk.HEADER.replace(pk.MMA, _MMA) + decode + combine + RUNNER + "\n".join(main) + "\n"
 
 
 @functools.cache
@@ -255,7 +257,7 @@ def _build_dir() -> tempfile.TemporaryDirectory:
 
 
 @functools.cache
-def _binary(source: str) -> Path:
+def binary(source: str) -> Path:
     """The built program (once per source and process)."""
     name = hashlib.sha256(source.encode()).hexdigest()[:16]
     folder = Path(_build_dir().name)
@@ -268,13 +270,14 @@ def _binary(source: str) -> Path:
     return path
 
 
-def _bf16(x: np.ndarray) -> np.ndarray:
+def bf16_bits(x: np.ndarray) -> np.ndarray:
     """bf16 bit patterns of ``x``, rounded to nearest even."""
     bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def _from_bf16(bits: np.ndarray) -> np.ndarray:
+def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
+    """The float32 values of bf16 bit patterns."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
@@ -296,7 +299,7 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
     ``sinks``: the kernel with one attention-sink logit per query head (drawn, some above every score)."""
     assert dtype in ("float", "bf16") and 1 <= tail <= capacity and (appending or rope is None)
     rng = np.random.default_rng(seed)
-    cast = (lambda x: _from_bf16(_bf16(x))) if dtype == "bf16" else (lambda x: x.astype(np.float32))
+    cast = (lambda x: from_bf16_bits(bf16_bits(x))) if dtype == "bf16" else (lambda x: x.astype(np.float32))
     n_q, slots = n_kv * n_rep, rows * context + 5
 
     def normal(*shape: int) -> np.ndarray:
@@ -335,10 +338,10 @@ def run_paged_kernel(loop: str, appending: bool, splits: int, dtype: str = "floa
     stdin = [np.array([rows, rows + 1, table.shape[1], capacity, splits], np.int32).tobytes()]
     for name in pk.kernel_inputs(appending, rope is not None, sinks):
         a = arrays[name]
-        data = _bf16(a) if _input_type(name, dtype) == "bf16" else a
+        data = bf16_bits(a) if _input_type(name, dtype) == "bf16" else a
         stdin += [np.array([a.size], np.int64).tobytes(), np.ascontiguousarray(data).tobytes()]
     # A timeout: lanes that disagree on which shuffles they reach wait on a barrier forever.
-    ran = subprocess.run([str(_binary(source))], input=b"".join(stdin), capture_output=True, check=True, timeout=60)
+    ran = subprocess.run([str(binary(source))], input=b"".join(stdin), capture_output=True, check=True, timeout=60)
     result = np.frombuffer(ran.stdout, np.float32)
     out = result[: queries.size].reshape(rows, n_q, head_dim)
     if outputs is not None:

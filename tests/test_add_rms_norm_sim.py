@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_sim import _RUNNER, _STUBS, _bf16, _binary, _from_bf16, unavailable
+from cuda_sim import RUNNER, STUBS, bf16_bits, binary, from_bf16_bits, unavailable
 
 from runtime.worker.paths.cuda import add_rms_norm
 
@@ -70,7 +70,7 @@ int main() {{
     return 0;
 }}
 """
-    return _STUBS + _GROUPS + kernel + _RUNNER + main
+    return STUBS + _GROUPS + kernel + RUNNER + main
 
 
 def _run(rows: int, width: int, seed: int = 0, offset: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -78,14 +78,14 @@ def _run(rows: int, width: int, seed: int = 0, offset: int = 0) -> tuple[np.ndar
 
     block, chunks = add_rms_norm.launch_geometry(width, 2)
     rng = np.random.default_rng(seed)
-    x = _from_bf16(_bf16(3 * rng.standard_normal((rows, width))))
-    r = _from_bf16(_bf16(rng.standard_normal((rows, width))))
-    w = _from_bf16(_bf16(1 + 0.1 * rng.standard_normal(width)))
+    x = from_bf16_bits(bf16_bits(3 * rng.standard_normal((rows, width))))
+    r = from_bf16_bits(bf16_bits(rng.standard_normal((rows, width))))
+    w = from_bf16_bits(bf16_bits(1 + 0.1 * rng.standard_normal(width)))
     eps = np.array([1e-5], np.float32)
     stdin = [np.array([rows], np.int32).tobytes()]
-    for data in (_bf16(x), _bf16(r), _bf16(w), eps):
+    for data in (bf16_bits(x), bf16_bits(r), bf16_bits(w), eps):
         stdin += [np.array([data.size], np.int64).tobytes(), np.ascontiguousarray(data).tobytes()]
-    ran = subprocess.run([str(_binary(_program(block, chunks, width, offset)))], input=b"".join(stdin), capture_output=True,
+    ran = subprocess.run([str(binary(_program(block, chunks, width, offset)))], input=b"".join(stdin), capture_output=True,
                          check=True, timeout=120)
     result = np.frombuffer(ran.stdout, np.float32)
     return x, r, w, result[: x.size].reshape(rows, width), result[x.size:].reshape(rows, width)
@@ -100,7 +100,7 @@ def _run(rows: int, width: int, seed: int = 0, offset: int = 0) -> tuple[np.ndar
 ])
 def test_the_kernel_adds_and_normalizes_each_row(width):
     x, r, w, h, out = _run(3, width)
-    expected_h = _from_bf16(_bf16(x + r))
+    expected_h = from_bf16_bits(bf16_bits(x + r))
     assert (h == expected_h).all()  # one rounding of the float sum, as CUDA's bf16 add
     sums = expected_h.astype(np.float64)
     reference = sums / np.sqrt((sums**2).mean(axis=1, keepdims=True) + 1e-5) * w

@@ -9,7 +9,7 @@ import subprocess
 import mlx.core as mx
 import numpy as np
 import pytest
-from cuda_sim import _RUNNER, _STUBS, _binary, _bf16, _from_bf16, unavailable
+from cuda_sim import RUNNER, STUBS, bf16_bits, binary, from_bf16_bits, unavailable
 from harness import InProcessService
 from near_tie import assert_requests_like_mlx
 from mlx_lm.models import gated_delta as mlx_gated_delta
@@ -41,29 +41,29 @@ def _program(vectorized: bool, masked: bool, dk: int, dv: int, hk: int, hv: int)
              f"    launch(B * {hv} * ({dv} / {gd.WARPS}), {gd.WARPS * 32}, [&] {{ gated_delta<bf16, float, bf16, float, "
              f"{dk}, {dv}, {hk}, {hv}>({', '.join(_data(n) for n in names)}, q_shape, y.data(), state_out.data()); }});",
              "    write_array(y);", "    write_array(state_out);", "    return 0;", "}"]
-    return _STUBS + kernel + _RUNNER + "\n".join(main) + "\n"
+    return STUBS + kernel + RUNNER + "\n".join(main) + "\n"
 
 
 def _simulate(vectorized: bool, masked: bool, batch=2, steps=23, hk=2, hv=4, dk=64, dv=8, seed=0, keep=None):
     """The simulated kernel's and mlx-lm's ops path's (y, state) on the same random prompt
     (``keep``: its first tokens only), and the state before it."""
     rng = np.random.default_rng(seed)
-    q = _from_bf16(_bf16(rng.standard_normal((batch, steps, hk, dk)) * dk**-0.5))
-    k = _from_bf16(_bf16(rng.standard_normal((batch, steps, hk, dk)) * dk**-0.5))
-    v = _from_bf16(_bf16(rng.standard_normal((batch, steps, hv, dv))))
+    q = from_bf16_bits(bf16_bits(rng.standard_normal((batch, steps, hk, dk)) * dk**-0.5))
+    k = from_bf16_bits(bf16_bits(rng.standard_normal((batch, steps, hk, dk)) * dk**-0.5))
+    v = from_bf16_bits(bf16_bits(rng.standard_normal((batch, steps, hv, dv))))
     g = np.exp(-np.exp(rng.standard_normal((batch, steps, hv) + ((dk,) if vectorized else ())) - 2)).astype(np.float32)
-    beta = _from_bf16(_bf16(1 / (1 + np.exp(-rng.standard_normal((batch, steps, hv))))))
+    beta = from_bf16_bits(bf16_bits(1 / (1 + np.exp(-rng.standard_normal((batch, steps, hv))))))
     state = (rng.standard_normal((batch, hv, dv, dk)) * 0.1).astype(np.float32)
     mask = np.arange(steps)[None, :] < np.array([[steps], [steps - 4]]) if masked else None
     if keep is not None:
         q, k, v, g, beta, steps = q[:, :keep], k[:, :keep], v[:, :keep], g[:, :keep], beta[:, :keep], keep
-    arrays = {"q": _bf16(q), "k": _bf16(k), "v": _bf16(v), "g": g, "beta": _bf16(beta), "state_in": state,
+    arrays = {"q": bf16_bits(q), "k": bf16_bits(k), "v": bf16_bits(v), "g": g, "beta": bf16_bits(beta), "state_in": state,
               "mask": mask}
     stdin = [np.array([batch, steps], np.int32).tobytes()]
     for name in gd.input_names(masked):
         a = arrays[name]
         stdin += [np.array([a.size], np.int64).tobytes(), np.ascontiguousarray(a).tobytes()]
-    ran = subprocess.run([str(_binary(_program(vectorized, masked, dk, dv, hk, hv)))], input=b"".join(stdin),
+    ran = subprocess.run([str(binary(_program(vectorized, masked, dk, dv, hk, hv)))], input=b"".join(stdin),
                          capture_output=True, check=True, timeout=120)
     out = np.frombuffer(ran.stdout, np.float32)
     y, new_state = out[: batch * steps * hv * dv].reshape(batch, steps, hv, dv), out[batch * steps * hv * dv:]
