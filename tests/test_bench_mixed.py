@@ -119,6 +119,32 @@ def test_mlx_server_that_cannot_load_reports_its_output_and_leaves_nothing(tmp_p
     assert _processes_mentioning(str(tmp_path)) == []
 
 
+@pytest.mark.parametrize("stop_at_eos", [False, True])
+def test_both_sides_are_asked_for_the_same_work_unless_replies_stop_at_eos(tmp_path, monkeypatch, stop_at_eos):
+    from runtime.bench import open_loop, sse_load
+    from runtime.bench.mixed import Mixed
+    from runtime.bench.models import model_vocab, synthetic_model
+    from runtime.bench.workloads import Bench
+
+    folder = synthetic_model("tiny", tmp_path)
+    vocab, eos_ids = model_vocab(folder)
+    bench = Bench(model=folder, vocab_size=vocab, eos_ids=eos_ids, seed=0, log=lambda _: None)
+    shape = MixedShape(requests=3, rate=50.0, prompt_median=20, prompt_max=40, gen=(4, 6), prefix_requests=1,
+                       prefix_len=24, stop_at_eos=stop_at_eos)
+    plan = Mixed(bench, shape)
+    banned = None if stop_at_eos else {str(e): -100.0 for e in eos_ids}
+    assert eos_ids and all(r.logit_bias == banned for r in plan.requests + plan.warm)
+    bodies = []
+
+    async def stream(url, path, body, on_events, timeout):
+        bodies.append(body)
+        return {"completion_tokens": body["max_tokens"]}
+
+    monkeypatch.setattr(sse_load, "stream", stream)
+    open_loop.run_schedule("http://unused", plan.requests[:2])
+    assert [b.get("logit_bias") for b in bodies] == [banned, banned]
+
+
 def test_mixed_and_long_workloads_run_both_sides(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = build_parser().parse_args([
@@ -139,6 +165,8 @@ def test_mixed_and_long_workloads_run_both_sides(tmp_path, capsys):
         assert st["ttft_p50_ms"] > 0 and st["ttft_p99_ms"] >= st["ttft_p50_ms"]
         assert 0 <= st["goodput"] <= 1 and st["prefix_wave"]["requests"] == 3
     assert mixed["runtime"]["prefix_wave"]["cached_tokens"] > 0
+    # EOS banned on both sides: the same work, every reply its max_tokens.
+    assert mixed["runtime"]["output_tokens"] == mixed["mlx_lm"]["output_tokens"]
     if os.path.isdir("/proc"):  # CPU per process over each side's schedule (read from /proc)
         cpu = mixed["cpu_cores"]
         assert set(cpu) == {"runtime", "mlx_lm"}
@@ -159,6 +187,7 @@ def test_mixed_and_long_workloads_run_both_sides(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "new prefill shapes / decode traces per 1,000 requests" in text
     assert "mixed load over HTTP" in text and "long prompts, one at a time" in text
+    assert "EOS banned" in text
     assert _processes_mentioning(str(tmp_path)) == []  # the service and mlx_lm.server are gone
 
 

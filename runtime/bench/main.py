@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed-prefix-requests", type=int, default=64,
                    help="mixed: requests of the shared-prefix wave after the main part")
     p.add_argument("--mixed-prefix-len", type=int, default=2000, help="mixed: shared system prompt tokens")
+    p.add_argument("--mixed-stop-at-eos", action="store_true",
+                   help="mixed: replies stop at EOS (else EOS is banned on both sides with logit_bias, so every "
+                        "reply is max_tokens long and the sides do the same work)")
     p.add_argument("--mixed-runtime-only", action="store_true",
                    help="mixed: skip mlx_lm.server (a diagnostic re-run; the ratios need both sides)")
     p.add_argument("--goodput-ttft-ms", type=float, default=1000.0, help="mixed: goodput's TTFT target")

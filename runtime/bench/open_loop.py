@@ -31,6 +31,7 @@ class Request:
     prompt: str
     max_tokens: int
     wave: str = "main"  # which part of the workload it belongs to
+    logit_bias: dict[str, float] | None = None  # OpenAI's logit_bias, sent as is
 
 
 @dataclass
@@ -62,6 +63,8 @@ async def _one(url: str, req: Request, timing: RequestTiming) -> None:
     timing.send = time.perf_counter()
     body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    if req.logit_bias:
+        body["logit_bias"] = req.logit_bias
     chunks, ended = 0, math.nan
 
     def on_events(now: float, events: bytes) -> None:
