@@ -10,7 +10,6 @@ import msgspec
 import numpy as np
 
 from runtime.protocol.worker import (
-    AUX_CONTINUE,
     AUX_FRESH,
     DecodeBatch,
     PrefillChunk,
@@ -35,6 +34,7 @@ from runtime.worker.paths.prefill_shapes import (
 from runtime.worker.paths.rows.compiled_decode import CompiledDecode, row_step_compiled
 from runtime.worker.paths.rows.parallel_attention import streams_on
 from runtime.worker.pools.aux_pool import AuxPool
+from runtime.worker.pools.aux_prefill import keep_prefill_states, prefill_caches
 from runtime.worker.pools.kv_pool import KVPool
 from runtime.worker.prompt_logprobs import prompt_logprobs, read_prompt_logprobs
 from runtime.worker.sampler import RowSampler, StepDraws
@@ -300,28 +300,13 @@ class Engine:
         """Run chunks of one start as one forward (shorter ones padded at the end); the prompt
         logprobs of the chunks that asked, lazy (``prompt_logprobs``)."""
         batch, tokens = self._prefill_inputs(group)
-        aux = None
-        if self.aux_pool is not None:
-            # Every row starts from an empty state, or every row from a saved slot (see prefill_groups).
-            sources = None
-            if group[0].aux_source != AUX_FRESH:
-                sources = [c.aux_slot if c.aux_source == AUX_CONTINUE else c.aux_source for c in group]
-            aux = self.aux_pool.caches(None if sources is None else mx.array(sources, dtype=mx.int32))
-            if any(len(c.token_ids) < len(tokens[0]) for c in group):  # padded at the end (``pads_recurrent``)
-                for cache in aux:
-                    cache.prepare(lengths=[len(c.token_ids) for c in group])
+        aux = prefill_caches(self.aux_pool, group, len(tokens[0])) if self.aux_pool is not None else None
         with self.gated_delta.scope():  # a delta-net layer's prompt as one kernel (CUDA)
             logits = self.model(mx.array(tokens, dtype=mx.int32), cache=self._caches(batch, aux))
         asked = [(c, *prompt_logprobs(logits[i, : len(c.token_ids)], c.logprob_targets, c.top_logprobs))
                  for i, c in enumerate(group) if c.logprob_targets]
         if aux is not None:
-            self.aux_pool.store(aux, mx.array([c.aux_slot for c in group], dtype=mx.int32))
-            snaps = [(i, c.aux_snapshot) for i, c in enumerate(group) if c.aux_snapshot >= 0]
-            if snaps:
-                index = mx.array([i for i, _ in snaps], dtype=mx.int32)
-                slots = mx.array([s for _, s in snaps], dtype=mx.int32)
-                for k, cache in enumerate(aux):
-                    self.aux_pool.write(k, slots, [state[index] for state in cache.cache])
+            keep_prefill_states(self.aux_pool, aux, group)
         return asked
 
     def _build_decode(self, launched: LaunchedStep, computed: tuple[mx.array, bool] | None = None) -> None:
