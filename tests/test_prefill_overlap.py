@@ -22,6 +22,7 @@ def _stub_engine(tail: object | None, order: list[str]) -> SimpleNamespace:
         paths=SimpleNamespace(tail=tail, flush=lambda: order.append("flush")),
         max_padding=0.25,
         aux_pool=None,
+        pads_recurrent=False,
         fuse_prefill=False,  # the separate forwards (tests/test_fused_step.py has the fused one)
         _prefill_batch=lambda group: order.append(f"prefill {group[0].start}") or [],  # no prompt logprobs
         _prefill=lambda chunk: order.append("hit"),
