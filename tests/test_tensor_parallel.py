@@ -13,7 +13,7 @@ import time
 
 import mlx.core as mx
 import pytest
-from conftest import running_service
+from conftest import REPO, running_service
 from model_factory import load_cached, reference_greedy
 from test_service_errors import wait_worker_up
 
@@ -270,3 +270,32 @@ def test_plan_for_a_second_host_uses_tcp_and_ssh(tmp_path):
     line = _remote_script(remote)
     assert 'MLX_HOSTFILE=$(mktemp) && printf %s' in line and "exec env " in line and "MLX_RANK=1" in line
     assert "--address tcp://127.0.0.1:40003" in line
+
+
+def test_ranks_agree_on_a_start_up_decision_only_where_every_rank_makes_it(tmp_path):
+    """Two ring ranks on this machine: a flag one rank sets and the other does not is off on both
+    (a hybrid's padded prompts change a forward's shapes, which every rank must share)."""
+    import socket
+    import subprocess
+    import sys
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    hosts = tmp_path / "ring.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    code = ("import mlx.core as mx\nfrom runtime.worker.ranks import agree_all\n"
+            "g = mx.distributed.init(strict=True, backend='ring')\n"
+            "print(agree_all(g.rank() == 0, g), agree_all(True, g), flush=True)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "MLX_RANK": str(rank),
+                                                                 "MLX_HOSTFILE": str(hosts)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO))
+             for rank in range(2)]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [o.strip() for o, _ in outs] == ["False True", "False True"], [e[-500:] for _, e in outs]

@@ -129,6 +129,10 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
                         compile_decode=config.worker.compile_decode,
                         pad_shapes=padding_wanted(config.worker.pad_shapes, mx.default_device().type == mx.DeviceType.gpu),
                         attention_streams=config.worker.attention_threads or default_streams(os.cpu_count()))
+        if group is not None:  # the padding probe's verdict sets prefill shapes: the same on every rank
+            from runtime.worker.ranks import agree_all
+
+            engine.pads_recurrent = agree_all(engine.pads_recurrent, group)
         # The pools' allocation and, on a GPU, the paged kernels' builds and start-up check.
         rope = "; the decode kernel rotates queries and keys (RoPE)" if engine.paths.rope else ""
         parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in

@@ -88,6 +88,13 @@ def agree_limits(limits: Limits, group: mx.distributed.Group) -> Limits:
                    max_context=low[3], num_slots=low[4], aux_slots=low[5])
 
 
+def agree_all(flag: bool, group: mx.distributed.Group) -> bool:
+    """True where every rank's ``flag`` is: for start-up decisions that set a forward's shapes
+    (a hybrid's padded prompts), which a collective needs the same on every rank."""
+    every = mx.distributed.all_gather(mx.array([[int(flag)]], dtype=mx.int32), group=group)
+    return bool(mx.min(every).item())
+
+
 class Fanout:
     """Rank 0's PAIR sockets to the follower ranks: every scheduler command goes to each, in order."""
 
