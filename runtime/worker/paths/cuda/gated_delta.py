@@ -16,14 +16,14 @@ A padded position (``mask`` false) keeps the state, as the ops path's ``where`` 
 The worker's prefill and decode forwards take it (``GatedDeltaKernel.scope`` around their
 builds, and around the decode traces a compiled step replays): a decode step's one token is one
 launch a layer instead of about ten, and reads and writes each state once instead of about five
-times. The worker checks the kernel against the ops path at start-up, at the shapes the model calls it
-with (``gated_delta_check``), and keeps the ops path if they differ.
+times. The worker checks the kernel against the ops path at start-up, at the shapes the model
+calls it with (``gated_delta_check``), and keeps the ops path if they differ.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 from mlx_lm.models.gated_delta import gated_delta_ops as _mlx_gated_delta_ops
@@ -140,7 +140,7 @@ def ops_path(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
 
 
 @contextlib.contextmanager
-def in_place_of_ops(replacement) -> Iterator[None]:
+def in_place_of_ops(replacement: Callable[..., tuple[mx.array, mx.array]]) -> Iterator[None]:
     """``replacement`` in the place of ``mlx_lm.models.gated_delta.gated_delta_ops`` (which
     ``gated_delta_update`` calls off a Mac) inside; refuses nesting."""
     from mlx_lm.models import gated_delta
