@@ -168,6 +168,8 @@ class Engine:
     def _decode_logits(self, decode: DecodeBatch) -> tuple[mx.array, bool]:
         """A decode batch's logits (rows padded to the batch's bucket may follow), lazy, and
         whether building them updated pools in place."""
+        if not self.gated_delta.use_kernel:  # (no scope to enter on the hot path)
+            return self._decode_forward(decode)
         with self.gated_delta.scope():  # a delta-net layer's step as one kernel (CUDA), traced or not
             return self._decode_forward(decode)
 
