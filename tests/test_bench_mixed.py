@@ -22,7 +22,8 @@ from runtime.bench.mixed import (
     schedule,
 )
 from runtime.bench.mlx_server import MlxServer, free_port
-from runtime.bench.open_loop import Request, RequestTiming, run_schedule, summarize_open
+from runtime.bench.open_loop import Request, RequestTiming, run_schedule, short_replies, summarize_open
+from runtime.bench.sse_load import last_finish_reason
 from runtime.bench.service import ServiceError
 
 SHAPE = MixedShape(requests=40, rate=30.0, prompt_median=100, prompt_max=300, gen=(4, 9), prefix_requests=6,
@@ -94,6 +95,17 @@ def test_open_loop_summary_math():
     assert s["goodput"] == pytest.approx(1 / 4)  # the failed request counts against it
     assert s["cached_tokens"] == 3 and s["send_lag_max_ms"] == pytest.approx(10.0)
     assert summarize_open(timings, 0.0, ttft_slo_s=2.0, tpot_slo_s=0.2)["goodput"] == pytest.approx(3 / 4)
+
+
+def test_replies_short_of_max_tokens_are_counted_by_finish_reason():
+    timings = [RequestTiming(due=0.0, tokens=8, asked=8, finish="length", counted=True),
+               RequestTiming(due=0.0, tokens=3, asked=8, finish="stop", counted=True),
+               RequestTiming(due=0.0, tokens=5, asked=9, finish=None, counted=False)]
+    assert short_replies(timings) == {"count": 2, "tokens_short": 9, "finish_reasons": {"stop": 1, "None": 1},
+                                      "without_usage": 1}
+    events = (b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n'
+              b'data: {"choices":[{"text":"","finish_reason":"length"}]}\n\n')
+    assert last_finish_reason(events) == "length" and last_finish_reason(events[:50]) is None
 
 
 def test_requests_that_fail_are_counted_and_reported():

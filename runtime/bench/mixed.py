@@ -188,8 +188,13 @@ class Mixed:
             for side, st in stats.items() if st["failed"]
         ]
         if rt and ml and abs(rt["output_tokens"] - ml["output_tokens"]) > 0.01 * max(rt["output_tokens"], 1):
+            short = "; ".join(
+                f"{SIDES[side]}: {st['short_replies']['count']} replies short of max_tokens by "
+                f"{st['short_replies']['tokens_short']} tokens (finish reasons {st['short_replies']['finish_reasons']}), "
+                f"{st['short_replies']['without_usage']} streams without usage"
+                for side, st in stats.items())
             warnings.append(f"WARNING: mixed: the sides generated {rt['output_tokens']} and {ml['output_tokens']} "
-                            "tokens: their throughputs are not for the same work")
+                            f"tokens: their throughputs are not for the same work ({short})")
 
         def row(name: str, get, with_ratio: bool = True) -> list:
             a, b = (get(st) if st else None for st in (rt, ml))

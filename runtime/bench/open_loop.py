@@ -45,6 +45,9 @@ class RequestTiming:
     tokens: int = 0
     cached_tokens: int | None = None
     error: str | None = None
+    asked: int = 0  # max_tokens
+    finish: str | None = None  # the last finish_reason the stream carried
+    counted: bool = False  # whether ``tokens`` came from the stream's usage (else from its chunks)
 
     @property
     def ttft(self) -> float:
@@ -60,7 +63,7 @@ class RequestTiming:
 
 async def _one(url: str, req: Request, timing: RequestTiming) -> None:
     await asyncio.sleep(max(0.0, timing.due - time.perf_counter()))
-    timing.send = time.perf_counter()
+    timing.send, timing.asked = time.perf_counter(), req.max_tokens
     body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     if req.logit_bias:
@@ -76,6 +79,8 @@ async def _one(url: str, req: Request, timing: RequestTiming) -> None:
             if not chunks:
                 timing.first = now
             timing.last, chunks = now, chunks + texts
+        if (finish := sse_load.last_finish_reason(events)) is not None:
+            timing.finish = finish
 
     try:
         usage = await sse_load.stream(url, "/v1/completions", body, on_events, REPLY_TIMEOUT_S)
@@ -86,6 +91,7 @@ async def _one(url: str, req: Request, timing: RequestTiming) -> None:
         timing.first = timing.last = ended
     counted = (usage or {}).get("completion_tokens")
     timing.tokens = int(counted) if counted is not None else chunks  # a chunk may carry several tokens
+    timing.counted = counted is not None
     details = (usage or {}).get("prompt_tokens_details") or {}
     timing.cached_tokens = details.get("cached_tokens")
 
@@ -142,4 +148,16 @@ def summarize_open(timings: Sequence[RequestTiming], start: float, ttft_slo_s: f
         "goodput": good / len(timings) if timings else math.nan,
         "cached_tokens": sum(cached) if cached else None,
         "send_lag_max_ms": 1e3 * max(lags) if lags else math.nan,
+        "short_replies": short_replies(done),
     }
+
+
+def short_replies(done: Sequence[RequestTiming]) -> dict:
+    """Completed replies with fewer tokens than they asked for, by finish reason (None: the stream
+    gave none), and how many streams gave no usage (their tokens counted from text chunks)."""
+    short = [t for t in done if t.tokens < t.asked]
+    reasons: dict[str, int] = {}
+    for t in short:
+        reasons[str(t.finish)] = reasons.get(str(t.finish), 0) + 1
+    return {"count": len(short), "tokens_short": sum(t.asked - t.tokens for t in short),
+            "finish_reasons": reasons, "without_usage": sum(1 for t in done if not t.counted)}

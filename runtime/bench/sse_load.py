@@ -26,6 +26,7 @@ _CHOICE = re.compile(rb'"choices": ?\[\{')
 _EMPTY_TEXT = re.compile(rb'"text": ?""')
 _USAGE = re.compile(rb'"usage": ?\{')
 _ERROR = re.compile(rb'"error": ?[\{"]')
+_FINISH = re.compile(rb'"finish_reason": ?"(\w+)"')
 
 
 def choice_events(events: bytes) -> int:
@@ -51,6 +52,12 @@ def request_bytes(url: str, path: str, body: dict) -> tuple[str, int, bytes]:
     head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n")
     return host, port, head.encode() + payload
+
+
+def last_finish_reason(events: bytes) -> str | None:
+    """The last non-null ``finish_reason`` in ``events`` (None where they carry none)."""
+    found = _FINISH.findall(events)
+    return found[-1].decode() if found else None
 
 
 def _last_event_with(data: bytes, key: re.Pattern) -> dict | None:
