@@ -118,6 +118,58 @@ def test_requests_that_fail_are_counted_and_reported():
     assert s["errors"] and math.isnan(s["throughput_tok_s"])
 
 
+def _sse_server(events: list[bytes]):
+    """A server on a free port that answers every POST with ``events`` and closes; its url."""
+    import socket
+    import threading
+
+    sock = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + b"".join(events))
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_a_stream_cut_without_a_finish_counts_as_failed():
+    text = b'data: {"choices": [{"text": "t1 ", "finish_reason": null}]}\n\n'
+    end = (b'data: {"choices": [{"text": "", "finish_reason": "length"}]}\n\n'
+           b'data: {"choices": [], "usage": {"completion_tokens": 3}}\n\ndata: [DONE]\n\n')
+    for events, failed in (([text] * 3, True), ([text] * 3 + [end], False)):
+        sock, url = _sse_server(events)
+        try:
+            _, (timing,) = run_schedule(url, [Request(0.0, "t1", 3)])
+        finally:
+            sock.close()
+        assert (timing.error is not None) == failed, timing.error
+        if failed:
+            assert "without a finish" in timing.error
+        else:
+            assert (timing.tokens, timing.finish, timing.counted) == (3, "length", True)
+
+
+def test_mlx_server_keeps_its_first_traceback_past_the_tail(tmp_path):
+    import subprocess
+    import sys
+
+    script = ("print('Traceback (most recent call last):'); print('  File x'); print('ValueError: first');"
+              "[print('Traceback (most recent call last):') or print('RuntimeError: later') for _ in range(300)]")
+    server = MlxServer(tmp_path, 1)
+    server.proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    server._drain()
+    server.proc.wait()
+    assert server.error().splitlines()[:3] == ["Traceback (most recent call last):", "  File x", "ValueError: first"]
+    assert "ValueError: first" not in server.log()  # pushed out of the last lines
+
+
 def test_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1

@@ -27,6 +27,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+FIRST_ERROR_LINES = 60
+
+
 class MlxServer(Managed):
     """``mlx_lm.server --model PATH --decode-concurrency N`` on 127.0.0.1, killed on exit."""
 
@@ -36,6 +39,7 @@ class MlxServer(Managed):
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.lines: deque[str] = deque(maxlen=200)
+        self.first_error: list[str] = []  # the first traceback's lines: later ones may push it out of ``lines``
 
     @property
     def url(self) -> str:
@@ -84,10 +88,16 @@ class MlxServer(Managed):
         for line in proc.stdout:
             if '"GET /health ' not in line:  # our own polls would push the useful lines out
                 self.lines.append(line)
+            if (self.first_error or line.startswith("Traceback")) and len(self.first_error) < FIRST_ERROR_LINES:
+                self.first_error.append(line)
 
     def log(self) -> str:
         """The last lines the server printed."""
         return "".join(self.lines)
+
+    def error(self) -> str:
+        """The first traceback the server printed ("" if none)."""
+        return "".join(self.first_error)
 
     def stop(self) -> None:
         """SIGTERM the server's process group, then SIGKILL whatever is left of it."""

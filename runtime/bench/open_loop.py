@@ -89,6 +89,9 @@ async def _one(url: str, req: Request, timing: RequestTiming) -> None:
         return
     if not chunks:  # no text at all (e.g. an EOS first): the closing chunk is the first "token"
         timing.first = timing.last = ended
+    if timing.finish is None and usage is None:  # cut: a server's generation died under it
+        timing.error = "the stream ended without a finish reason or usage (cut short by the server)"
+        return
     counted = (usage or {}).get("completion_tokens")
     timing.tokens = int(counted) if counted is not None else chunks  # a chunk may carry several tokens
     timing.counted = counted is not None

@@ -164,11 +164,11 @@ def mixed_phase(args: argparse.Namespace, model: Path, bench: Any, services: dic
     with MlxServer(model, args.mlx_server_concurrency) as server:
         services["mixed_mlx_server"] = {"command": server.command()}
         plan.run("mlx_lm", server.url, pid=server.proc.pid if server.proc is not None else None)
-        # its last lines, for streams that ended without a finish (the server's own errors go there)
+        # its first traceback and last lines: streams it cut short end without a finish, not with an error
+        services["mixed_mlx_server"]["first_error"] = server.error()
         services["mixed_mlx_server"]["log_tail"] = server.log()[-6000:]
-        if plan.summary("mlx_lm")["short_replies"]["finish_reasons"].get("None"):
-            log("mixed/mlx-lm: streams ended without a finish reason; the server's last lines:\n"
-                + server.log()[-3000:])
+        if server.error():
+            log(f"mixed/mlx-lm: the server printed a traceback; its first:\n{server.error()}")
     return plan.outcome()
 
 
