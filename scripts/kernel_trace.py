@@ -57,6 +57,11 @@ def summary(report: dict, steps: int, top: int = 14) -> str:
     lines = [f"  per step: {len(kernels) / steps:.0f} kernels, kernel time {total / steps / 1e3:.3f} ms, "
              f"busy {busy / steps / 1e3:.3f} ms, span {span / steps / 1e3:.3f} ms "
              f"(idle {100 * (1 - busy / span):.1f}%)"]
-    for name, (count, dur) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    for name, (count, dur) in ranked[:top]:
         lines.append(f"    {dur / steps:8.1f} us/step {count / steps:6.1f}x  {name[:110]}")
+    copies = [(name, cd) for name, cd in ranked[top:] if "copy" in name]  # copies compared side to side
+    if copies:
+        lines.append("    copies past those:")
+        lines += [f"    {dur / steps:8.1f} us/step {count / steps:6.1f}x  {name[:110]}" for name, (count, dur) in copies]
     return "\n".join(lines)
