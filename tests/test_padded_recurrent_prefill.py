@@ -47,10 +47,13 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(3, 200) for _ in range(n)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "falcon_h1"])
-def test_padded_hybrid_prompts_keep_mlx_lms_tokens(model_dir, arch):
+@pytest.mark.parametrize(("arch", "row_cache"), [("qwen3_next", None), ("falcon_h1", None), ("qwen3_next", False)])
+def test_padded_hybrid_prompts_keep_mlx_lms_tokens(model_dir, arch, row_cache):
+    """``row_cache`` False (a GPU's paged path): row counts are padded to powers of two too, the
+    padding rows running from empty (or the reserved slot's) states at length 0."""
     folder = model_dir(arch)
-    svc = InProcessService(folder, max_running=8, aux_slots=64, track_chunk=16, prefill_chunk=48, pad_shapes=True)
+    svc = InProcessService(folder, max_running=8, aux_slots=64, track_chunk=16, prefill_chunk=48, pad_shapes=True,
+                           row_cache=row_cache)
     assert svc.engine.pads_recurrent
     rng = random.Random(5)
     shared = _ids(rng, 40)
@@ -66,6 +69,9 @@ def test_padded_hybrid_prompts_keep_mlx_lms_tokens(model_dir, arch):
     # first wave) were padded to 16 in one forward with the full chunks.
     queries = {n for _, n, _ in svc.engine.prefill_shapes}
     assert queries and all(n == prefill_length(n) for n in queries), queries
+    rows = {r for r, _, _ in svc.engine.prefill_shapes}
+    if row_cache is False:
+        assert rows <= {1, 2, 4, 8} and rows & {2, 4, 8}, rows  # 3 or 5 rows ran as 4 or 8
     for r in cold + warm:
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
 

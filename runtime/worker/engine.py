@@ -276,8 +276,8 @@ class Engine:
         if padded:
             # Padded even alone: every new (rows, length) shape costs kernel builds on a GPU.
             n = min((continuation_length if start else prefill_length)(n), self.max_context - start)
-            # (A row span is per real row; a hybrid's states are per real row.)
-            rows = padded_rows(rows) if self.paths.row_cache is None and self.aux_pool is None else rows
+            # (A row span is per real row.) A hybrid's padding rows run from empty states, length 0.
+            rows = padded_rows(rows) if self.paths.row_cache is None else rows
         for chunk in group:
             self.paths.admit_chunk(chunk)
         batch = self.paths.prefill_batch(group, n, rows, pad_keys=padded)
@@ -302,7 +302,7 @@ class Engine:
         """Run chunks of one start as one forward (shorter ones padded at the end); the prompt
         logprobs of the chunks that asked, lazy (``prompt_logprobs``)."""
         batch, tokens = self._prefill_inputs(group)
-        aux = prefill_caches(self.aux_pool, group, len(tokens[0])) if self.aux_pool is not None else None
+        aux = prefill_caches(self.aux_pool, group, len(tokens[0]), len(tokens)) if self.aux_pool is not None else None
         with self.gated_delta.scope():  # a delta-net layer's prompt as one kernel (CUDA)
             logits = self.model(mx.array(tokens, dtype=mx.int32), cache=self._caches(batch, aux))
         asked = [(c, *prompt_logprobs(logits[i, : len(c.token_ids)], c.logprob_targets, c.top_logprobs))
