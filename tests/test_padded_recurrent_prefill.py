@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import mlx.core as mx
 import pytest
 from harness import InProcessService
 from mlx_lm.utils import load_model
@@ -85,3 +86,30 @@ def test_a_model_the_probe_refuses_keeps_its_prompts_unpadded(model_dir):
     assert {n for _, n, _ in svc.engine.prefill_shapes} == {37, 20}
     for r in reqs:
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+def test_a_padded_hybrid_warms_its_prefill_shapes_and_stays_exact(model_dir):
+    from runtime.worker.paths.prefill_warmup import common_shapes, warm_prefill
+
+    folder = model_dir("qwen3_next")
+    svc = InProcessService(folder, max_running=8, aux_slots=64, track_chunk=16, max_step_tokens=64,
+                           prefill_chunk=32, pad_shapes=True, row_cache=False)
+    assert svc.engine.pads_recurrent
+    shapes = list(common_shapes(64, 32, 8, 512))
+    assert warm_prefill(svc.engine, 64, 32) == len(shapes)
+    assert {(r, n, start + n) for r, n, start in shapes} <= svc.engine.prefill_shapes
+    pool = svc.engine.aux_pool
+    assert all(not mx.any(a[1:9]).item() for entry in pool.states for a in entry)  # the slots it used, cleared
+    rng = random.Random(11)
+    reqs = [svc.request(f"w{i}", _ids(rng, 20 + 9 * i), 8) for i in range(3)]
+    svc.run({0: reqs})
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
+
+
+def test_a_hybrid_the_probe_refuses_warms_nothing(model_dir):
+    from runtime.worker.paths.prefill_warmup import warm_prefill
+
+    svc = InProcessService(model_dir("mamba"), max_running=4, aux_slots=32, pad_shapes=True, row_cache=False)
+    assert not svc.engine.pads_recurrent and svc.engine.max_padding > 0
+    assert warm_prefill(svc.engine, 64, 32) == 0

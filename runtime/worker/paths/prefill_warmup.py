@@ -8,6 +8,11 @@ length up to ``CONTINUATION_KEYS``. The list is fixed by the step limits (about 
 shapes for 2048-token steps and 512-token chunks, 50-90 ms each on an H200), not by a clock,
 so every tensor-parallel rank runs the same forwards. Rarer shapes build on first use.
 
+A hybrid (recurrent state) is warmed where its prompts are padded (``Engine.pads_recurrent``):
+each row takes a state slot no request holds yet (1, 2, ..), fresh at position 0 and its own
+live state past it, and those slots are cleared afterwards. Its layers differ, so its forwards
+run through the whole model.
+
 Where every decoder layer is alike (the same attention, no window, no recurrent state), the
 forwards run through the first layer only (``first_layer_only``): a layer's kernels and plans
 are the same at every depth, and the other layers' compute was most of the warm-up's time
@@ -23,7 +28,7 @@ from collections.abc import Callable, Iterator
 
 import mlx.nn as nn
 
-from runtime.protocol.worker import PrefillChunk, Step
+from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, PrefillChunk, Step
 from runtime.worker.model.discovery import layers_owner
 from runtime.worker.paths.prefill_shapes import (
     continuation_length,
@@ -78,7 +83,7 @@ def first_layer_only(model: nn.Module, layout) -> Iterator[bool]:
 def warm_prefill(engine, max_step_tokens: int, prefill_chunk: int, log: Callable[[str], None] | None = None) -> int:
     """Run ``common_shapes``; how many ran. Uses rows from 0 and pool slots from 1, which no
     request holds yet (the engine's own warm-up does too)."""
-    if engine.max_padding <= 0 or engine.aux_pool is not None:
+    if engine.max_padding <= 0 or (engine.aux_pool is not None and not engine.pads_recurrent):
         return 0
     try:
         with first_layer_only(engine.model, engine.layout) as short:
@@ -92,17 +97,31 @@ def warm_prefill(engine, max_step_tokens: int, prefill_chunk: int, log: Callable
 
 def _warm(engine, max_step_tokens: int, prefill_chunk: int, log: Callable[[str], None] | None, short: bool) -> int:
     limit = min(engine.max_context, engine.pool.num_slots - 1)
+    aux = engine.aux_pool
+    max_rows = engine.paths.max_rows if aux is None else min(engine.paths.max_rows, aux.num_slots - 1)
     done = 0
-    for rows, n, start in common_shapes(min(max_step_tokens, limit), prefill_chunk, engine.paths.max_rows, limit):
+    for rows, n, start in common_shapes(min(max_step_tokens, limit), prefill_chunk, max_rows, limit):
         if rows * (start + n) > limit:
             continue
         prefix = list(range(1, start + 1))
         chunks = [PrefillChunk(row=r, start=start, token_ids=[0] * n,
-                               slot_ids=list(range(1 + start + r * n, 1 + start + (r + 1) * n)), prefix_slots=prefix)
+                               slot_ids=list(range(1 + start + r * n, 1 + start + (r + 1) * n)), prefix_slots=prefix,
+                               **_state_fields(aux is not None, r, start))
                   for r in range(rows)]
         engine.finalize(engine.launch(Step(step_id=0, prefills=chunks, decode=None)))
         done += 1
         if log is not None and done % 20 == 0:
             log(f"runtime worker: warmed {done} prefill shapes{' (through one layer)' if short else ''}")
+    if aux is not None:
+        for slot in range(1, max_rows + 1):  # no request reads a state it did not write, but leave none behind
+            aux.zero(slot)
     engine.reset_chain()
     return done
+
+
+def _state_fields(recurrent: bool, row: int, start: int) -> dict:
+    """A warm-up chunk's state fields: a free slot a row (1, 2, ..), fresh at position 0 and its
+    own live state past it (nothing for a model without recurrent state)."""
+    if not recurrent:
+        return {}
+    return {"aux_slot": 1 + row, "aux_source": AUX_CONTINUE if start else AUX_FRESH}
