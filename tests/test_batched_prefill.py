@@ -189,10 +189,10 @@ def test_prefill_warm_up_runs_one_layer_where_layers_are_alike_and_stays_exact(f
 
 def test_layers_that_differ_keep_the_whole_model_in_the_warm_up(model_dir):
     from runtime.worker.model.discovery import layers_owner
-    from runtime.worker.paths import prefill_warmup
+    from runtime.worker.paths import warmup_layers
 
     svc = InProcessService(model_dir("gemma3_text"), max_running=2, row_cache=False)
-    assert not prefill_warmup.alike_layers(svc.engine.layout)  # sliding and global layers
-    with prefill_warmup.first_layer_only(svc.engine.model, svc.engine.layout) as short:
-        assert short is False
+    assert not warmup_layers.alike_layers(svc.engine.layout)  # sliding and global layers
+    with warmup_layers.leading_layers_only(svc.engine.model, svc.engine.layout) as kept:
+        assert kept == 0
         assert len(layers_owner(svc.engine.model)["layers"]) == svc.engine.layout.num_layers

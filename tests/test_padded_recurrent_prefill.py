@@ -88,15 +88,26 @@ def test_a_model_the_probe_refuses_keeps_its_prompts_unpadded(model_dir):
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
 
 
-def test_a_padded_hybrid_warms_its_prefill_shapes_and_stays_exact(model_dir):
+def test_a_padded_hybrid_warms_its_prefill_shapes_and_stays_exact(model_dir, monkeypatch):
+    from runtime.worker.model.discovery import layers_owner
     from runtime.worker.paths.prefill_warmup import common_shapes, warm_prefill
 
     folder = model_dir("qwen3_next")
     svc = InProcessService(folder, max_running=8, aux_slots=64, track_chunk=16, max_step_tokens=64,
                            prefill_chunk=32, pad_shapes=True, row_cache=False)
     assert svc.engine.pads_recurrent
+    layers = layers_owner(svc.engine.model)["layers"]
+    seen = []
+    launch = svc.engine.launch
+    monkeypatch.setattr(svc.engine, "launch", lambda step: seen.append(
+        len(layers_owner(svc.engine.model)["layers"])) or launch(step))
     shapes = list(common_shapes(64, 32, 8, 512))
     assert warm_prefill(svc.engine, 64, 32) == len(shapes)
+    # a delta-net layer, an attention layer, and the next delta-net layer, whose input norm takes
+    # the residual fused in (the first layer's does not); not the fourth
+    assert seen == [3] * len(shapes) and len(layers) == 4
+    assert layers_owner(svc.engine.model)["layers"] is layers
+    monkeypatch.undo()
     assert {(r, n, start + n) for r, n, start in shapes} <= svc.engine.prefill_shapes
     pool = svc.engine.aux_pool
     assert all(not mx.any(a[1:9]).item() for entry in pool.states for a in entry)  # the slots it used, cleared
@@ -113,3 +124,18 @@ def test_a_hybrid_the_probe_refuses_warms_nothing(model_dir):
     svc = InProcessService(model_dir("mamba"), max_running=4, aux_slots=32, pad_shapes=True, row_cache=False)
     assert not svc.engine.pads_recurrent and svc.engine.max_padding > 0
     assert warm_prefill(svc.engine, 64, 32) == 0
+
+
+@pytest.mark.parametrize(("arch", "leading"), [
+    ("qwen3_next", 2),   # delta-net, attention, delta-net, attention
+    ("kimi_linear", 3),  # its first layer's MLP is dense, the others' are experts
+    ("falcon_h1", 2),    # a CacheList a layer: all of them
+    ("llama", 1),        # alike
+    ("gemma3_text", 4),  # sliding and global layers of one class: all of them
+])
+def test_the_warm_up_runs_the_leading_layers_that_hold_each_kind(model_dir, arch, leading):
+    from runtime.worker.model.discovery import layers_owner
+    from runtime.worker.paths.warmup_layers import leading_layers
+
+    model = load_model(model_dir(arch))[0]
+    assert leading_layers(layers_owner(model)["layers"], discover(model)) == leading

@@ -10,31 +10,25 @@ so every tensor-parallel rank runs the same forwards. Rarer shapes build on firs
 
 A hybrid (recurrent state) is warmed where its prompts are padded (``Engine.pads_recurrent``):
 each row takes a state slot no request holds yet (1, 2, ..), fresh at position 0 and its own
-live state past it, and those slots are cleared afterwards. Its layers differ, so its forwards
-run through the whole model.
+live state past it, and those slots are cleared afterwards.
 
-Where every decoder layer is alike (the same attention, no window, no recurrent state), the
-forwards run through the first layer only (``first_layer_only``): a layer's kernels and plans
-are the same at every depth, and the other layers' compute was most of the warm-up's time
-(181 shapes of an 8B: 20 s on an H100). Prefill is never traced, so nothing built here
-outlives the warm-up but the kernels.
+The forwards run through the fewest leading layers that hold one of each kind of layer
+(``warmup_layers``): the first one where every layer is alike, the first period of a hybrid's
+pattern. Prefill is never traced, so nothing built here outlives the warm-up but the kernels.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Callable, Iterator
 
-import mlx.nn as nn
-
 from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, PrefillChunk, Step
-from runtime.worker.model.discovery import layers_owner
 from runtime.worker.paths.prefill_shapes import (
     continuation_length,
     key_length,
     prefill_length,
 )
+from runtime.worker.paths.warmup_layers import leading_layers_only
 
 MAX_ROWS = 16
 CONTINUATION_KEYS = 4096  # warm continuation shapes with at most this many keys
@@ -57,45 +51,22 @@ def common_shapes(max_step_tokens: int, prefill_chunk: int, max_rows: int, max_c
     yield from ((1, n, k - n) for n in queries for k in keys if k - n > 0 and k <= limit)
 
 
-def alike_layers(layout) -> bool:
-    """Every layer full attention of one K/V shape: no window, no recurrent state, no sharing."""
-    return (len(layout.attention_layers) == layout.num_layers and not layout.has_aux and not layout.shares_kv
-            and len(set(layout.kv_shapes)) == 1 and all(w is None for w in layout.windows))
-
-
-@contextlib.contextmanager
-def first_layer_only(model: nn.Module, layout) -> Iterator[bool]:
-    """The model's forward through its first decoder layer only, where its layers are alike
-    (``alike_layers``); yields whether it is."""
-    owner = layers_owner(model)
-    # the list must be the owner's own entry (not a property reading another module's) to swap it
-    if owner is None or not alike_layers(layout) or len(dict.get(owner, "layers") or ()) < 2:
-        yield False
-        return
-    layers = owner["layers"]
-    owner["layers"] = layers[:1]
-    try:
-        yield True
-    finally:
-        owner["layers"] = layers
-
-
 def warm_prefill(engine, max_step_tokens: int, prefill_chunk: int, log: Callable[[str], None] | None = None) -> int:
     """Run ``common_shapes``; how many ran. Uses rows from 0 and pool slots from 1, which no
     request holds yet (the engine's own warm-up does too)."""
     if engine.max_padding <= 0 or (engine.aux_pool is not None and not engine.pads_recurrent):
         return 0
     try:
-        with first_layer_only(engine.model, engine.layout) as short:
-            return _warm(engine, max_step_tokens, prefill_chunk, log, short)
+        with leading_layers_only(engine.model, engine.layout) as layers:
+            return _warm(engine, max_step_tokens, prefill_chunk, log, layers)
     except Exception as exc:  # noqa: BLE001 - a forward that needs every layer: warm them all
-        print(f"runtime worker: prefill warm-up through one layer failed ({str(exc)[:200]}); all layers run",
+        print(f"runtime worker: prefill warm-up through the leading layers failed ({str(exc)[:200]}); all layers run",
               file=sys.stderr, flush=True)
         engine.reset_chain()
-        return _warm(engine, max_step_tokens, prefill_chunk, log, False)
+        return _warm(engine, max_step_tokens, prefill_chunk, log, 0)
 
 
-def _warm(engine, max_step_tokens: int, prefill_chunk: int, log: Callable[[str], None] | None, short: bool) -> int:
+def _warm(engine, max_step_tokens: int, prefill_chunk: int, log: Callable[[str], None] | None, layers: int) -> int:
     limit = min(engine.max_context, engine.pool.num_slots - 1)
     aux = engine.aux_pool
     max_rows = engine.paths.max_rows if aux is None else min(engine.paths.max_rows, aux.num_slots - 1)
@@ -111,7 +82,8 @@ def _warm(engine, max_step_tokens: int, prefill_chunk: int, log: Callable[[str],
         engine.finalize(engine.launch(Step(step_id=0, prefills=chunks, decode=None)))
         done += 1
         if log is not None and done % 20 == 0:
-            log(f"runtime worker: warmed {done} prefill shapes{' (through one layer)' if short else ''}")
+            log(f"runtime worker: warmed {done} prefill shapes"
+                + (f" (through the first {layers} layer{'s' if layers > 1 else ''})" if layers else ""))
     if aux is not None:
         for slot in range(1, max_rows + 1):  # no request reads a state it did not write, but leave none behind
             aux.zero(slot)
