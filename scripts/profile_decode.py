@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import os
 import time
 
@@ -24,13 +25,14 @@ from runtime.worker.paths.rows.parallel_attention import default_streams
 MAX_ROWS = int(os.environ.get("PROFILE_MAX_ROWS", "0"))  # engine rows beyond the batch (a service's max_running)
 
 
-def make_model(shape: str):
-    """The shape's own architecture (Gemma 3, gpt-oss, Llama), random weights, in its dtype."""
+def make_model(shape: str, overrides: dict | None = None):
+    """The shape's own architecture (Gemma 3, gpt-oss, Llama), random weights, in its dtype;
+    ``overrides``: config keys set on top of the shape's (``--set``)."""
     import importlib
 
     from runtime.bench.models import shape_config
 
-    cfg = shape_config(shape)
+    cfg = {**shape_config(shape), **(overrides or {})}
     arch = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
     model = arch.Model(arch.ModelArgs.from_dict(cfg))
     dtype = {"bfloat16": mx.bfloat16, "float32": mx.float32}[cfg["torch_dtype"]]
@@ -277,17 +279,22 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="check the paged kernel first (CUDA)")
     p.add_argument("--kernels", action="store_true", help="trace each mode's kernels with torch.profiler (CUDA)")
     p.add_argument("--kernel", default="", help="time the attention kernel alone at these batch sizes (CUDA)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="a config key of the shape set to a JSON value, e.g. full_attention_interval=1 (every "
+                        "Qwen3-Next layer attention) or =1000 (none): which layers' kernels a step has")
     args = p.parse_args()
+    overrides = {key: json.loads(value) for key, value in (item.split("=", 1) for item in args.set)}
     if args.check:
         check_kernel()
     if args.kernel:
         time_kernel([int(b) for b in args.kernel.split(",")], args.context)
     if not args.modes:
         return
-    model, cfg = make_model(args.shape)
+    model, cfg = make_model(args.shape, overrides)
     nullctx = contextlib.nullcontext
     residuals_fused = False
-    print(f"device {mx.default_device()}, shape {args.shape}, context {args.context}, steps {args.steps}")
+    print(f"device {mx.default_device()}, shape {args.shape}{f' {overrides}' if overrides else ''}, "
+          f"context {args.context}, steps {args.steps}")
     for batch in [int(b) for b in args.batch.split(",")]:
         for label in args.modes.split(","):
             mode = label
