@@ -9,14 +9,14 @@ from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, PrefillChunk
 from runtime.worker.pools.aux_pool import AuxPool
 
 
-def prefill_caches(pool: AuxPool, group: list[PrefillChunk], length: int, rows: int = 0) -> list[ArraysCache]:
+def prefill_caches(pool: AuxPool, group: list[PrefillChunk], length: int, rows: int) -> list[ArraysCache]:
     """One cache per aux entry for a forward over ``group``'s chunks, each padded at the end to
-    ``length``, and ``rows`` rows (0: one a chunk; padding rows after the chunks', of length 0):
+    ``length``, and ``rows`` rows (padding rows after the chunks', of length 0):
     every row from an empty state, or every row from a saved slot (``prefill_groups`` keeps the
     two apart; a padding row reads the reserved slot 0). Where rows are padded the caches are told
     the real lengths, which the model's recurrent layers honour (``padding_probe``: the engine
     pads only such models)."""
-    padding = max(rows - len(group), 0)
+    padding = rows - len(group)
     sources = None
     if group[0].aux_source != AUX_FRESH:
         sources = mx.array([c.aux_slot if c.aux_source == AUX_CONTINUE else c.aux_source for c in group]
