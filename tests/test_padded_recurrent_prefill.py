@@ -88,25 +88,33 @@ def test_a_model_the_probe_refuses_keeps_its_prompts_unpadded(model_dir):
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
 
 
-def test_a_padded_hybrid_warms_its_prefill_shapes_and_stays_exact(model_dir, monkeypatch):
+@pytest.mark.parametrize(("layers", "interval", "leading"), [
+    # a delta-net layer, an attention layer, and the next delta-net layer, whose input norm takes
+    # the residual fused in (the first layer's does not); not the fourth
+    (4, 2, 3),
+    # the first period (three delta-net layers, one attention layer) of two: the second period's
+    # delta-net layers are not run, so their states must come in to be written back
+    (8, 4, 4),
+])
+def test_a_padded_hybrid_warms_its_prefill_shapes_and_stays_exact(tmp_path, monkeypatch, layers, interval, leading):
+    from model_factory import make_model
+
     from runtime.worker.model.discovery import layers_owner
     from runtime.worker.paths.prefill_warmup import common_shapes, warm_prefill
 
-    folder = model_dir("qwen3_next")
+    folder = make_model("qwen3_next", tmp_path / "m", num_hidden_layers=layers, full_attention_interval=interval)
     svc = InProcessService(folder, max_running=8, aux_slots=64, track_chunk=16, max_step_tokens=64,
                            prefill_chunk=32, pad_shapes=True, row_cache=False)
     assert svc.engine.pads_recurrent
-    layers = layers_owner(svc.engine.model)["layers"]
+    model_layers = layers_owner(svc.engine.model)["layers"]
     seen = []
     launch = svc.engine.launch
     monkeypatch.setattr(svc.engine, "launch", lambda step: seen.append(
         len(layers_owner(svc.engine.model)["layers"])) or launch(step))
     shapes = list(common_shapes(64, 32, 8, 512))
     assert warm_prefill(svc.engine, 64, 32) == len(shapes)
-    # a delta-net layer, an attention layer, and the next delta-net layer, whose input norm takes
-    # the residual fused in (the first layer's does not); not the fourth
-    assert seen == [3] * len(shapes) and len(layers) == 4
-    assert layers_owner(svc.engine.model)["layers"] is layers
+    assert seen == [leading] * len(shapes) and len(model_layers) == layers
+    assert layers_owner(svc.engine.model)["layers"] is model_layers
     monkeypatch.undo()
     assert {(r, n, start + n) for r, n, start in shapes} <= svc.engine.prefill_shapes
     pool = svc.engine.aux_pool

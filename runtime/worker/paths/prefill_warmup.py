@@ -10,7 +10,9 @@ so every tensor-parallel rank runs the same forwards. Rarer shapes build on firs
 
 A hybrid (recurrent state) is warmed where its prompts are padded (``Engine.pads_recurrent``):
 each row takes a state slot no request holds yet (1, 2, ..), fresh at position 0 and its own
-live state past it, and those slots are cleared afterwards.
+live state past it, and those slots are cleared afterwards. Through leading layers only, rows at
+position 0 read their (zeroed) slots instead of starting fresh: the layers not run must find a
+state to write back.
 
 The forwards run through the fewest leading layers that hold one of each kind of layer
 (``warmup_layers``): the first one where every layer is alike, the first period of a hybrid's
@@ -20,7 +22,9 @@ pattern. Prefill is never traced, so nothing built here outlives the warm-up but
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, PrefillChunk, Step
 from runtime.worker.paths.prefill_shapes import (
@@ -60,7 +64,9 @@ def warm_prefill(engine, max_step_tokens: int, prefill_chunk: int, log: Callable
         with leading_layers_only(engine.model, engine.layout) as layers:
             return _warm(engine, max_step_tokens, prefill_chunk, log, layers)
     except Exception as exc:  # noqa: BLE001 - a forward that needs every layer: warm them all
-        print(f"runtime worker: prefill warm-up through the leading layers failed ({str(exc)[:200]}); all layers run",
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        print(f"runtime worker: prefill warm-up through the leading layers failed ({type(exc).__name__}: "
+              f"{str(exc)[:200]} at {Path(where.filename).name}:{where.lineno}); all layers run",
               file=sys.stderr, flush=True)
         engine.reset_chain()
         return _warm(engine, max_step_tokens, prefill_chunk, log, 0)
@@ -77,7 +83,7 @@ def _warm(engine, max_step_tokens: int, prefill_chunk: int, log: Callable[[str],
         prefix = list(range(1, start + 1))
         chunks = [PrefillChunk(row=r, start=start, token_ids=[0] * n,
                                slot_ids=list(range(1 + start + r * n, 1 + start + (r + 1) * n)), prefix_slots=prefix,
-                               **_state_fields(aux is not None, r, start))
+                               **_state_fields(aux is not None, r, start, fresh=not layers))
                   for r in range(rows)]
         engine.finalize(engine.launch(Step(step_id=0, prefills=chunks, decode=None)))
         done += 1
@@ -91,9 +97,11 @@ def _warm(engine, max_step_tokens: int, prefill_chunk: int, log: Callable[[str],
     return done
 
 
-def _state_fields(recurrent: bool, row: int, start: int) -> dict:
+def _state_fields(recurrent: bool, row: int, start: int, fresh: bool) -> dict:
     """A warm-up chunk's state fields: a free slot a row (1, 2, ..), fresh at position 0 and its
-    own live state past it (nothing for a model without recurrent state)."""
+    own live state past it (nothing for a model without recurrent state). Without ``fresh`` every
+    row reads its slot (zeros at position 0): a forward through the leading layers leaves the
+    later layers' states as they came in, and a fresh row has none to write back."""
     if not recurrent:
         return {}
-    return {"aux_slot": 1 + row, "aux_source": AUX_CONTINUE if start else AUX_FRESH}
+    return {"aux_slot": 1 + row, "aux_source": AUX_CONTINUE if start or not fresh else AUX_FRESH}
