@@ -323,3 +323,19 @@ def test_long_warm_runs_a_prompt_of_every_length_on_both_sides_first(monkeypatch
         outcome = plan.outcome()
         assert outcome.data["warm_lengths"] is warm
         assert ("after a warm-up prompt of every length" in outcome.tables[0]) is warm
+
+
+def test_gpu_watch_keeps_each_process_peak_and_names_the_others():
+    from runtime.bench.gpu_watch import GpuWatch
+
+    samples = iter([{10: 2 * 2**30, 11: 1 * 2**30}, {10: 5 * 2**30, 12: 3 * 2**30}, {10: 1 * 2**30}])
+    watch = GpuWatch(period_s=0.0, sample=lambda: next(samples, None))
+    with watch:
+        pass
+    assert watch._thread is not None and not watch._thread.is_alive()
+    assert watch.samples == 3 and watch.peaks == {10: 5 * 2**30, 11: 2**30, 12: 3 * 2**30}
+    assert watch.peak_total == 8 * 2**30
+    line = watch.summary({"server": 10})
+    assert line.startswith("peak GPU memory over 3 samples: server 5.0 GiB, others pid 11 1.0 GiB, pid 12 3.0 GiB")
+    assert line.endswith("(all processes together at most 8.0 GiB)")
+    assert GpuWatch(sample=lambda: None).summary({"server": 10}) == ""

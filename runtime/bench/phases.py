@@ -126,6 +126,7 @@ def paired_phase(args: argparse.Namespace, model: Path, bench: Any, services: di
 def mixed_phase(args: argparse.Namespace, model: Path, bench: Any, services: dict[str, Any], log: Any) -> Any:
     """The ``mixed`` workload: the runtime's gateway, then (with the service gone) ``mlx_lm.server``."""
     from runtime.bench import runtime_side
+    from runtime.bench.gpu_watch import GpuWatch
     from runtime.bench.http_side import wait_http
     from runtime.bench.mixed import Mixed, MixedShape
     from runtime.bench.mlx_server import MlxServer
@@ -156,14 +157,24 @@ def mixed_phase(args: argparse.Namespace, model: Path, bench: Any, services: dic
             status = runtime_side.status(svc.address)
             return status.worker_prefill_shapes, status.worker_decode_traces
 
-        plan.run("runtime", url, shapes, pid=svc.pid)
+        with GpuWatch() as watch:
+            plan.run("runtime", url, shapes, pid=svc.pid)
+        peaks = watch.summary({"worker": svc.worker_pid()})
+        if peaks:
+            log(f"mixed/runtime: {peaks}")
     if args.mixed_runtime_only:
         log("mixed: mlx_lm.server skipped (--mixed-runtime-only): no ratios in this run")
         return plan.outcome()
+    log_gpu(log, {"bench": os.getpid()})  # what is left on the device before mlx_lm.server starts
     log(f"starting mlx_lm.server (--decode-concurrency {args.mlx_server_concurrency})")
-    with MlxServer(model, args.mlx_server_concurrency) as server:
+    with MlxServer(model, args.mlx_server_concurrency) as server, GpuWatch() as watch:
         services["mixed_mlx_server"] = {"command": server.command()}
-        plan.run("mlx_lm", server.url, pid=server.proc.pid if server.proc is not None else None)
+        server_pid = server.proc.pid if server.proc is not None else None
+        plan.run("mlx_lm", server.url, pid=server_pid)
+        peaks = watch.summary({"mlx_lm.server": server_pid, "bench": os.getpid()})
+        if peaks:
+            log(f"mixed/mlx-lm: {peaks}")
+            services["mixed_mlx_server"]["gpu_memory"] = peaks
         # its first traceback and last lines: streams it cut short end without a finish, not with an error
         services["mixed_mlx_server"]["first_error"] = server.error()
         services["mixed_mlx_server"]["log_tail"] = server.log()[-6000:]
