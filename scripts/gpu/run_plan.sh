@@ -180,6 +180,10 @@ for item in "$@"; do
     1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item$tag.json" ;;
     1b-mixed-10|1b-mixed-20)  # at a rate mlx_lm.server survives (at 30/s its generation thread died, session 39)
       run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --mixed-rate "${item##*-}" --json "$OUT/$item$tag.json" ;;
+    1b-mixed-c32|1b-mixed-20-c32)  # mlx_lm.server at its own default --decode-concurrency 32: at 128 it ran out of
+                                   # device memory at 10, 20 and 30/s (session 40); at 32 it completed 10/s
+      rate=30; [ "$item" = 1b-mixed-20-c32 ] && rate=20
+      run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --mixed-rate $rate --mlx-server-concurrency 32 --json "$OUT/$item$tag.json" ;;
     gemma-sweep) run "$item" 300 python3 -m runtime.bench --synthetic gemma3-1b --workloads sweep --concurrency 16,64 --json "$OUT/$item$tag.json" ;;
     gemma-bisect) run "$item" 240 python3 scripts/gemma_bisect.py --shape gemma3-1b --prompt 256 --new 48 ;;
     gemma-paired-trace) RUNTIME_WORKER_TRACE="$OUT/gemma-paired-worker-trace$tag" run "$item" 240 python3 -m runtime.bench --synthetic gemma3-1b --workloads paired --pairs 2 --json "$OUT/$item$tag.json" ;;
@@ -193,7 +197,7 @@ for item in "$@"; do
     pytest-residual) run "$item" 200 python3 -m pytest -q tests/test_fused_residual.py tests/test_service_exact.py ;;
     pytest-shapes)  # attention layers of several shapes, KV-shared layers (Gemma 4, Gemma 3n): token-exact on CUDA too
       run "$item" 400 python3 -m pytest -q tests/test_layer_shapes_exact.py tests/test_kv_read_back.py tests/test_kv_shared_paths.py ;;
-    *) echo "== $item: unknown (pytest-gated-delta pytest-hybrid qn-mixed mla-sweep-trace profile-mla qn-paired qn-sweep profile-qn qn-copies graph-diff mla-paired mla-sweep cpu-streams path-diff sinks-gathered gpt-oss-paired gpt-oss-sweep pytest-sinks gemma-sweep-trace windowed-gathered pytest-windowed pytest-windowed-cuda gemma-mixed-rt-short gemma-first-user 1b-paired-short unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-mixed-10 1b-mixed-20 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
+    *) echo "== $item: unknown (pytest-gated-delta pytest-hybrid qn-mixed mla-sweep-trace profile-mla qn-paired qn-sweep profile-qn qn-copies graph-diff mla-paired mla-sweep cpu-streams path-diff sinks-gathered gpt-oss-paired gpt-oss-sweep pytest-sinks gemma-sweep-trace windowed-gathered pytest-windowed pytest-windowed-cuda gemma-mixed-rt-short gemma-first-user 1b-paired-short unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-mixed-10 1b-mixed-20 1b-mixed-c32 1b-mixed-20-c32 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then
