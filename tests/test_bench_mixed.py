@@ -97,6 +97,23 @@ def test_open_loop_summary_math():
     assert summarize_open(timings, 0.0, ttft_slo_s=2.0, tpot_slo_s=0.2)["goodput"] == pytest.approx(3 / 4)
 
 
+def test_the_prefix_wave_is_split_by_cache_hits_and_each_request_is_kept():
+    from runtime.bench.open_loop import cache_split, per_request
+
+    timings = [
+        _timing(0.0, 0.0, 0.1, 0.5, 5, cached=64),    # a hit, TTFT 100 ms
+        _timing(1.0, 1.0, 1.3, 1.5, 3, cached=128),   # a hit, TTFT 300 ms
+        _timing(2.0, 2.0, 4.0, 4.1, 2, cached=0),     # a miss, TTFT 2 s
+        _timing(3.0, 3.0, math.nan, math.nan, 0, error="HTTP 500: boom"),  # failed: neither
+    ]
+    assert cache_split(timings) == {"hits": 2, "misses": 1, "hit_ttft_p50_ms": pytest.approx(200.0),
+                                    "miss_ttft_p50_ms": pytest.approx(2000.0)}
+    assert cache_split([_timing(0.0, 0.0, 0.1, 0.2, 2)]) == {}  # no reply said what it read
+    rows = per_request(timings, ["main", "main", "prefix", "prefix"], start=-0.5)
+    assert rows[0] == [0.5, "main", 100.0, 100.0, 64, 5]
+    assert rows[3] == [3.5, "prefix", None, None, None, 0]
+
+
 def test_replies_short_of_max_tokens_are_counted_by_finish_reason():
     timings = [RequestTiming(due=0.0, tokens=8, asked=8, finish="length", counted=True),
                RequestTiming(due=0.0, tokens=3, asked=8, finish="stop", counted=True),
@@ -229,6 +246,11 @@ def test_mixed_and_long_workloads_run_both_sides(tmp_path, capsys):
         assert st["ttft_p50_ms"] > 0 and st["ttft_p99_ms"] >= st["ttft_p50_ms"]
         assert 0 <= st["goodput"] <= 1 and st["prefix_wave"]["requests"] == 3
     assert mixed["runtime"]["prefix_wave"]["cached_tokens"] > 0
+    cache = mixed["runtime"]["prefix_wave"]["cache"]
+    assert cache["hits"] >= 1 and cache["hits"] + cache["misses"] == 3
+    rows = mixed["runtime"]["per_request"]
+    assert len(rows) == 11 and [r[1] for r in rows] == ["main"] * 8 + ["prefix"] * 3
+    assert all(r[2] > 0 and r[5] >= 1 for r in rows)
     # EOS banned on both sides: the same work, every reply its max_tokens.
     assert mixed["runtime"]["output_tokens"] == mixed["mlx_lm"]["output_tokens"]
     if os.path.isdir("/proc"):  # CPU per process over each side's schedule (read from /proc)

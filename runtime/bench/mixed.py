@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from runtime.bench.measure import ratio
-from runtime.bench.open_loop import Request, RequestTiming, run_schedule, summarize_open
+from runtime.bench.open_loop import Request, RequestTiming, cache_split, per_request, run_schedule, summarize_open
 from runtime.bench.process_cpu import CpuWindow, describe
 from runtime.bench.report import table
 from runtime.bench.service import ServiceError
@@ -174,6 +174,8 @@ class Mixed:
         wave = [t for t, r in zip(timings, self.requests) if r.wave == "prefix"]
         out = summarize_open(timings, start, *slo)
         out["prefix_wave"] = summarize_open(wave, min((t.due for t in wave), default=start), *slo)
+        out["prefix_wave"]["cache"] = cache_split(wave)
+        out["per_request"] = per_request(timings, [r.wave for r in self.requests], start)
         return out
 
     def outcome(self) -> Outcome:
@@ -212,6 +214,9 @@ class Mixed:
                 lambda st: 100 * st["goodput"]),
             row("prefix wave: cached prompt tokens", lambda st: st["prefix_wave"]["cached_tokens"], False),
             row("prefix wave: TTFT p50 ms", lambda st: st["prefix_wave"]["ttft_p50_ms"]),
+            row("prefix wave: requests with / without a cache hit (TTFT p50 ms)", lambda st: (
+                "{hits} ({hit_ttft_p50_ms:.0f}) / {misses} ({miss_ttft_p50_ms:.0f})".format(**st["prefix_wave"]["cache"])
+                if st["prefix_wave"]["cache"] else "-"), False),
             row("latest send after its arrival time, ms", lambda st: st["send_lag_max_ms"], False),
         ]
         if self.shapes:

@@ -155,6 +155,29 @@ def summarize_open(timings: Sequence[RequestTiming], start: float, ttft_slo_s: f
     }
 
 
+def cache_split(timings: Sequence[RequestTiming]) -> dict:
+    """The completed requests that read cached prompt tokens (hits) and those that did not
+    (misses), each with its TTFT p50 in ms: a slow shared-prefix wave is either queued (hits
+    slow too) or recomputing the prefix (misses). Empty where no reply said what it read."""
+    done = [t for t in timings if t.error is None and not math.isnan(t.ttft)]
+    if all(t.cached_tokens is None for t in done):
+        return {}  # the server does not say
+    hits = [t.ttft for t in done if t.cached_tokens]
+    misses = [t.ttft for t in done if not t.cached_tokens]
+    return {"hits": len(hits), "misses": len(misses),
+            "hit_ttft_p50_ms": 1e3 * percentile(hits, 50), "miss_ttft_p50_ms": 1e3 * percentile(misses, 50)}
+
+
+def per_request(timings: Sequence[RequestTiming], waves: Sequence[str], start: float) -> list[list]:
+    """One row a request for the JSON: arrival (s after ``start``), wave, TTFT ms, TPOT ms,
+    cached prompt tokens, output tokens (None where it never got there)."""
+    def ms(x: float | None) -> float | None:
+        return None if x is None or math.isnan(x) else round(1e3 * x, 2)
+
+    return [[round(t.due - start, 3), wave, ms(t.ttft), ms(t.tpot), t.cached_tokens, t.tokens]
+            for t, wave in zip(timings, waves)]
+
+
 def short_replies(done: Sequence[RequestTiming]) -> dict:
     """Completed replies with fewer tokens than they asked for, by finish reason (None: the stream
     gave none), and how many streams gave no usage (their tokens counted from text chunks)."""
