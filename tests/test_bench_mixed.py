@@ -361,3 +361,12 @@ def test_gpu_watch_keeps_each_process_peak_and_names_the_others():
     assert line.startswith("peak GPU memory over 3 samples: server 5.0 GiB, others pid 11 1.0 GiB, pid 12 3.0 GiB")
     assert line.endswith("(all processes together at most 8.0 GiB)")
     assert GpuWatch(sample=lambda: None).summary({"server": 10}) == ""
+
+
+def test_a_server_out_of_device_memory_gets_a_hint_to_lower_its_concurrency():
+    from runtime.bench.phases import server_hint
+
+    oom = "RuntimeError: cudaMallocAsync(&data, size, stream) failed: out of memory"
+    assert "--mlx-server-concurrency 32" in server_hint(oom, 128)
+    assert server_hint(oom, 32) is None  # already at its own default
+    assert server_hint("RuntimeError: generation thread died", 128) is None
