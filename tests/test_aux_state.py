@@ -72,6 +72,30 @@ def test_prefix_hit_restores_the_state_at_a_chunk_boundary():
     s.check_invariants()
 
 
+def test_a_shared_prefix_gets_a_state_once_a_second_request_leaves_it():
+    """A system prompt of 200 tokens, then each request's own 100: the first request's chunk
+    multiple (256) falls in its own text, so the second matches 200 tokens it cannot restore;
+    it keeps the state at 192, where every later request starts."""
+    s = make()
+    system = list(range(1, 201))
+    a = add(s, "a", system + [300 + i for i in range(100)], 1)
+    s.next_step()
+    assert a.aux_points == [256, 299]
+    drain(s)
+    b = add(s, "b", system + [500 + i for i in range(100)], 1)
+    p = s.next_step()
+    assert b.prefix_len == 0 and b.aux_points == [192, 256, 299]  # 200 matched, nothing to restore
+    assert [c.start + len(c.token_ids) for c in p.step.prefills] == [192, 256, 299]
+    drain(s)
+    c = add(s, "c", system + [700 + i for i in range(100)], 1)
+    p = s.next_step()
+    assert c.prefix_len == 192 and p.step.prefills[0].start == 192
+    assert p.step.prefills[0].aux_source == s.tree.match_prefix(system[:192]).aux_slot
+    assert c.aux_points == [256, 299]  # restorable up to the divergence's chunk: no extra point
+    drain(s)
+    s.check_invariants()
+
+
 def test_exact_full_prompt_hit_restores_and_reruns_the_last_token():
     s = make()
     prompt = list(range(1, 41))

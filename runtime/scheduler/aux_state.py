@@ -1,8 +1,9 @@
 """Auxiliary-state slot lifecycle for hybrid models (recurrent/conv state), no mlx.
 
 Each running request owns a live slot; prefill snapshots the state into extra slots at
-chunk-aligned prompt positions and at the end of the prompt, and those snapshots
-become radix-tree values, so a later request can restore the state at a cached prefix.
+chunk-aligned prompt positions (the last one, and the last one before the prompt leaves a cached
+path) and at the end of the prompt, and those snapshots become radix-tree values, so a later
+request can restore the state at a cached prefix.
 Invariant: every aux slot is free, owned by one running request, or held by the tree.
 """
 
@@ -33,16 +34,26 @@ class AuxTracker:
             return 0
         return match.aux_len
 
-    def snapshot_points(self, req: Request, prefix_len: int) -> list[int]:
-        """Prompt lengths whose state is kept: the last chunk multiple past the prefix, and the prompt end."""
+    def snapshot_points(self, req: Request, prefix_len: int, matched: int = 0) -> list[int]:
+        """Prompt lengths whose state is kept, ascending: the last chunk multiple past the prefix,
+        the prompt end, and where the prompt leaves a cached path (``matched`` tokens of it in the
+        tree, past the state it could restore) the last chunk multiple before that.
+
+        The last point serves shared prefixes: a system prompt followed by each user's own text
+        is cached by the first request with no state inside it (its chunk multiple falls in its
+        own text), so the second request, seeing the shared part matched but not restorable,
+        keeps the state at its end; every later one restores it."""
+        if self.tree is None:
+            return []
         target = req.prefill_target
-        points = []
-        aligned = prefix_len + (target - prefix_len) // self.track_chunk * self.track_chunk
-        if prefix_len < aligned < target:
-            points.append(aligned)
+        points = set()
+        for end in (matched, target):
+            aligned = prefix_len + (min(end, target) - prefix_len) // self.track_chunk * self.track_chunk
+            if prefix_len < aligned < target:
+                points.add(aligned)
         if target > prefix_len:
-            points.append(target)
-        return points if self.tree is not None else []
+            points.add(target)
+        return sorted(points)
 
     def _make_room(self, n: int) -> bool:
         while self.slots.free_count - self.reserved < n:
@@ -52,7 +63,7 @@ class AuxTracker:
 
     def admit(self, req: Request, match: MatchResult | None, prefix_len: int) -> bool:
         """Take a live slot and reserve the snapshot slots; False (taking nothing) if none can be had."""
-        points = self.snapshot_points(req, prefix_len)
+        points = self.snapshot_points(req, prefix_len, len(match.slots) if match is not None else 0)
         if not self._make_room(1 + len(points)):
             return False
         live = self.slots.alloc(1)
