@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -60,6 +61,10 @@ def test_schedule_shape_and_bounds():
     assert all(PROMPT_MIN <= d.prompt_len <= SHAPE.prompt_max for d in main)
     assert all(SHAPE.prefix_len + SUFFIX[0] <= d.prompt_len <= SHAPE.prefix_len + SUFFIX[1] for d in wave)
     assert all(SHAPE.gen[0] <= d.max_tokens <= SHAPE.gen[1] for d in draws)
+    longer = dataclasses.replace(SHAPE, suffix=(100, 300))  # --mixed-prefix-suffix 100,300
+    wave = schedule(random.Random(0), longer)[SHAPE.requests:]
+    lens = [d.prompt_len - SHAPE.prefix_len for d in wave]
+    assert all(100 <= n <= 300 for n in lens) and max(lens) > SUFFIX[1]
 
 
 def test_poisson_rate_and_lognormal_median():

@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed-prefix-requests", type=int, default=64,
                    help="mixed: requests of the shared-prefix wave after the main part")
     p.add_argument("--mixed-prefix-len", type=int, default=2000, help="mixed: shared system prompt tokens")
+    p.add_argument("--mixed-prefix-suffix", type=_ints, default=[16, 64],
+                   help="mixed: min,max tokens of each wave request's own after the shared prefix (uniform)")
     p.add_argument("--mixed-stop-at-eos", action="store_true",
                    help="mixed: replies stop at EOS (else EOS is banned on both sides with logit_bias, so every "
                         "reply is max_tokens long and the sides do the same work)")

@@ -31,7 +31,7 @@ from runtime.bench.workloads import WARMUP_GEN, Bench, Outcome
 
 PROMPT_MIN = 16
 PROMPT_SIGMA = 0.8  # of log(length): a median of 400 puts ~10% of prompts above 1100 tokens
-SUFFIX = (16, 64)  # unique tokens after the shared prefix
+SUFFIX = (16, 64)  # unique tokens after the shared prefix (``--mixed-prefix-suffix``'s default)
 WARMUP_REQUESTS = 4
 PROGRESS_EVERY = 50
 SIDES = {"runtime": "runtime", "mlx_lm": "mlx-lm"}
@@ -48,6 +48,7 @@ class MixedShape:
     gen: tuple[int, int] = (32, 384)
     prefix_requests: int = 64
     prefix_len: int = 2000
+    suffix: tuple[int, int] = SUFFIX  # each wave request's own tokens after the prefix (min, max)
     ttft_slo_ms: float = 1000.0
     tpot_slo_ms: float = 50.0
     stop_at_eos: bool = False  # else EOS is banned on both sides: replies of max_tokens, the same work
@@ -84,7 +85,7 @@ def schedule(rng: random.Random, shape: MixedShape) -> list[Draw]:
     lens = prompt_lengths(rng, shape.requests, shape.prompt_median, PROMPT_MIN, shape.prompt_max)
     gens = [rng.randint(*shape.gen) for _ in range(shape.requests)]
     wave_at = arrivals(rng, shape.prefix_requests, shape.rate, start=at[-1] if at else 0.0)
-    suffixes = [rng.randint(*SUFFIX) for _ in range(shape.prefix_requests)]
+    suffixes = [rng.randint(*shape.suffix) for _ in range(shape.prefix_requests)]
     wave_gens = [rng.randint(*shape.gen) for _ in range(shape.prefix_requests)]
     main = [Draw(a, n, g, "main") for a, n, g in zip(at, lens, gens)]
     return main + [Draw(a, shape.prefix_len + s, g, "prefix") for a, s, g in zip(wave_at, suffixes, wave_gens)]
@@ -228,13 +229,13 @@ class Mixed:
         title = (
             f"mixed load over HTTP: {s.requests} requests at {s.rate:g}/s (Poisson; prompt lognormal, median "
             f"{s.prompt_median}, {PROMPT_MIN}-{s.prompt_max} tokens; {s.gen[0]}-{s.gen[1]} new tokens), then "
-            f"{s.prefix_requests} sharing a {s.prefix_len}-token prefix (+{SUFFIX[0]}-{SUFFIX[1]} unique); greedy, "
+            f"{s.prefix_requests} sharing a {s.prefix_len}-token prefix (+{s.suffix[0]}-{s.suffix[1]} unique); greedy, "
             + ("streamed, stop at EOS" if s.stop_at_eos else "streamed, EOS banned (every reply max_tokens long)")
         )
         tab = table(title, ["metric", "runtime", "mlx-lm server", "runtime/mlx-lm"], rows)
         data = {
             "shape": vars(s) | {"gen": list(s.gen), "prompt_min": PROMPT_MIN, "prompt_sigma": PROMPT_SIGMA,
-                                "suffix": list(SUFFIX)},
+                                "suffix": list(s.suffix)},
             "requests": self.count,
             "waves": {"main": s.requests, "prefix": s.prefix_requests},
             "prompt_tokens": sum(self.prompt_tokens[: self.count]),

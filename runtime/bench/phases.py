@@ -136,6 +136,7 @@ def mixed_phase(args: argparse.Namespace, model: Path, bench: Any, services: dic
         requests=args.mixed_requests, rate=args.mixed_rate, prompt_median=args.mixed_prompt_median,
         prompt_max=args.mixed_prompt_max, gen=(args.mixed_gen[0], args.mixed_gen[-1]),
         prefix_requests=args.mixed_prefix_requests, prefix_len=args.mixed_prefix_len,
+        suffix=(args.mixed_prefix_suffix[0], args.mixed_prefix_suffix[-1]),
         ttft_slo_ms=args.goodput_ttft_ms, tpot_slo_ms=args.goodput_tpot_ms, stop_at_eos=args.mixed_stop_at_eos,
     )
     plan = Mixed(bench, shape)
