@@ -39,10 +39,10 @@ class AuxTracker:
         the prompt end, and where the prompt leaves a cached path (``matched`` tokens of it in the
         tree, past the state it could restore) the last chunk multiple before that.
 
-        The last point serves shared prefixes: a system prompt followed by each user's own text
-        is cached by the first request with no state inside it (its chunk multiple falls in its
-        own text), so the second request, seeing the shared part matched but not restorable,
-        keeps the state at its end; every later one restores it."""
+        The point before the prompt leaves a cached path serves shared prefixes: a system prompt
+        followed by each user's own text is cached by the first request with no state inside it
+        (its chunk multiple falls in its own text), so the second request, seeing the shared part
+        matched but not restorable, keeps the state at its end; every later one restores it."""
         if self.tree is None:
             return []
         target = req.prefill_target
