@@ -75,7 +75,7 @@ def test_prefix_hit_restores_the_state_at_a_chunk_boundary():
 def test_a_shared_prefix_gets_a_state_once_a_second_request_leaves_it():
     """A system prompt of 200 tokens, then each request's own 100: the first request's chunk
     multiple (256) falls in its own text, so the second matches 200 tokens it cannot restore;
-    it keeps the state at 192, where every later request starts."""
+    it keeps the state at 200, where every later request starts."""
     s = make()
     system = list(range(1, 201))
     a = add(s, "a", system + [300 + i for i in range(100)], 1)
@@ -84,14 +84,20 @@ def test_a_shared_prefix_gets_a_state_once_a_second_request_leaves_it():
     drain(s)
     b = add(s, "b", system + [500 + i for i in range(100)], 1)
     p = s.next_step()
-    assert b.prefix_len == 0 and b.aux_points == [192, 256, 299]  # 200 matched, nothing to restore
-    assert [c.start + len(c.token_ids) for c in p.step.prefills] == [192, 256, 299]
+    assert b.prefix_len == 0 and b.aux_points == [200, 256, 299]  # 200 matched, nothing to restore
+    assert [c.start + len(c.token_ids) for c in p.step.prefills] == [200, 256, 299]
     drain(s)
     c = add(s, "c", system + [700 + i for i in range(100)], 1)
     p = s.next_step()
-    assert c.prefix_len == 192 and p.step.prefills[0].start == 192
-    assert p.step.prefills[0].aux_source == s.tree.match_prefix(system[:192]).aux_slot
-    assert c.aux_points == [256, 299]  # restorable up to the divergence's chunk: no extra point
+    assert c.prefix_len == 200 and p.step.prefills[0].start == 200
+    assert p.step.prefills[0].aux_source == s.tree.match_prefix(system).aux_slot
+    assert c.aux_points == [264, 299]  # restored where it leaves the path: no extra point
+    drain(s)
+    # A request restoring a state less than a chunk short of where it leaves the path keeps
+    # no extra point either (209 matched, 200 restored).
+    d = add(s, "d", system + [700 + i for i in range(9)] + [900 + i for i in range(60)], 1)
+    s.next_step()
+    assert d.prefix_len == 200 and d.aux_points == [264, 268]
     drain(s)
     s.check_invariants()
 

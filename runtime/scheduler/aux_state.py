@@ -1,8 +1,8 @@
 """Auxiliary-state slot lifecycle for hybrid models (recurrent/conv state), no mlx.
 
 Each running request owns a live slot; prefill snapshots the state into extra slots at
-chunk-aligned prompt positions (the last one, and the last one before the prompt leaves a cached
-path) and at the end of the prompt, and those snapshots become radix-tree values, so a later
+the last chunk-aligned prompt position, where the prompt leaves a cached path it could not
+restore, and at the end of the prompt, and those snapshots become radix-tree values, so a later
 request can restore the state at a cached prefix.
 Invariant: every aux slot is free, owned by one running request, or held by the tree.
 """
@@ -37,9 +37,9 @@ class AuxTracker:
     def snapshot_points(self, req: Request, prefix_len: int, matched: int = 0) -> list[int]:
         """Prompt lengths whose state is kept, ascending: the last chunk multiple past the prefix,
         the prompt end, and where the prompt leaves a cached path (``matched`` tokens of it in the
-        tree, past the state it could restore) the last chunk multiple before that.
+        tree, at least a chunk past the state it could restore) that length.
 
-        The point before the prompt leaves a cached path serves shared prefixes: a system prompt
+        The point where the prompt leaves a cached path serves shared prefixes: a system prompt
         followed by each user's own text is cached by the first request with no state inside it
         (its chunk multiple falls in its own text), so the second request, seeing the shared part
         matched but not restorable, keeps the state at its end; every later one restores it."""
@@ -47,10 +47,11 @@ class AuxTracker:
             return []
         target = req.prefill_target
         points = set()
-        for end in (matched, target):
-            aligned = prefix_len + (min(end, target) - prefix_len) // self.track_chunk * self.track_chunk
-            if prefix_len < aligned < target:
-                points.add(aligned)
+        aligned = prefix_len + (target - prefix_len) // self.track_chunk * self.track_chunk
+        if prefix_len < aligned < target:
+            points.add(aligned)
+        if matched - prefix_len >= self.track_chunk and matched < target:
+            points.add(matched)
         if target > prefix_len:
             points.add(target)
         return sorted(points)
