@@ -375,3 +375,11 @@ def test_a_server_out_of_device_memory_gets_a_hint_to_lower_its_concurrency():
     assert "--mlx-server-concurrency 32" in server_hint(oom, 128)
     assert server_hint(oom, 32) is None  # already at its own default
     assert server_hint("RuntimeError: generation thread died", 128) is None
+
+
+def test_the_prefix_wave_row_names_hits_and_misses_with_their_ttft():
+    from runtime.bench.mixed import _hits
+
+    assert _hits({}) == "-"
+    assert _hits({"hits": 14, "misses": 2, "hit_ttft_p50_ms": 294.2, "miss_ttft_p50_ms": 707.0}) == "14 (294) / 2 (707)"
+    assert _hits({"hits": 0, "misses": 16, "hit_ttft_p50_ms": math.nan, "miss_ttft_p50_ms": 1285.9}) == "0 / 16 (1286)"

@@ -79,6 +79,14 @@ def prompt_lengths(rng: random.Random, count: int, median: int, lo: int, hi: int
     return [min(hi, max(lo, round(rng.lognormvariate(mu, PROMPT_SIGMA)))) for _ in range(count)]
 
 
+def _hits(cache: dict) -> str:
+    """``cache_split``'s counts, each with its TTFT p50 where it has requests ('-' if unknown)."""
+    if not cache:
+        return "-"
+    return " / ".join(f"{cache[k]} ({cache[t]:.0f})" if cache[k] else "0"
+                      for k, t in (("hits", "hit_ttft_p50_ms"), ("misses", "miss_ttft_p50_ms")))
+
+
 def schedule(rng: random.Random, shape: MixedShape) -> list[Draw]:
     """The main part, then the shared-prefix wave continuing the same arrival process."""
     at = arrivals(rng, shape.requests, shape.rate)
@@ -215,9 +223,8 @@ class Mixed:
                 lambda st: 100 * st["goodput"]),
             row("prefix wave: cached prompt tokens", lambda st: st["prefix_wave"]["cached_tokens"], False),
             row("prefix wave: TTFT p50 ms", lambda st: st["prefix_wave"]["ttft_p50_ms"]),
-            row("prefix wave: requests with / without a cache hit (TTFT p50 ms)", lambda st: (
-                "{hits} ({hit_ttft_p50_ms:.0f}) / {misses} ({miss_ttft_p50_ms:.0f})".format(**st["prefix_wave"]["cache"])
-                if st["prefix_wave"]["cache"] else "-"), False),
+            row("prefix wave: requests with / without a cache hit (TTFT p50 ms)",
+                lambda st: _hits(st["prefix_wave"]["cache"]), False),
             row("latest send after its arrival time, ms", lambda st: st["send_lag_max_ms"], False),
         ]
         if self.shapes:
