@@ -102,6 +102,29 @@ def test_a_shared_prefix_gets_a_state_once_a_second_request_leaves_it():
     s.check_invariants()
 
 
+def test_a_chat_keeps_the_state_where_its_system_part_ends_from_the_first_request():
+    """``shared_prefix`` (the chat's system part, 200 tokens): the first request keeps the state
+    there, so the second restores it already."""
+    s = make()
+    system = list(range(1, 201))
+    a = add(s, "a", system + [300 + i for i in range(100)], 1)
+    a.shared_prefix = 200
+    s.next_step()
+    assert a.aux_points == [200, 256, 299]
+    drain(s)
+    b = add(s, "b", system + [500 + i for i in range(100)], 1)
+    b.shared_prefix = 200
+    s.next_step()
+    assert b.prefix_len == 200 and b.aux_points == [264, 299]
+    drain(s)
+    c = add(s, "c", list(range(1, 40)), 1)
+    c.shared_prefix = 30  # less than a chunk past where it starts: no point of its own
+    s.next_step()
+    assert c.aux_points == [38]
+    drain(s)
+    s.check_invariants()
+
+
 def test_exact_full_prompt_hit_restores_and_reruns_the_last_token():
     s = make()
     prompt = list(range(1, 41))

@@ -156,3 +156,26 @@ def test_bad_chat_template_kwargs_are_refused(tok, kwargs, message):
 def test_bad_tools_are_refused(tok, tools):
     with pytest.raises(RequestRejected, match="tools must be a list of objects"):
         chat_prompt_ids(tok, CONVERSATIONS[0], tools=tools)
+
+
+def test_the_system_part_of_a_conversation_is_measured_in_its_own_tokens(tok, custom_tok, tmp_path, model_dir):
+    from runtime.scheduler.chat import system_prefix_len
+
+    conversation = CONVERSATIONS[2]
+    ids = chat_prompt_ids(tok, conversation)
+    n = system_prefix_len(tok, conversation, ids)
+    alone = tok.apply_chat_template(conversation[:1], add_generation_prompt=False, tokenize=True, return_dict=False)
+    assert 0 < n == len(alone) < len(ids) and ids[:n] == list(alone)
+    # Tools render in the system part here: it still matches.
+    tools = [{"name": "lookup", "description": "find", "parameters": {"type": "object"}}]
+    with_tools = chat_prompt_ids(custom_tok, conversation, tools=tools)
+    assert system_prefix_len(custom_tok, conversation, with_tools, tools=tools) > n
+    # No system message, or nothing after it: no hint.
+    assert system_prefix_len(tok, CONVERSATIONS[0], chat_prompt_ids(tok, CONVERSATIONS[0])) == 0
+    assert system_prefix_len(tok, conversation[:1], chat_prompt_ids(tok, conversation[:1])) == 0
+    # A template that will not render a system message alone: no hint, no error.
+    picky = _copy_with_template(model_dir("llama"), tmp_path / "picky",
+                                "{% if messages | length < 2 %}{{ raise_exception('no user turn') }}{% endif %}"
+                                + CUSTOM_TEMPLATE)
+    picky_tok = Tokenizer(str(picky))._tok
+    assert system_prefix_len(picky_tok, conversation, chat_prompt_ids(picky_tok, conversation)) == 0

@@ -10,6 +10,7 @@ from harness import InProcessService
 from model_factory import reference_greedy
 
 from runtime.client import Client
+from runtime.scheduler.tokenizer import Tokenizer
 
 HYBRIDS = ["qwen3_next", "qwen3_5", "mamba2"]
 
@@ -101,6 +102,27 @@ def test_cache_off_matches_cache_on(folder):
         if not cache:
             assert svc.sched.aux.slots.free_count == svc.sched.aux.slots.capacity
     assert outs[True] == outs[False]
+
+
+async def test_a_chat_system_prompt_is_restored_from_the_second_chat_on(model_dir, tmp_path):
+    """Through the service: the first chat keeps the state where its system message ends, so the
+    second chat with that system message reads it from the cache."""
+    folder = model_dir("qwen3_next")
+    system = {"role": "system", "content": " ".join(["the cat sat on the mat"] * 8)}
+    extra = "[cache]\nkv_slots = 2048\naux_slots = 32\ntrack_chunk = 16\n[scheduler]\nmax_running = 8\nmax_context = 512\n"
+    with running_service(tmp_path, folder, extra) as svc:
+        async with Client(svc.address, timeout_s=60) as client:
+            first = await client.chat([system, {"role": "user", "content": "a dog ran"}], max_tokens=4,
+                                      ignore_eos=True)
+            second = await client.chat([system, {"role": "user", "content": "my bird sang a song"}],
+                                       max_tokens=4, ignore_eos=True)
+    tok = Tokenizer(str(folder))._tok
+    alone = tok.apply_chat_template([system], add_generation_prompt=False, tokenize=True, return_dict=False)
+    assert first.error is None and second.error is None
+    assert first.cached_tokens == 0 and second.cached_tokens == len(alone) >= 16
+    ids = tok.apply_chat_template([system, {"role": "user", "content": "my bird sang a song"}],
+                                  add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert second.token_ids == reference_greedy(folder, list(ids), 4)  # from the restored state
 
 
 async def test_hybrid_through_the_service(model_dir, tmp_path):

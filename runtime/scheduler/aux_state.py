@@ -42,7 +42,9 @@ class AuxTracker:
         The point where the prompt leaves a cached path serves shared prefixes: a system prompt
         followed by each user's own text is cached by the first request with no state inside it
         (its chunk multiple falls in its own text), so the second request, seeing the shared part
-        matched but not restorable, keeps the state at its end; every later one restores it."""
+        matched but not restorable, keeps the state at its end; every later one restores it.
+        A chat request also names where its system part ends (``req.shared_prefix``), so its
+        first request keeps the state there already."""
         if self.tree is None:
             return []
         target = req.prefill_target
@@ -50,8 +52,9 @@ class AuxTracker:
         aligned = prefix_len + (target - prefix_len) // self.track_chunk * self.track_chunk
         if prefix_len < aligned < target:
             points.add(aligned)
-        if matched - prefix_len >= self.track_chunk and matched < target:
-            points.add(matched)
+        for shared in (matched, req.shared_prefix):  # (the hint: where a chat's system part ends)
+            if shared - prefix_len >= self.track_chunk and shared < target:
+                points.add(shared)
         if target > prefix_len:
             points.add(target)
         return sorted(points)

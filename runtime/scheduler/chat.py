@@ -52,6 +52,36 @@ def chat_prompt_ids(
     return ids
 
 
+def system_prefix_len(
+    hf_tokenizer: Any,
+    messages: list[dict],
+    ids: list[int],
+    chat_template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
+) -> int:
+    """How many of ``ids`` (the whole conversation, as ``chat_prompt_ids`` rendered it) are its
+    leading system message as the template renders it alone: the part other conversations with
+    that system message share. 0 where there is none, or the template will not render it alone
+    (a hint for the prefix cache only: never wrong tokens)."""
+    if len(messages) < 2 or messages[0].get("role") not in ("system", "developer"):
+        return 0
+    try:
+        alone = hf_tokenizer.apply_chat_template(
+            messages[:1], tools=tools, add_generation_prompt=False, tokenize=True, return_dict=False,
+            **_template_kwargs(hf_tokenizer, chat_template_kwargs),
+        )
+    except Exception:  # noqa: BLE001 - a template that needs a user turn: no hint
+        return 0
+    if isinstance(alone, Mapping):
+        alone = alone["input_ids"]
+    n = 0
+    for a, b in zip(alone, ids):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 def check_messages(messages: Any) -> None:
     """A non-empty list of dicts, each with a string "role"; content a string, None or parts."""
     if not isinstance(messages, list) or not messages:

@@ -11,7 +11,7 @@ import msgspec
 
 from runtime.protocol import client as cp
 from runtime.scheduler.admission import RequestRejected
-from runtime.scheduler.chat import chat_prompt_ids
+from runtime.scheduler.chat import chat_prompt_ids, system_prefix_len
 from runtime.scheduler.params import check_prompt_logprobs, check_sampling
 from runtime.scheduler.request import SamplingParams
 from runtime.scheduler.tokenizer import Tokenizer
@@ -65,6 +65,14 @@ class Intake:
 
     def _chat(self, msg: cp.Generate) -> list[int]:
         return chat_prompt_ids(self.tokenizer.hf, msg.messages or [], msg.chat_template_kwargs, msg.tools)
+
+    async def shared_prefix(self, msg: cp.Generate, ids: list[int]) -> int:
+        """How many of a chat request's ``ids`` are its system message (``system_prefix_len``),
+        on the tokenizer thread; 0 for other requests."""
+        if msg.messages is None:
+            return 0
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, system_prefix_len, self.tokenizer.hf, msg.messages, ids, msg.chat_template_kwargs, msg.tools)
 
     def _checked_chat(self, msg: cp.Generate) -> None:
         """Everything a chat template may print counts against the prompt's byte limit."""

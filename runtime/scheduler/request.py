@@ -68,6 +68,7 @@ class Request:
     aux_snapshots: list[tuple[int, int]] = field(default_factory=list)
     aux_owned: list[int] = field(default_factory=list)
     aux_reserved: int = 0
+    shared_prefix: int = 0  # prompt tokens likely shared with other requests (a chat's system part), 0: unknown
 
     @property
     def prompt_len(self) -> int:

@@ -221,6 +221,9 @@ class Server:
     async def _tokenize_then_admit(self, req: Request, msg: cp.Generate) -> None:
         try:
             ids = await self.intake.prompt_ids(msg)
+            if self.scheduler is not None and self.scheduler.aux is not None:
+                # a hybrid keeps the state where a chat's system part ends, for the next chats
+                req.shared_prefix = await self.intake.shared_prefix(msg, ids)
         except RequestRejected as exc:
             if not req.finished:
                 self._fail_new(req, str(exc))
