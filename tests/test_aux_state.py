@@ -125,6 +125,22 @@ def test_a_chat_keeps_the_state_where_its_system_part_ends_from_the_first_reques
     s.check_invariants()
 
 
+def test_a_long_shared_path_holding_most_of_the_pool_does_not_stall_admission():
+    """Prompts that extend one another keep their states along one path of the tree; the next
+    one locks that whole path when it matches. With 7 usable slots, all but one held on that
+    path, it used to wait forever (nothing running, nothing to evict); now the path's older
+    states are dropped, the one it restores kept."""
+    s = make(aux_slots=8, track_chunk=16, chunk=48, budget=96, max_rows=4)
+    prompts = [list(range(1, 41)) + [300], list(range(1, 91)) + [301], list(range(1, 151)) + [302]]
+    for i, p in enumerate(prompts):
+        add(s, f"a{i}", p, 1)
+        drain(s)
+    last = add(s, "last", list(range(1, 151)) + [303, 304], 1)
+    drain(s)
+    assert last.finished and last.prefix_len == 150
+    s.check_invariants()
+
+
 def test_exact_full_prompt_hit_restores_and_reruns_the_last_token():
     s = make()
     prompt = list(range(1, 41))

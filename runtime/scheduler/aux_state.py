@@ -59,16 +59,21 @@ class AuxTracker:
             points.add(target)
         return sorted(points)
 
-    def _make_room(self, n: int) -> bool:
+    def _make_room(self, n: int, keep: set[int]) -> bool:
+        """Free slots until ``n`` are unreserved: evict unlocked tree leaves first; then drop the
+        states of tree nodes (locked ones too: a request locks its whole matched path, and a long
+        shared path can hold most of the pool) except those in ``keep``, which are read still."""
         while self.slots.free_count - self.reserved < n:
-            if self.tree is None or self.tree.evict(1) == 0:
+            if self.tree is None or (self.tree.evict(1) == 0 and not self.tree.drop_aux(keep)):
                 return False
         return True
 
-    def admit(self, req: Request, match: MatchResult | None, prefix_len: int) -> bool:
-        """Take a live slot and reserve the snapshot slots; False (taking nothing) if none can be had."""
+    def admit(self, req: Request, match: MatchResult | None, prefix_len: int, pending: set[int]) -> bool:
+        """Take a live slot and reserve the snapshot slots; False (taking nothing) if none can be had.
+        ``pending``: tree states that admitted requests have yet to restore (not to be dropped)."""
         points = self.snapshot_points(req, prefix_len, len(match.slots) if match is not None else 0)
-        if not self._make_room(1 + len(points)):
+        restore = match.aux_slot if prefix_len > 0 and match is not None else None
+        if not self._make_room(1 + len(points), pending | ({restore} if restore is not None else set())):
             return False
         live = self.slots.alloc(1)
         assert live is not None
@@ -123,6 +128,11 @@ class AuxTracker:
         req.aux_owned = []
         req.aux_slot = -1
 
+    @staticmethod
+    def pending_sources(running: list[Request]) -> set[int]:
+        """The tree states admitted requests will restore in a chunk not yet planned."""
+        return {r.aux_source for r in running if not r.aux_started and r.aux_source >= 0}
+
     def on_evict(self, slot: int) -> None:
         self.slots.free([slot])
 
@@ -137,3 +147,5 @@ class AuxTracker:
         )
         assert self.reserved == sum(r.aux_reserved for r in running)
         assert self.slots.free_count >= self.reserved
+        # a state an admitted request has yet to restore is still the tree's (not dropped, not reused)
+        assert self.pending_sources(running) <= tree_aux, "a state to restore was dropped"

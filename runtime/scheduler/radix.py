@@ -248,6 +248,18 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, parent.nid, parent))
         return freed
 
+    def drop_aux(self, keep: set[int]) -> bool:
+        """Forget one node's aux value (the least recently used whose slot is not in ``keep``),
+        locked or not, handing its slot to ``on_evict_aux``; False if there is none. The node's
+        KV stays: a later match restores from an earlier state, or from none."""
+        held = [n for n in self._nodes() if n.aux_slot is not None and n.aux_slot not in keep]
+        if not held:
+            return False
+        node = min(held, key=lambda n: (n.last_access, n.nid))
+        slot, node.aux_slot = node.aux_slot, None
+        self.on_evict_aux(slot)
+        return True
+
     @property
     def evictable_size(self) -> int:
         """Slots held by unlocked nodes."""
