@@ -59,21 +59,28 @@ class AuxTracker:
             points.add(target)
         return sorted(points)
 
-    def _make_room(self, n: int, keep: set[int]) -> bool:
+    def _make_room(self, n: int, restore: int | None, running: list[Request]) -> bool:
         """Free slots until ``n`` are unreserved: evict unlocked tree leaves first; then drop the
         states of tree nodes (locked ones too: a request locks its whole matched path, and a long
-        shared path can hold most of the pool) except those in ``keep``, which are read still."""
+        shared path can hold most of the pool), except ``restore`` and the states ``running``
+        requests have yet to restore."""
+        keep: set[int] | None = None
         while self.slots.free_count - self.reserved < n:
-            if self.tree is None or (self.tree.evict(1) == 0 and not self.tree.drop_aux(keep)):
+            if self.tree is None:
                 return False
+            if self.tree.evict(1) == 0:
+                if keep is None:  # (only under pressure: the scan of the running requests)
+                    keep = self.pending_sources(running) | ({restore} if restore is not None else set())
+                if not self.tree.drop_aux(keep):
+                    return False
         return True
 
-    def admit(self, req: Request, match: MatchResult | None, prefix_len: int, pending: set[int]) -> bool:
+    def admit(self, req: Request, match: MatchResult | None, prefix_len: int, running: list[Request]) -> bool:
         """Take a live slot and reserve the snapshot slots; False (taking nothing) if none can be had.
-        ``pending``: tree states that admitted requests have yet to restore (not to be dropped)."""
+        ``running``: the admitted requests, whose states to restore are never dropped for room."""
         points = self.snapshot_points(req, prefix_len, len(match.slots) if match is not None else 0)
         restore = match.aux_slot if prefix_len > 0 and match is not None else None
-        if not self._make_room(1 + len(points), pending | ({restore} if restore is not None else set())):
+        if not self._make_room(1 + len(points), restore, running):
             return False
         live = self.slots.alloc(1)
         assert live is not None

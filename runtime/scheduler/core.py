@@ -92,8 +92,7 @@ class Scheduler:
         need = (req.prefill_target - len(prefix_slots)) + req.max_new
         evictable = self.tree.evictable_size if self.tree is not None else 0
         fits = self.slots.free_count + evictable - self.reserved >= need
-        if not fits or (self.aux is not None
-                        and not self.aux.admit(req, match, len(prefix_slots), self.aux.pending_sources(self.running))):
+        if not fits or (self.aux is not None and not self.aux.admit(req, match, len(prefix_slots), self.running)):
             if match is not None:
                 self.tree.unlock(match.node)
             return False
