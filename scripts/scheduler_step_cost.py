@@ -41,9 +41,11 @@ class NullSocket:
         pass
 
 
-def build(tokenizer: Tokenizer, rows: int, logprobs: bool, clients: int) -> tuple[Scheduler, ClientOut]:
-    """A scheduler whose ``rows`` streaming requests are all past prefill, each owned by one of ``clients``."""
-    s = Scheduler(Limits(rows * 2048, rows, 4096, VOCAB, max(512, rows), 256), tokenizer.eos_ids)
+def build(tokenizer: Tokenizer, rows: int, logprobs: bool, clients: int, steps: int) -> tuple[Scheduler, ClientOut]:
+    """A scheduler whose ``rows`` streaming requests are all past prefill, each owned by one of ``clients``,
+    with room for ``steps`` more tokens each."""
+    context = max(4096, steps + 64)
+    s = Scheduler(Limits(rows * context, rows, context, VOCAB, max(512, rows), 256), tokenizer.eos_ids)
     out = ClientOut(tokenizer, slow_client_timeout_s=60.0)
     out.socket = NullSocket()
     peers = [out.peers.get(f"client{c}".encode()) for c in range(clients)]
@@ -52,7 +54,7 @@ def build(tokenizer: Tokenizer, rows: int, logprobs: bool, clients: int) -> tupl
         params = SamplingParams(max_tokens=100_000, ignore_eos=True, logprobs=logprobs, top_logprobs=TOP if logprobs else 0)
         prompt = [rng.randrange(VOCAB - 1) for _ in range(16)]
         peer = peers[i % clients]
-        req = Request(rid=f"r{i}", prompt_ids=prompt, params=params, max_new=s.validate(prompt, 2000, 0.0),
+        req = Request(rid=f"r{i}", prompt_ids=prompt, params=params, max_new=s.validate(prompt, context - 32, 0.0),
                       client=ReplyTo(peer, (), f"c{i}"), stream=True)
         req.detok = Detokenizer(tokenizer)
         peer.requests[f"c{i}"] = req
@@ -69,7 +71,7 @@ def build(tokenizer: Tokenizer, rows: int, logprobs: bool, clients: int) -> tupl
 def run(tokenizer: Tokenizer, rows: int, logprobs: bool, steps: int, clients: int,
         profile: cProfile.Profile | None = None) -> dict[str, float]:
     """Microseconds per step of each part, over ``steps`` steps."""
-    s, out = build(tokenizer, rows, logprobs, clients)
+    s, out = build(tokenizer, rows, logprobs, clients, steps)
     rng = random.Random(1)
     fake_tokens = [[rng.randrange(VOCAB - 1) for _ in range(rows)] for _ in range(16)]
     fake_top = [[rng.randrange(VOCAB) for _ in range(TOP)] for _ in range(rows)]
