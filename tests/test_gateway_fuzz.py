@@ -2,9 +2,10 @@
 service keeps serving (SPEC 8.1, over HTTP).
 
 A bounded hypothesis fuzz of OpenAI request bodies (the API's own field names with values of
-every JSON type, nested and out of range, on the completions and chat routes, streamed or not)
+every JSON type, nested and out of range, on the completions, chat and responses routes, streamed
+or not)
 and of raw bytes, against the real `runtime up` with [http]. Each reply must be a 2xx with a
-whole body (a stream ends with ``data: [DONE]``) or a 4xx with OpenAI's error object; after each,
+whole body (a stream ends with ``data: [DONE]``, or a Responses stream with its closing event) or a 4xx with OpenAI's error object; after each,
 ``/health`` must answer 200.
 """
 
@@ -30,6 +31,11 @@ CHAT_FIELDS = [
     "stream_options", "logprobs", "top_logprobs", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
     "seed", "tools", "tool_choice", "response_format", "parallel_tool_calls", "chat_template_kwargs", "top_k",
     "min_p", "min_tokens", "reasoning_effort",
+]
+
+RESPONSES_FIELDS = [
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools", "tool_choice",
+    "parallel_tool_calls", "text", "previous_response_id", "metadata", "store", "reasoning", "seed", "top_k",
 ]
 
 scalar_st = st.one_of(
@@ -75,6 +81,18 @@ VALID = {
         {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.text(max_size=8)})})),
     "parallel_tool_calls": st.booleans(), "chat_template_kwargs": st.dictionaries(st.text(max_size=8), json_st, max_size=2),
     "suffix": st.text(max_size=5), "user": st.text(max_size=5), "reasoning_effort": st.sampled_from(["low", "high"]),
+    # the Responses API's own
+    "input": st.one_of(st.text(max_size=20), st.lists(st.one_of(
+        message_st, st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.text(max_size=4),
+                                           "name": st.text(max_size=4), "arguments": st.just("{}")}),
+        st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.text(max_size=4),
+                               "output": st.text(max_size=8)})), min_size=1, max_size=4)),
+    "instructions": st.text(max_size=10), "max_output_tokens": st.integers(1, 6),
+    "text": st.fixed_dictionaries({"format": st.one_of(st.just({"type": "text"}), st.just({"type": "json_object"}),
+                                                       st.fixed_dictionaries({"type": st.just("json_schema"),
+                                                                              "name": st.just("x"),
+                                                                              "schema": schema_st}))}),
+    "metadata": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2),
 }
 
 
@@ -96,6 +114,8 @@ def request_st(model: str):
         st.tuples(st.just("/v1/chat/completions"),
                   body_st({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
                           CHAT_FIELDS)),
+        st.tuples(st.just("/v1/responses"),
+                  body_st({"model": model, "input": "hi", "max_output_tokens": 4}, RESPONSES_FIELDS)),
     )
 
 
@@ -106,7 +126,12 @@ def _check_reply(reply: httpx.Response, what: str) -> None:
         error = reply.json()["error"]
         assert {"message", "type"} <= set(error), f"{what} -> {status}: {reply.text[:500]}"
     elif reply.headers.get("content-type", "").startswith("text/event-stream"):
-        assert reply.text.rstrip().endswith("data: [DONE]"), f"{what}: a stream ended without [DONE]: {reply.text[-300:]}"
+        last = reply.text.rstrip().rsplit("\n", 1)[-1]
+        if "/v1/responses" in what:  # typed events; the last one ends the response
+            assert json.loads(last.removeprefix("data: "))["type"] in (
+                "response.completed", "response.incomplete", "response.failed"), f"{what}: {reply.text[-300:]}"
+        else:
+            assert last == "data: [DONE]", f"{what}: a stream ended without [DONE]: {reply.text[-300:]}"
     else:
         reply.json()
 
@@ -128,7 +153,7 @@ def test_any_body_gets_one_answer_and_the_service_keeps_serving(model_dir, tmp_p
 
         for raw in (b"", b"{", b"[]", b"null", b"1e999", b'{"prompt": "\xff\xfe"}', b'"' + b"a" * 100_000 + b'"',
                     b"[" * 10_000 + b"]" * 10_000):
-            for route in ("/v1/completions", "/v1/chat/completions"):
+            for route in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
                 reply = http.post(route, content=raw, headers={"content-type": "application/json"})
                 _check_reply(reply, f"POST {route} raw {raw[:40]!r}")
         assert http.get("/health").status_code == 200, gw.svc.log()

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI's /v1/models, /v1/completions, /v1/chat/completions, plus /health, /metrics.
+"""The FastAPI app: OpenAI's /v1/models, /v1/completions, /v1/chat/completions (and /v1/responses,
+``responses.py``), plus /health, /metrics.
 
 One long-lived ``runtime.client.Client`` per process, opened in the lifespan. Requests
 become client streams (``fanout.py``); the scheduler applies chat templates and checks
@@ -34,6 +35,7 @@ from runtime.gateway.errors import ApiError, failure
 from runtime.gateway.fanout import Fanout
 from runtime.gateway.metrics import Metrics
 from runtime.gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from runtime.gateway.responses import add_responses_route
 from runtime.gateway.settings import GatewaySettings
 from runtime.gateway.streaming import (
     ChoiceBody,
@@ -272,6 +274,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return await _respond(gw, body.stream, body.include_usage, requests, len(requests), envelope, choices,
                               logprobs, whole, opening)
 
+    add_responses_route(app, gw, authorized)
     return app
 
 

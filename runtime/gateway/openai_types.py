@@ -74,3 +74,21 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ResponsesRequest(SamplingFields):
+    """``POST /v1/responses``: ``instructions`` and ``input`` items in place of messages, flat
+    function tools, structured output in ``text.format`` (``responses_input.py`` rewrites it
+    as a chat request). ``reasoning``, ``store``, ``metadata``, ``truncation`` and ``include``
+    are accepted; only ``metadata`` comes back, in the response."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None

@@ -9,17 +9,21 @@ beginning of a marker is held until the next piece tells (or the reply ends).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from runtime.gateway.tool_calls import Markup, ToolSyntax, parse_tool_calls
 
 
 @dataclass
 class Delta:
-    """What one piece of reply adds: text per channel, and the tool calls that completed."""
+    """What one piece of reply adds: text per channel, and the tool calls that completed;
+    ``parts`` has the same in the order written (``("content" | "reasoning", text)`` or
+    ``("tool", call)``), for replies whose shape keeps that order (the Responses API's items)."""
 
     content: str = ""
     reasoning: str = ""
     tool_calls: list[dict] = field(default_factory=list)
+    parts: list[tuple[str, Any]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
@@ -28,6 +32,20 @@ class Delta:
         self.content += other.content
         self.reasoning += other.reasoning
         self.tool_calls += other.tool_calls
+        self.parts += other.parts
+
+    def write(self, channel: str, text: str) -> None:
+        """Append ``text`` to ``channel`` (content or reasoning)."""
+        if not text:
+            return
+        if channel == "content":
+            self.content += text
+        else:
+            self.reasoning += text
+        if self.parts and self.parts[-1][0] == channel:
+            self.parts[-1] = (channel, self.parts[-1][1] + text)
+        else:
+            self.parts.append((channel, text))
 
 
 class ReplyParser:
@@ -64,18 +82,17 @@ class ReplyParser:
         return out
 
     def _emit(self, delta: Delta, text: str) -> None:
-        if self._state == "content":
-            delta.content += text
-        elif self._state == "reasoning":
-            delta.reasoning += text
+        if self._state in ("content", "reasoning"):
+            delta.write(self._state, text)
 
     def _close_tool(self, delta: Delta, text: str, end: str) -> None:
         assert self._syntax is not None
         calls = parse_tool_calls(self._syntax, text, self._tools)
         if calls is None:  # keep what the model wrote rather than lose it
-            delta.content += self._syntax.start + text + end
+            delta.write("content", self._syntax.start + text + end)
         else:
             delta.tool_calls += calls
+            delta.parts += [("tool", call) for call in calls]
             self.made_tool_call = self.made_tool_call or bool(calls)
 
     def _may_hold_marker(self, text: str) -> bool:
