@@ -106,6 +106,10 @@ def test_health_and_models(gateway):
     assert httpx.get(f"{gateway.base}/health", timeout=10).status_code == 200
     models = gateway.openai().models.list()
     assert [m.id for m in models.data] == [gateway.folder.name]
+    card = gateway.openai().models.retrieve(gateway.folder.name)
+    assert card.id == gateway.folder.name and card.model_dump()["max_model_len"] == CONTEXT
+    with pytest.raises(openai.NotFoundError):
+        gateway.openai().models.retrieve("other-model")
 
 
 def test_completion_of_token_ids_is_mlx_lm_greedy(gateway):

@@ -191,12 +191,19 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         status = await gw.status_or_none() if gw.limits is not None else None
         return Response(gw.metrics.render(status), media_type=CONTENT_TYPE_LATEST)
 
+    async def model_card() -> dict:
+        limits = await gw.ready_limits()
+        return {"id": gw.model, "object": "model", "created": gw.created, "owned_by": "runtime",
+                "root": settings.model_path, "max_model_len": limits.max_context}
+
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict:
-        limits = await gw.ready_limits()
-        card = {"id": gw.model, "object": "model", "created": gw.created, "owned_by": "runtime",
-                "root": settings.model_path, "max_model_len": limits.max_context}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [await model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    async def model(model_id: str) -> dict:
+        gw.check(model_id or "?")
+        return await model_card()
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest) -> Response:
