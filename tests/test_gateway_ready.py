@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from runtime.client import ServiceUnavailable
-from runtime.gateway.app import Gateway
+from runtime.gateway.upstream import Gateway
 from runtime.gateway.errors import ApiError
 from runtime.gateway.process import GatewayProcess
 

@@ -30,6 +30,7 @@ from runtime.gateway.reply_parser import Delta, ReplyParser
 from runtime.gateway.responses_input import chat_request
 from runtime.gateway.streaming import FanoutResponse
 from runtime.gateway.tool_choice import plan_tools
+from runtime.gateway.upstream import Gateway
 
 _encode = msgspec.json.Encoder().encode
 
@@ -142,7 +143,7 @@ class ResponseBody:
         return out
 
 
-def add_responses_route(app: FastAPI, gw, authorized: Callable) -> None:
+def add_responses_route(app: FastAPI, gw: Gateway, authorized: Callable) -> None:
     """Register ``POST /v1/responses`` on ``app`` for the gateway ``gw``."""
 
     @app.post("/v1/responses", dependencies=[Depends(authorized)])
