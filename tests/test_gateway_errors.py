@@ -6,6 +6,7 @@ from loading (its weights hidden) to hold the service in "restarting"; no test w
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -153,3 +154,25 @@ def test_health_and_completions_answer_503_while_the_worker_restarts(gateway):
     # The next attempt loads the model again (after the supervisor's backoff) and the service serves.
     assert _serving(gateway).worker_restarts >= 2
     assert _complete(gateway, [5, 6, 7]).usage.completion_tokens == 4
+
+
+def test_a_worker_dying_mid_response_stream_ends_it_with_response_failed(gateway):
+    pid = _serving(gateway).worker_pid
+    body = {"model": gateway.folder.name, "input": "hello", "max_output_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    types, last = [], None
+    with httpx.stream("POST", f"{gateway.base}/v1/responses", json=body, timeout=WAIT_S) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            last = json.loads(line.removeprefix("data: "))
+            types.append(last["type"])
+            if last["type"] == "response.output_text.delta" and types.count(last["type"]) == 1:
+                os.kill(pid, signal.SIGSTOP)  # mid-reply: held, then killed
+                os.kill(pid, signal.SIGKILL)
+    assert types[:2] == ["response.created", "response.in_progress"] and "response.output_text.delta" in types
+    assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+    assert last["response"]["error"]["message"].startswith("worker died (exit status -9)")
+    assert last["response"]["output"][0]["type"] == "message"  # what it had written is kept
+    assert _serving(gateway).worker_pid != pid
