@@ -30,8 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.client import Client, GenerationResult
 from runtime.gateway import convert, sse
 from runtime.gateway.chat import ChatReplies, open_think_end
-from runtime.gateway.errors import ApiError, failure
-from runtime.gateway.fanout import Fanout
+from runtime.gateway.errors import ApiError
+from runtime.gateway.fanout import Fanout, first_event, results_of
 from runtime.gateway.metrics import Metrics
 from runtime.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from runtime.gateway.responses import add_responses_route
@@ -206,22 +206,8 @@ async def _respond(gw: Gateway, stream: bool, include_usage: bool, requests: lis
     assert gw.client is not None
     fanout = Fanout(gw.client, requests, gw.metrics)
     if not stream:
-        try:
-            results = await fanout.collect()
-        except Exception as exc:
-            raise failure(exc) from None
-        finally:
-            await fanout.close()
-        return JSONResponse(whole(results))
-    try:
-        first = await fanout.next_event()
-    except BaseException:
-        await fanout.close()
-        raise
-    assert first is not None
-    if first.error is not None:
-        await fanout.close()
-        raise failure(first.error)
+        return JSONResponse(whole(await results_of(fanout)))
+    first = await first_event(fanout)
     events = stream_events(first, fanout, count=len(requests), per_prompt=per_prompt,
                            frames=sse.ChunkFrames(envelope, include_usage), choice_body=choice,
                            logprobs_format=logprobs, include_usage=include_usage, opening=opening)

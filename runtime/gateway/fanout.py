@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from runtime.client import Client, GenerationChunk, GenerationResult, RequestFailed
 from runtime.client.client import Stream
+from runtime.gateway.errors import failure
 from runtime.gateway.metrics import Metrics
 
 
@@ -142,3 +143,28 @@ class Fanout:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if not self._tasks:
             await asyncio.gather(*(run.close() for run in self._runs), return_exceptions=True)
+
+
+async def results_of(fanout: Fanout) -> list[GenerationResult]:
+    """Every choice's result, the fanout closed after; the OpenAI error of the first that failed."""
+    try:
+        return await fanout.collect()
+    except Exception as exc:
+        raise failure(exc) from None
+    finally:
+        await fanout.close()
+
+
+async def first_event(fanout: Fanout) -> ChoiceEvent:
+    """The first event of a response about to stream. When it is an error (the request was
+    refused), the fanout is closed and its OpenAI error raised, so the HTTP status says so."""
+    try:
+        first = await fanout.next_event()
+    except BaseException:
+        await fanout.close()
+        raise
+    assert first is not None
+    if first.error is not None:
+        await fanout.close()
+        raise failure(first.error)
+    return first

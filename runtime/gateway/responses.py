@@ -24,7 +24,7 @@ from runtime.client import GenerationResult
 from runtime.gateway import convert
 from runtime.gateway.chat import open_think_end
 from runtime.gateway.errors import failure
-from runtime.gateway.fanout import ChoiceEvent, Fanout
+from runtime.gateway.fanout import ChoiceEvent, Fanout, first_event, results_of
 from runtime.gateway.openai_types import ResponsesRequest
 from runtime.gateway.reply_parser import Delta, ReplyParser
 from runtime.gateway.responses_input import chat_request
@@ -159,27 +159,14 @@ def add_responses_route(app: FastAPI, gw: Gateway, authorized: Callable) -> None
         shape = ResponseBody(body, gw.model)
         fanout = Fanout(gw.client, requests, gw.metrics)
         if not body.stream:
-            try:
-                (result,) = await fanout.collect()
-            except Exception as exc:
-                raise failure(exc) from None
-            finally:
-                await fanout.close()
+            (result,) = await results_of(fanout)
             items = OutputItems()
             delta = parser.feed(result.text)
             delta.add(parser.finish())
             items.feed(delta)
             items.close()
             return JSONResponse(shape.of(_status(result), items.items, result))
-        try:
-            first = await fanout.next_event()
-        except BaseException:
-            await fanout.close()
-            raise
-        assert first is not None
-        if first.error is not None:
-            await fanout.close()
-            raise failure(first.error)
+        first = await first_event(fanout)
         return FanoutResponse(_events(first, fanout, parser, shape), fanout)
 
 
