@@ -12,7 +12,19 @@ import json
 
 import openai
 import pytest
-from test_gateway_tool_stream import RENAMED, SUM, TIME, WEATHER, adder, llama  # noqa: F401 (fixtures)
+from conftest import REPO
+from model_factory import with_chat_template
+from test_gateway_tool_stream import (  # noqa: F401 (adder, llama: fixtures)
+    PARIS,
+    RENAMED,
+    SUM,
+    TEMPLATE,
+    TIME,
+    WEATHER,
+    _serve,
+    adder,
+    llama,
+)
 
 from runtime.gateway.errors import ApiError
 from runtime.gateway.responses_input import chat_messages, chat_tool_choice, chat_tools, response_format
@@ -80,6 +92,37 @@ def test_tool_calls_become_items_in_the_order_written_whole_and_streamed(adder):
     with client.responses.stream(**kwargs) as helper:  # the SDK's own accumulator of the events
         final = helper.get_final_response()
     assert _shape(final.output) == WRITTEN and final.output_text == "Sure. Done."
+
+
+# "567+667=" -> "1234": reasoning, text, a call, text.
+THINKING = {"1": "<think>hm</think>Sure.", "2": f"<tool_call>\n{PARIS}\n</tool_call>", "3": " Done", "4": "!"}
+
+
+@pytest.fixture(scope="module")
+def thinking_adder(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("thinking")
+    folder = with_chat_template(REPO / "models" / "adder", tmp / "adder",
+                                TEMPLATE.replace("{{ tools | length }} tools\n", ""))
+    path = folder / "tokenizer.json"
+    tok = json.loads(path.read_text())
+    tok["model"]["vocab"] = {THINKING.get(word, word): i for word, i in tok["model"]["vocab"].items()}
+    path.write_text(json.dumps(tok))
+    yield from _serve(tmp, folder, "max_context = 64")
+
+
+def test_reasoning_is_an_item_of_its_own_through_the_sdk(thinking_adder):
+    client = thinking_adder.openai()
+    kwargs = dict(model="adder", input="567+667=", tools=[_flat(WEATHER)], max_output_tokens=8, temperature=0)
+    written = [("reasoning",), ("message", "Sure."), ("function_call", "get_weather", {"city": "Paris"}),
+               ("message", " Done!")]
+    whole = client.responses.create(**kwargs)
+    assert _shape(whole.output) == written
+    assert whole.output[0].content[0].text == "hm" and whole.output[0].content[0].type == "reasoning_text"
+    with client.responses.stream(**kwargs) as helper:
+        events = list(helper)
+        final = helper.get_final_response()
+    assert _shape(final.output) == written and final.output[0].content[0].text == "hm"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "hm"
 
 
 def test_max_output_tokens_makes_an_incomplete_response(adder):
