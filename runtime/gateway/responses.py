@@ -98,6 +98,12 @@ class OutputItems:
                 {"type": "response.content_part.added", "item_id": item["id"], "output_index": at, "content_index": 0,
                  "part": part}]
 
+    def finish(self, parser: ReplyParser, rest: str) -> list[dict]:
+        """The reply's last text, what the parser held back, and the open item closed."""
+        delta = parser.feed(rest)
+        delta.add(parser.finish())
+        return self.feed(delta) + self.close()
+
     def close(self) -> list[dict]:
         """Close the open reasoning or message item, if any."""
         item, self._open = self._open, None
@@ -138,7 +144,7 @@ class ResponseBody:
             out["usage"] = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                             "total_tokens": usage["total_tokens"], "input_tokens_details": usage["prompt_tokens_details"],
                             "output_tokens_details": {"reasoning_tokens": 0}}
-            if convert.finish_reason(result) == "length":
+            if _status(result) == "incomplete":
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
         return out
 
@@ -161,10 +167,7 @@ def add_responses_route(app: FastAPI, gw: Gateway, authorized: Callable) -> None
         if not body.stream:
             (result,) = await results_of(fanout)
             items = OutputItems()
-            delta = parser.feed(result.text)
-            delta.add(parser.finish())
-            items.feed(delta)
-            items.close()
+            items.finish(parser, result.text)
             return JSONResponse(shape.of(_status(result), items.items, result))
         first = await first_event(fanout)
         return FanoutResponse(_events(first, fanout, parser, shape), fanout)
@@ -206,9 +209,7 @@ async def _events(first: ChoiceEvent, fanout: Fanout, parser: ReplyParser, shape
             result = event.result
             assert result is not None
             text = "".join(sent)
-            delta = parser.feed(result.text[len(text):] if result.text.startswith(text) else "")
-            delta.add(parser.finish())
-            out = items.feed(delta) + items.close()
+            out = items.finish(parser, result.text[len(text):] if result.text.startswith(text) else "")
             status = _status(result)
             name = "response.incomplete" if status == "incomplete" else "response.completed"
             out.append({"type": name, "response": shape.of(status, items.items, result)})

@@ -19,6 +19,9 @@ from runtime.gateway.openai_types import ChatCompletionRequest, ResponsesRequest
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+# The chat route's sampling fields a Responses body passes on as they are.
+_SAMPLING_FIELDS = ("model", "temperature", "top_p", "presence_penalty", "frequency_penalty", "logit_bias", "seed",
+                    "stop", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids")
 
 
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -39,10 +42,6 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         stream=body.stream,
         chat_template_kwargs=body.chat_template_kwargs,
     )
-
-
-_SAMPLING_FIELDS = ("model", "temperature", "top_p", "presence_penalty", "frequency_penalty", "logit_bias", "seed",
-                    "stop", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids")
 
 
 def chat_messages(instructions: str | None, items: str | list[dict[str, Any]]) -> list[dict]:
