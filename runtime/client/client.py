@@ -190,10 +190,15 @@ class Client:
         return queue
 
     async def _get(self, queue: asyncio.Queue, timeout: float | None = None):
+        if not queue.empty():
+            return queue.get_nowait()
         limit = timeout if timeout is not None else self.timeout_s
+        if limit is None:
+            return await queue.get()
         try:
-            return await asyncio.wait_for(queue.get(), limit)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(limit):  # no task per wait, as wait_for makes before 3.12
+                return await queue.get()
+        except TimeoutError:
             raise ServiceUnavailable(f"no reply from {self.address} within {limit} s") from None
 
     @staticmethod
