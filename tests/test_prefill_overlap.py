@@ -23,6 +23,7 @@ def _stub_engine(tail: object | None, order: list[str]) -> SimpleNamespace:
         max_padding=0.25,
         aux_pool=None,
         pads_recurrent=False,
+        mixed_starts=False,
         fuse_prefill=False,  # the separate forwards (tests/test_fused_step.py has the fused one)
         _prefill_batch=lambda group: order.append(f"prefill {group[0].start}") or [],  # no prompt logprobs
         _prefill=lambda chunk: order.append("hit"),

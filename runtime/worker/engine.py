@@ -61,9 +61,8 @@ class Engine:
     ``LENGTH_BUCKET``: on the pool paths decode attends to a multiple of this many positions
     and batch rows are padded to bucket sizes (see ``plan_decode``).
 
-    Chaining (``TokenChain``): a decode row whose input token is -1 takes the token this
-    engine sampled for that row in the previous decode batch, as a lazy array (never read
-    back first).
+    Chaining (``TokenChain``): a decode row whose input token is -1 takes the token this engine
+    sampled for that row in the previous decode batch, as a lazy array (never read back first).
     """
 
     LENGTH_BUCKET = 128
@@ -83,18 +82,16 @@ class Engine:
         pad_shapes: bool | None = None,
     ) -> None:
         on_gpu = mx.default_device().type == mx.DeviceType.gpu
-        # Whether forwards are padded to recurring shapes (``worker.pad_shapes``; None: on a GPU,
-        # where a step costs its launch overhead more than its arithmetic and every new shape
-        # costs kernel builds; not on the CPU).
+        # Whether forwards are padded to recurring shapes (``worker.pad_shapes``; None: on a GPU, where a
+        # step costs its launch overhead more than its arithmetic and a new shape kernel builds).
         self.padded_shapes = on_gpu if pad_shapes is None else pad_shapes
         self.model = model
         self.layout = layout
         self.pool = pool
         self.aux_pool = aux_pool
         self.max_context = max_context
-        # Seconds each part of the construction took (the start-up line's breakdown): the attention
-        # paths (on a GPU the paged kernels' builds and start-up check), the RoPE deferral (its
-        # load-time probe and the rotating kernels' check), the compiled decode steps.
+        # Seconds each part of the construction took (the start-up line's breakdown: attention paths,
+        # RoPE deferral, compiled decode steps; on a GPU their kernel builds and start-up checks).
         self.startup_seconds: dict[str, float] = {}
         started = time.perf_counter()
         self.paths = AttentionPaths(model, layout, pool, max_rows, max_context, row_cache, self.LENGTH_BUCKET)
@@ -135,6 +132,8 @@ class Engine:
         # A hybrid's prompts are padded too where its recurrent layers honour the real lengths
         # (``padding_probe``); else each prompt length is a shape of its own.
         self.pads_recurrent = self.padded_shapes and aux_pool is not None and pads_recurrent_exactly(model, layout)
+        # A hybrid's chunks of different starts share a forward on the pool paths (``mixed_prefill``).
+        self.mixed_starts = aux_pool is not None and self.paths.row_cache is None and not (layout.windowed or layout.shares_kv)
         self.prefill_shapes: set[tuple[int, int, int]] = set()  # (rows, queries, keys) of every prefill forward run
 
     def _caches(self, batch: ForwardBatch, aux: list | None = None) -> list:
@@ -249,7 +248,8 @@ class Engine:
             return
         self.paths.flush()
         groups = prefill_groups(launched.step.prefills, batchable=True, max_padding=self.max_padding,
-                                recurrent=self.aux_pool is not None, pads_recurrent=self.pads_recurrent)
+                                recurrent=self.aux_pool is not None, pads_recurrent=self.pads_recurrent,
+                                mixed_starts=self.mixed_starts)
         decode = launched.step.decode
         if (self.fuse_prefill and decode is not None and decode.rows
                 and sum(len(c.token_ids) for c in launched.step.prefills) <= FUSE_MAX_TOKENS
@@ -267,9 +267,9 @@ class Engine:
         self._build_decode(launched)
 
     def _prefill_inputs(self, group: list[PrefillChunk]) -> tuple[ForwardBatch, list[list[int]]]:
-        """Admit chunks of one start and address them as one padded batch: the batch, and its
-        (rows, length) tokens (shorter chunks padded at the end, padding rows after them)."""
-        start = group[0].start
+        """Admit chunks (of one start, or a hybrid's round) and address them as one padded batch: the
+        batch, and its (rows, length) tokens (shorter chunks padded at the end, padding rows after)."""
+        start = max(c.start for c in group)
         n = max(len(c.token_ids) for c in group)
         rows = len(group)
         padded = self.max_padding > 0 and (self.aux_pool is None or self.pads_recurrent)

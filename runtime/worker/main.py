@@ -146,7 +146,8 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         if engine.aux_pool is not None and engine.padded_shapes:
             padded = ("padded at the end (its recurrent layers honour the real lengths)" if engine.pads_recurrent
                       else "each at its own length (its recurrent layers would take end padding into their state)")
-            print(f"runtime worker: prompts of a recurrent model: {padded}", flush=True)
+            mixed = "; chunks of different starts share a forward" if engine.mixed_starts else ""
+            print(f"runtime worker: prompts of a recurrent model: {padded}{mixed}", flush=True)
         started = time.perf_counter()
         variants = warm_decode(engine, lambda line: print(f"runtime worker: warm-up: {line}", flush=True))
         decode_s = time.perf_counter() - started

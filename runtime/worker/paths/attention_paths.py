@@ -27,6 +27,7 @@ from runtime.worker.paths.cuda.kernel_check import check_kernel_rope, check_page
 from runtime.worker.paths.cuda.kernel_launch import launch_shape
 from runtime.worker.paths.decode_plan import DecodePlan, row_bucket
 from runtime.worker.paths.deferred_steps import DeferredSteps
+from runtime.worker.paths.mixed_prefill import mixed_prefill_batch
 from runtime.worker.paths.paged_attention import PagedAttention
 from runtime.worker.paths.pool_cache import ForwardBatch, WindowGather, decode_mask
 from runtime.worker.paths.prefill_shapes import front_padded_mask, key_length
@@ -191,8 +192,8 @@ class AttentionPaths:
 
     def prefill_batch(self, group: list[PrefillChunk], length: int, rows: int = 0, pad_keys: bool = False
                       ) -> ForwardBatch:
-        """One forward over ``group``'s chunks (one start), each padded at the end to ``length``,
-        with padding rows up to ``rows``.
+        """One forward over ``group``'s chunks (one start, or each its own: ``mixed_prefill``),
+        each padded at the end to ``length``, with padding rows up to ``rows``.
 
         Padding positions (and padding rows) write their K/V to the padding slot 0; in the row
         cache they land past the row's length, which decode overwrites before it ever attends
@@ -201,6 +202,11 @@ class AttentionPaths:
         """
         start = group[0].start
         rows = max(rows, len(group))
+        if any(c.start != start for c in group):  # a hybrid's round (``Engine.mixed_starts``)
+            assert self.row_cache is None and self.gather_window is None
+            top = max(c.start for c in group)
+            keys = key_length(top, length, self.max_context) if pad_keys and self.attention is not None else top + length
+            return mixed_prefill_batch(self.slot_table, group, length, rows, keys, self.mask_rank)
         gather, mask, front_padding = None, None, None
         if start and self.row_cache is None:
             # Past position 0 a chunk attends to its prefix (the row cache has it in place).

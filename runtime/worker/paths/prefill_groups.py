@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from runtime.protocol.worker import AUX_FRESH, PrefillChunk
+from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, PrefillChunk
 
 
 def prefill_groups(
     chunks: list[PrefillChunk], batchable: bool, max_padding: float, recurrent: bool = False,
-    pads_recurrent: bool = False,
+    pads_recurrent: bool = False, mixed_starts: bool = False,
 ) -> list[list[PrefillChunk]]:
     """Batches of prefill chunks, in an order that runs every chunk after those it reads.
 
@@ -21,24 +21,32 @@ def prefill_groups(
     ones, and no padding unless ``pads_recurrent`` (the model's recurrent layers honour the
     real lengths, ``padding_probe``). ``batchable`` False keeps every chunk on its own, in the
     given order.
+
+    ``mixed_starts`` (a recurrent model whose forward takes each row's own start,
+    ``Engine.mixed_starts``): chunks are taken in rounds (``state_rounds``) instead of by start,
+    so chunks of different starts share a forward: a hybrid's step would otherwise run a forward,
+    and wait for it, for every start its chunks have (a prompt's tail past its tracking point,
+    each prefix hit's suffix).
     """
     if not batchable:
         return [[chunk] for chunk in chunks]
     if recurrent and not pads_recurrent:
         max_padding = 0.0
+    rounds = state_rounds(chunks) if mixed_starts else None
     runs: dict[tuple[int, bool], list[PrefillChunk]] = {}
     first: dict[tuple[int, bool], int] = {}
     singles: list[tuple[int, int, PrefillChunk]] = []
     for i, chunk in enumerate(chunks):
+        order = rounds[i] if rounds is not None else chunk.start
         if not chunk.token_ids:  # a full-prefix hit: only table and state updates
-            singles.append((chunk.start, i, chunk))
+            singles.append((order, i, chunk))
             continue
-        key = (chunk.start, recurrent and chunk.aux_source == AUX_FRESH)
+        key = (order, recurrent and chunk.aux_source == AUX_FRESH)
         runs.setdefault(key, []).append(chunk)
         first.setdefault(key, i)
     ordered: list[tuple[int, int, list[PrefillChunk]]] = []
     for key, run in runs.items():
-        start = key[0]
+        start = key[0]  # (the round, with mixed_starts)
         current: list[PrefillChunk] = []
         real = 0
         for chunk in sorted(run, key=lambda c: len(c.token_ids)):
@@ -53,3 +61,23 @@ def prefill_groups(
     ordered.sort(key=lambda item: (item[0], item[1]))
     return [group for _, _, group in ordered]
 
+
+
+def state_rounds(chunks: list[PrefillChunk]) -> list[int]:
+    """Each chunk's round: 0, or one past the round of every chunk of this step whose recurrent
+    state it starts from (its row's chunk before it, or the chunk that snapshots the slot it
+    restores, a prefix another prompt of this step cached). Chunks of one round read no state
+    another one of them writes; the K/V a chunk reads of another prompt were written by that
+    snapshot's chunk or those before it, so in an earlier round too."""
+    rounds: list[int] = []
+    live: dict[int, int] = {}  # a live slot -> the round of the last chunk writing it
+    snapshots: dict[int, int] = {}  # a snapshot slot -> the round of the chunk writing it
+    for chunk in chunks:
+        source = chunk.aux_slot if chunk.aux_source == AUX_CONTINUE else chunk.aux_source
+        after = live.get(source, -1) if chunk.aux_source == AUX_CONTINUE else snapshots.get(source, -1)
+        n = after + 1
+        rounds.append(n)
+        live[chunk.aux_slot] = n
+        if chunk.aux_snapshot >= 0:
+            snapshots[chunk.aux_snapshot] = n
+    return rounds

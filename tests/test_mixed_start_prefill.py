@@ -1,0 +1,101 @@
+"""A hybrid's prefill chunks of different starts in one forward (``Engine.mixed_starts``, the pool
+paths): the rounds that keep every chunk after the states it starts from, the mask, and tokens
+that stay mlx-lm's with fewer forwards a step."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from harness import InProcessService
+from model_factory import reference_greedy
+from test_hybrid_kernel_path import _kernels
+
+from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, PrefillChunk
+from runtime.worker.paths import attention_paths
+from runtime.worker.paths.mixed_prefill import mixed_start_mask
+from runtime.worker.paths.prefill_groups import prefill_groups, state_rounds
+
+
+def _chunk(row: int, start: int, n: int, aux_slot: int, source: int, snapshot: int = -1) -> PrefillChunk:
+    return PrefillChunk(row, start, [5] * n, [1] * n, aux_slot=aux_slot, aux_source=source, aux_snapshot=snapshot)
+
+
+# A prompt's head (snapshotting slot 20 at its tracking point) and its tail; a prompt restoring
+# that snapshot in the same step; one restoring a slot of an earlier step; a whole-prefix hit on
+# the snapshot (no tokens).
+STEP = [_chunk(0, 0, 32, 10, AUX_FRESH, snapshot=20), _chunk(0, 32, 6, 10, AUX_CONTINUE),
+        _chunk(1, 32, 5, 11, 20), _chunk(2, 48, 6, 12, 7), _chunk(3, 32, 0, 13, 20)]
+
+
+def test_a_chunk_runs_a_round_after_the_state_it_starts_from():
+    assert state_rounds(STEP) == [0, 1, 1, 0, 1]
+    # Continuing a chunk of the round before, twice over.
+    assert state_rounds([_chunk(0, 0, 8, 4, AUX_FRESH), _chunk(0, 8, 8, 4, AUX_CONTINUE),
+                         _chunk(0, 16, 8, 4, AUX_CONTINUE)]) == [0, 1, 2]
+
+
+def test_rounds_group_chunks_of_different_starts():
+    def summary(groups):
+        return [[(c.row, c.start) for c in g] for g in groups]
+
+    mixed = prefill_groups(STEP, True, 0.25, recurrent=True, pads_recurrent=True, mixed_starts=True)
+    assert summary(mixed) == [[(0, 0)], [(2, 48)], [(1, 32), (0, 32)], [(3, 32)]]
+    by_start = prefill_groups(STEP, True, 0.25, recurrent=True, pads_recurrent=True)
+    assert summary(by_start) == [[(0, 0)], [(1, 32), (0, 32)], [(3, 32)], [(2, 48)]]
+    # Unpadded models (``pads_recurrent`` False) batch equal lengths only, of any start.
+    equal = [_chunk(0, 16, 5, 1, AUX_CONTINUE), _chunk(1, 32, 5, 2, AUX_CONTINUE), _chunk(2, 16, 6, 3, AUX_CONTINUE)]
+    assert summary(prefill_groups(equal, True, 0.25, recurrent=True, mixed_starts=True)) == [[(0, 16), (1, 32)], [(2, 16)]]
+
+
+def test_each_row_sees_the_keys_up_to_its_own_position():
+    mask = np.array(mixed_start_mask(np.array([0, 2]), 2, 5, 4))
+    assert mask.shape == (2, 1, 2, 5)
+    assert mask[0, 0].tolist() == [[True, False, False, False, False], [True, True, False, False, False]]
+    assert mask[1, 0].tolist() == [[True, True, True, False, False], [True, True, True, True, False]]
+    assert mixed_start_mask(np.array([0, 2]), 2, 5, 5).shape == (2, 1, 1, 2, 5)  # queries grouped in 5-D
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randint(3, 200) for _ in range(n)]
+
+
+@pytest.mark.parametrize(("arch", "kernel"), [("qwen3_next", False), ("qwen3_next", True), ("falcon_h1", False),
+                                               ("mamba", False)])
+def test_mixed_start_forwards_keep_mlx_lms_tokens(model_dir, monkeypatch, arch, kernel):
+    """Prompt tails past their tracking points and prefix hits' suffixes of different starts share
+    forwards (padded where the model's recurrent layers allow it; Mamba's of equal length only),
+    with the CUDA kernel path's rounded keys too (``kernel``: its reference kernels on the CPU)."""
+    if kernel:
+        _kernels(monkeypatch)
+    folder = model_dir(arch)
+    forwards = {}
+    mixed = []
+    build = attention_paths.mixed_prefill_batch
+    monkeypatch.setattr(attention_paths, "mixed_prefill_batch",
+                        lambda *a: mixed.append(sorted({c.start for c in a[1]})) or build(*a))
+    for on in (False, True):
+        svc = InProcessService(folder, max_running=8, aux_slots=64, track_chunk=16, max_step_tokens=256,
+                               pad_shapes=True, row_cache=False)
+        assert svc.engine.mixed_starts and (svc.engine.compiled_paged is not None) == kernel
+        svc.engine.mixed_starts = on
+        run = svc.engine._prefill_batch
+        calls = []
+        monkeypatch.setattr(svc.engine, "_prefill_batch", lambda group: calls.append(1) or run(group))
+        rng = random.Random(5)
+        shared = _ids(rng, 40)
+        # Tails of 5, 5 and 13 tokens at 32, 16 and 16; two prompts on one prefix, the second
+        # restoring the first's state at 32 in the same step.
+        cold = [svc.request(f"c{i}", _ids(rng, n), 6) for i, n in enumerate((37, 21, 29, 12))]
+        cold += [svc.request("s0", shared + _ids(rng, 3), 4), svc.request("s1", shared + _ids(rng, 7), 4)]
+        svc.run({0: cold})
+        first_step = len(calls)
+        warm = [svc.request(f"w{i}", shared + _ids(rng, n), 6) for i, n in enumerate((2, 9, 5))]
+        svc.run({0: warm})
+        assert cold[-1].prefix_len == 32 and [r.prefix_len for r in warm] == [32, 32, 32]
+        forwards[on] = first_step
+        for r in cold + warm:
+            assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), (on, r.rid)
+    assert mixed and all(len(starts) > 1 for starts in mixed)
+    assert forwards[True] < forwards[False], forwards
