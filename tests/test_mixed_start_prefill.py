@@ -15,7 +15,7 @@ from test_hybrid_kernel_path import _kernels
 from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, PrefillChunk
 from runtime.worker.paths import attention_paths
 from runtime.worker.paths.mixed_prefill import mixed_start_mask
-from runtime.worker.paths.prefill_groups import prefill_groups, state_rounds
+from runtime.worker.paths.prefill_groups import MIXED_PAD_FLOOR, prefill_groups, state_rounds
 
 
 def _chunk(row: int, start: int, n: int, aux_slot: int, source: int, snapshot: int = -1) -> PrefillChunk:
@@ -23,14 +23,14 @@ def _chunk(row: int, start: int, n: int, aux_slot: int, source: int, snapshot: i
 
 
 # A prompt's head (snapshotting slot 20 at its tracking point) and its tail; a prompt restoring
-# that snapshot in the same step; one restoring a slot of an earlier step; a whole-prefix hit on
+# that snapshot in the same step; two restoring slots of an earlier step; a whole-prefix hit on
 # the snapshot (no tokens).
 STEP = [_chunk(0, 0, 32, 10, AUX_FRESH, snapshot=20), _chunk(0, 32, 6, 10, AUX_CONTINUE),
-        _chunk(1, 32, 5, 11, 20), _chunk(2, 48, 6, 12, 7), _chunk(3, 32, 0, 13, 20)]
+        _chunk(1, 32, 5, 11, 20), _chunk(2, 48, 6, 12, 7), _chunk(3, 32, 0, 13, 20), _chunk(4, 40, 6, 14, 8)]
 
 
 def test_a_chunk_runs_a_round_after_the_state_it_starts_from():
-    assert state_rounds(STEP) == [0, 1, 1, 0, 1]
+    assert state_rounds(STEP) == [0, 1, 1, 0, 1, 0]
     # Continuing a chunk of the round before, twice over.
     assert state_rounds([_chunk(0, 0, 8, 4, AUX_FRESH), _chunk(0, 8, 8, 4, AUX_CONTINUE),
                          _chunk(0, 16, 8, 4, AUX_CONTINUE)]) == [0, 1, 2]
@@ -41,12 +41,29 @@ def test_rounds_group_chunks_of_different_starts():
         return [[(c.row, c.start) for c in g] for g in groups]
 
     mixed = prefill_groups(STEP, True, 0.25, recurrent=True, pads_recurrent=True, mixed_starts=True)
-    assert summary(mixed) == [[(0, 0)], [(2, 48)], [(1, 32), (0, 32)], [(3, 32)]]
+    assert summary(mixed) == [[(0, 0)], [(2, 48), (4, 40)], [(1, 32), (0, 32)], [(3, 32)]]
     by_start = prefill_groups(STEP, True, 0.25, recurrent=True, pads_recurrent=True)
-    assert summary(by_start) == [[(0, 0)], [(1, 32), (0, 32)], [(3, 32)], [(2, 48)]]
+    assert summary(by_start) == [[(0, 0)], [(1, 32), (0, 32)], [(3, 32)], [(4, 40)], [(2, 48)]]
+    # Where taking them by start gives no more batches, they are taken by start.
+    assert prefill_groups(STEP[:5], True, 0.25, recurrent=True, pads_recurrent=True, mixed_starts=True) == \
+        prefill_groups(STEP[:5], True, 0.25, recurrent=True, pads_recurrent=True)
     # Unpadded models (``pads_recurrent`` False) batch equal lengths only, of any start.
     equal = [_chunk(0, 16, 5, 1, AUX_CONTINUE), _chunk(1, 32, 5, 2, AUX_CONTINUE), _chunk(2, 16, 6, 3, AUX_CONTINUE)]
     assert summary(prefill_groups(equal, True, 0.25, recurrent=True, mixed_starts=True)) == [[(0, 16), (1, 32)], [(2, 16)]]
+
+
+def test_short_chunks_pad_up_to_the_floor_where_starts_mix():
+    tails = [_chunk(i, 64 * (i + 1), n, i + 1, AUX_CONTINUE) for i, n in enumerate((5, 20, 60, 61))]
+    lengths = [[len(c.token_ids) for c in g]
+               for g in prefill_groups(tails, True, 0.25, recurrent=True, pads_recurrent=True, mixed_starts=True)]
+    assert lengths == [[5, 20, 60, 61]]  # 4 x 61 tokens, within MIXED_PAD_FLOOR
+    assert MIXED_PAD_FLOOR == 512
+    longer = [_chunk(i, 64 * (i + 1), n, i + 1, AUX_CONTINUE) for i, n in enumerate((5, 200, 200, 200))]
+    lengths = [[len(c.token_ids) for c in g]
+               for g in prefill_groups(longer, True, 0.25, recurrent=True, pads_recurrent=True, mixed_starts=True)]
+    assert lengths == [[5, 200], [200, 200]]  # 3 x 200 is past the floor, and pads more than a quarter
+    # Elsewhere the share of padding alone decides.
+    assert len(prefill_groups(tails, True, 0.25, recurrent=True, pads_recurrent=True)) == 4
 
 
 def test_each_row_sees_the_keys_up_to_its_own_position():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, PrefillChunk
 
+MIXED_PAD_FLOOR = 512  # tokens (rows x length) a hybrid's batch may pad to, however short its chunks
+
 
 def prefill_groups(
     chunks: list[PrefillChunk], batchable: bool, max_padding: float, recurrent: bool = False,
@@ -16,51 +18,61 @@ def prefill_groups(
     s; so the chunks are taken in order of start (stably), and the chunks of one start, one
     per row, are independent of one another. Those are sorted by length and cut into batches
     whose padding (shorter chunks are padded at the end; causal attention keeps real tokens
-    blind to it) stays within ``max_padding`` of the real tokens. ``recurrent`` (models with
-    recurrent state): a batch's rows either all start from an empty state or all from saved
-    ones, and no padding unless ``pads_recurrent`` (the model's recurrent layers honour the
-    real lengths, ``padding_probe``). ``batchable`` False keeps every chunk on its own, in the
-    given order.
+    blind to it) stays within ``max_padding`` of the real tokens. ``recurrent`` (models with recurrent state): a batch's rows either
+    all start from an empty state or all from saved ones, and no padding unless
+    ``pads_recurrent`` (the model's recurrent layers honour the real lengths,
+    ``padding_probe``). ``batchable`` False keeps every chunk on its own, in the given order.
 
     ``mixed_starts`` (a recurrent model whose forward takes each row's own start,
-    ``Engine.mixed_starts``): chunks are taken in rounds (``state_rounds``) instead of by start,
-    so chunks of different starts share a forward: a hybrid's step would otherwise run a forward,
-    and wait for it, for every start its chunks have (a prompt's tail past its tracking point,
-    each prefix hit's suffix).
+    ``Engine.mixed_starts``): the chunks may also be taken in rounds (``state_rounds``), so that
+    chunks of different starts share a forward; whichever order gives fewer batches is used. A
+    hybrid's step would otherwise run a forward, and wait for it, for every start its chunks
+    have (a prompt's tail past its tracking point, each prefix hit's suffix). Where such a model
+    pads, a batch may also pad up to ``MIXED_PAD_FLOOR`` tokens in all: its forward costs about
+    the same at that size whatever the padding, and each batch less is a forward less.
     """
     if not batchable:
         return [[chunk] for chunk in chunks]
     if recurrent and not pads_recurrent:
         max_padding = 0.0
-    rounds = state_rounds(chunks) if mixed_starts else None
+    pad_floor = MIXED_PAD_FLOOR if mixed_starts and max_padding > 0 else 0
+    by_start = _batches(chunks, [c.start for c in chunks], recurrent, max_padding, pad_floor)
+    if not mixed_starts:
+        return by_start
+    by_round = _batches(chunks, state_rounds(chunks), recurrent, max_padding, pad_floor)
+    return by_round if len(by_round) < len(by_start) else by_start
+
+
+def _batches(chunks: list[PrefillChunk], order: list[int], recurrent: bool, max_padding: float, pad_floor: int
+             ) -> list[list[PrefillChunk]]:
+    """The chunks of each ``order`` value (and, for a recurrent model, of one kind of starting
+    state) cut into batches by length, in ascending ``order``; whole-prefix hits on their own."""
     runs: dict[tuple[int, bool], list[PrefillChunk]] = {}
     first: dict[tuple[int, bool], int] = {}
     singles: list[tuple[int, int, PrefillChunk]] = []
     for i, chunk in enumerate(chunks):
-        order = rounds[i] if rounds is not None else chunk.start
         if not chunk.token_ids:  # a full-prefix hit: only table and state updates
-            singles.append((order, i, chunk))
+            singles.append((order[i], i, chunk))
             continue
-        key = (order, recurrent and chunk.aux_source == AUX_FRESH)
+        key = (order[i], recurrent and chunk.aux_source == AUX_FRESH)
         runs.setdefault(key, []).append(chunk)
         first.setdefault(key, i)
     ordered: list[tuple[int, int, list[PrefillChunk]]] = []
     for key, run in runs.items():
-        start = key[0]  # (the round, with mixed_starts)
         current: list[PrefillChunk] = []
         real = 0
         for chunk in sorted(run, key=lambda c: len(c.token_ids)):
             n = len(chunk.token_ids)
-            if current and (len(current) + 1) * n > (1 + max_padding) * (real + n):
-                ordered.append((start, first[key], current))
+            padded = (len(current) + 1) * n
+            if current and padded > (1 + max_padding) * (real + n) and padded > pad_floor:
+                ordered.append((key[0], first[key], current))
                 current, real = [], 0
             current.append(chunk)
             real += n
-        ordered.append((start, first[key], current))
-    ordered += [(start, i, [chunk]) for start, i, chunk in singles]
+        ordered.append((key[0], first[key], current))
+    ordered += [(rank, i, [chunk]) for rank, i, chunk in singles]
     ordered.sort(key=lambda item: (item[0], item[1]))
     return [group for _, _, group in ordered]
-
 
 
 def state_rounds(chunks: list[PrefillChunk]) -> list[int]:
