@@ -18,10 +18,11 @@ def prefill_groups(
     s; so the chunks are taken in order of start (stably), and the chunks of one start, one
     per row, are independent of one another. Those are sorted by length and cut into batches
     whose padding (shorter chunks are padded at the end; causal attention keeps real tokens
-    blind to it) stays within ``max_padding`` of the real tokens. ``recurrent`` (models with recurrent state): a batch's rows either
-    all start from an empty state or all from saved ones, and no padding unless
-    ``pads_recurrent`` (the model's recurrent layers honour the real lengths,
-    ``padding_probe``). ``batchable`` False keeps every chunk on its own, in the given order.
+    blind to it) stays within ``max_padding`` of the real tokens. ``recurrent`` (models with
+    recurrent state): a batch's rows either all start from an empty state or all from saved
+    ones, and no padding unless ``pads_recurrent`` (the model's recurrent layers honour the
+    real lengths, ``padding_probe``). ``batchable`` False keeps every chunk on its own, in the
+    given order.
 
     ``mixed_starts`` (a recurrent model whose forward takes each row's own start,
     ``Engine.mixed_starts``): the chunks may also be taken in rounds (``state_rounds``), so that
