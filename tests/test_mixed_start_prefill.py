@@ -9,10 +9,15 @@ import random
 import numpy as np
 import pytest
 from harness import InProcessService
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from model_factory import reference_greedy
 from test_hybrid_kernel_path import _kernels
 
 from runtime.protocol.worker import AUX_CONTINUE, AUX_FRESH, PrefillChunk
+from runtime.scheduler.admission import Limits
+from runtime.scheduler.core import Scheduler
+from runtime.scheduler.request import Request, SamplingParams
 from runtime.worker.paths import attention_paths
 from runtime.worker.paths.mixed_prefill import mixed_start_mask
 from runtime.worker.paths.prefill_groups import MIXED_PAD_FLOOR, prefill_groups, state_rounds
@@ -116,3 +121,57 @@ def test_mixed_start_forwards_keep_mlx_lms_tokens(model_dir, monkeypatch, arch, 
             assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), (on, r.rid)
     assert mixed and all(len(starts) > 1 for starts in mixed)
     assert forwards[True] < forwards[False], forwards
+
+
+SYSTEMS = [list(range(1, 1 + n)) for n in (40, 90, 150)]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, len(SYSTEMS)), st.integers(1, 120), st.integers(0, 6)), min_size=1,
+                max_size=14),
+       st.sampled_from([16, 32, 64]), st.booleans())
+def test_hybrid_steps_group_every_chunk_after_what_it_reads(requests, track, pads):
+    """The scheduler's own hybrid steps (prompts on shared prefixes arriving over a few steps, so
+    that one restores a state another prompt of its step saves): every chunk in exactly one batch,
+    after the batch that writes the state it starts from, at or after those writing the prefix
+    K/V it reads, with rows of one kind of starting state (and of one length, unpadded)."""
+    limits = Limits(4096, 8, 512, 1000, max_step_tokens=256, prefill_chunk=64, aux_slots=48, track_chunk=track)
+    s = Scheduler(limits, frozenset({0}), debug_invariants=True)
+    arrivals: dict[int, list[Request]] = {}
+    for i, (system, own, at) in enumerate(requests):
+        prompt = (SYSTEMS[system] if system < len(SYSTEMS) else []) + [300 + (i * 37 + j) % 600 for j in range(own)]
+        arrivals.setdefault(at, []).append(Request(rid=f"r{i}", prompt_ids=prompt,
+                                                   params=SamplingParams(max_tokens=2, ignore_eos=True), max_new=2))
+    for step in range(200):
+        for r in arrivals.pop(step, []):
+            r.max_new = s.validate(r.prompt_ids, r.max_new, 0.0)
+            s.add(r)
+        p = s.next_step()
+        if p is None:
+            if not arrivals:
+                break
+            continue
+        chunks = p.step.prefills
+        groups = prefill_groups(chunks, True, 0.25, recurrent=True, pads_recurrent=pads, mixed_starts=True)
+        at = {id(c): g for g, group in enumerate(groups) for c in group}
+        assert sorted(map(id, chunks)) == sorted(at), "each chunk in exactly one batch"
+        live: dict[int, int] = {}
+        snapshot: dict[int, int] = {}
+        written: dict[int, int] = {}
+        for c in chunks:
+            g = at[id(c)]
+            if c.aux_source == AUX_CONTINUE and c.aux_slot in live:
+                assert live[c.aux_slot] < g, "after its row's chunk before it"
+            if c.aux_source >= 0 and c.aux_source in snapshot:
+                assert snapshot[c.aux_source] < g, "after the chunk saving the state it restores"
+            assert all(written.get(slot, -1) <= g for slot in c.prefix_slots), "at or after its prefix's K/V"
+            live[c.aux_slot] = g
+            if c.aux_snapshot >= 0:
+                snapshot[c.aux_snapshot] = g
+            written.update((slot, g) for slot in c.slot_ids)
+        for group in groups:
+            assert len({c.aux_source == AUX_FRESH for c in group}) == 1
+            if not pads:
+                assert len({len(c.token_ids) for c in group}) == 1
+        s.on_step_done(p.step.step_id, [7] * len(p.decode_reqs))
+    assert not arrivals
