@@ -22,8 +22,13 @@ class FakeEngine:
         self.shapes_built = (self.shapes_built[0] + len(built.step.prefills), self.shapes_built[1] + 1)
 
     def prepare(self, built) -> None:
+        for chunk in built.step.prefills:  # a forward each
+            self._prefill_batch([chunk])
         if built.step.prefills and self.kernel_dir is not None:  # as MLX writes a kernel it built
             (self.kernel_dir / f"kernel{built.step_id}.ptx").write_text("")
+
+    def _prefill_batch(self, group) -> list:
+        return []
 
     def finalize(self, built):
         return []
@@ -39,14 +44,16 @@ def test_slow_submits_are_described(tmp_path, monkeypatch) -> None:
     engine = FakeEngine(kernels)
     trace.wrap_engine(engine)
     decode = DecodeBatch(rows=[0, 1], token_ids=[-1, -1], positions=[5, 7], slot_ids=[9, 10], temperatures=[0.0, 0.7])
-    prefill = PrefillChunk(row=2, start=0, token_ids=[1, 2, 3], slot_ids=[11, 12, 13])
-    engine.submit(engine.build(Step(step_id=4, prefills=[prefill], decode=decode)))
+    prefills = [PrefillChunk(row=2, start=0, token_ids=[1, 2, 3], slot_ids=[11, 12, 13]),
+                PrefillChunk(row=3, start=0, token_ids=[4], slot_ids=[14])]
+    engine.submit(engine.build(Step(step_id=4, prefills=prefills, decode=decode)))
     engine.finalize(None)
     trace.write()
     text = (tmp_path / "trace").read_text()
-    assert "submit" in text and "finalize" in text and "build" in text
-    assert ("step 4: 1 prefill chunks (3 tokens), 2 decode rows (sampled or masked); new prefill shapes 1, "
+    assert "submit" in text and "finalize" in text and "build" in text and "forward " in text
+    assert ("step 4: 2 prefill chunks (4 tokens), 2 decode rows (sampled or masked); new prefill shapes 2, "
             "new decode traces 1; prepare ") in text
+    assert " ms, 2 prefill forwards" in text
     assert "kernel cache files +1 since the last slow submit" in text  # the one the step's prepare wrote
 
 

@@ -89,7 +89,7 @@ class StepTrace:
             if len(submitted) > 64:
                 submitted.clear()  # steps whose finalize never came (a failed step)
             submitted[built.step_id] = (t0, kind)
-            prepares = len(self.times["prepare"])
+            prepares, forwards = len(self.times["prepare"]), len(self.times["forward"])
             try:
                 return submit(built)
             finally:
@@ -99,17 +99,21 @@ class StepTrace:
                     after = engine.shapes_built
                     self.slow.append((took, time.perf_counter() - self.started,
                                       f"step {built.step_id}: {what}; new prefill shapes {after[0] - before[0]}, "
-                                      f"new decode traces {after[1] - before[1]}{self._slow_detail(prepares)}"))
+                                      f"new decode traces {after[1] - before[1]}{self._slow_detail(prepares, forwards)}"))
                     self.slow.sort(key=lambda s: -s[0])
                     del self.slow[SLOW_KEPT:]
 
         engine.build, engine.submit, engine.finalize = traced_build, timed_submit, timed_finalize
         if hasattr(engine, "prepare"):  # inside submit: a step's prefill forwards and the waits between them
             engine.prepare = self.timed("prepare", engine.prepare)
+        if hasattr(engine, "_prefill_batch"):  # inside prepare: building one batched prefill forward
+            engine._prefill_batch = self.timed("forward", engine._prefill_batch)
 
-    def _slow_detail(self, prepares_before: int) -> str:
-        """What a slow submit spent in ``prepare``, and the kernel files MLX wrote meanwhile."""
-        detail = f"; prepare {sum(self.times['prepare'][prepares_before:]) * 1e3:.1f} ms"
+    def _slow_detail(self, prepares_before: int, forwards_before: int) -> str:
+        """What a slow submit spent in ``prepare`` and in how many prefill forwards, and the
+        kernel files MLX wrote meanwhile."""
+        forwards = len(self.times["forward"]) - forwards_before
+        detail = f"; prepare {sum(self.times['prepare'][prepares_before:]) * 1e3:.1f} ms, {forwards} prefill forwards"
         if self.kernel_dir:
             count = _file_count(self.kernel_dir)
             detail += f"; kernel cache files +{count - self._kernel_files} since the last slow submit"
