@@ -113,7 +113,7 @@ class StepTrace:
         """What a slow submit spent in ``prepare`` and in how many prefill forwards, and the
         kernel files MLX wrote meanwhile."""
         forwards = len(self.times["forward"]) - forwards_before
-        detail = f"; prepare {sum(self.times['prepare'][prepares_before:]) * 1e3:.1f} ms, {forwards} prefill forwards"
+        detail = f"; prepare {sum(self.times['prepare'][prepares_before:]) * 1e3:.1f} ms, {forwards} separate prefill forwards"
         if self.kernel_dir:
             count = _file_count(self.kernel_dir)
             detail += f"; kernel cache files +{count - self._kernel_files} since the last slow submit"

@@ -27,7 +27,7 @@ from runtime.worker.paths.cuda.kernel_check import check_kernel_rope, check_page
 from runtime.worker.paths.cuda.kernel_launch import launch_shape
 from runtime.worker.paths.decode_plan import DecodePlan, row_bucket
 from runtime.worker.paths.deferred_steps import DeferredSteps
-from runtime.worker.paths.mixed_prefill import mixed_prefill_batch
+from runtime.worker.paths.mixed_prefill import mixed_prefill_batch, padded_write_slots
 from runtime.worker.paths.paged_attention import PagedAttention
 from runtime.worker.paths.pool_cache import ForwardBatch, WindowGather, decode_mask
 from runtime.worker.paths.prefill_shapes import front_padded_mask, key_length
@@ -220,10 +220,8 @@ class AttentionPaths:
             if pad:
                 front_padding = (start, length, pad + start + length)
                 mask = front_padded_mask(*front_padding, self.mask_rank)
-        slots = [s for c in group for s in c.slot_ids + [0] * (length - len(c.token_ids))]
-        slots += [0] * (length * (rows - len(group)))
         return ForwardBatch(
-            write_slots=mx.array(slots, dtype=mx.int32),
+            write_slots=padded_write_slots(group, length, rows),
             gather_index=gather,
             offset=start,
             mask=mask,

@@ -34,7 +34,13 @@ def mixed_prefill_batch(slot_table: np.ndarray, group: list[PrefillChunk], lengt
         end = chunk.start + len(chunk.token_ids)
         starts[i] = chunk.start
         index[i, :end] = slot_table[chunk.row, :end]
+    return ForwardBatch(write_slots=padded_write_slots(group, length, rows), gather_index=mx.array(index),
+                        offset=mx.array(starts), mask=mixed_start_mask(starts, length, keys, mask_rank))
+
+
+def padded_write_slots(group: list[PrefillChunk], length: int, rows: int) -> mx.array:
+    """(rows * length,) pool slots for a prefill forward's new K/V, row-major: each chunk's own,
+    then the padding slot 0 for its padding positions and for the padding rows."""
     slots = [s for c in group for s in c.slot_ids + [0] * (length - len(c.token_ids))]
     slots += [0] * (length * (rows - len(group)))
-    return ForwardBatch(write_slots=mx.array(slots, dtype=mx.int32), gather_index=mx.array(index),
-                        offset=mx.array(starts), mask=mixed_start_mask(starts, length, keys, mask_rank))
+    return mx.array(slots, dtype=mx.int32)
