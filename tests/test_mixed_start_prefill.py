@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from harness import InProcessService
@@ -175,3 +176,19 @@ def test_hybrid_steps_group_every_chunk_after_what_it_reads(requests, track, pad
                 assert len({len(c.token_ids) for c in group}) == 1
         s.on_step_done(p.step.step_id, [7] * len(p.decode_reqs))
     assert not arrivals
+
+
+def test_a_row_near_the_context_end_does_not_cut_another_rows_chunk(model_dir):
+    """A round's row 16 positions from the context end beside a longer chunk of another row: the
+    batch's length is each row's own at least (the padding past the context end goes to slot 0)."""
+    svc = InProcessService(model_dir("qwen3_next"), max_running=4, aux_slots=16, max_context=256, pad_shapes=True,
+                           row_cache=False)
+    near_end = PrefillChunk(0, 240, [5] * 10, list(range(300, 310)), aux_slot=1, aux_source=AUX_CONTINUE)
+    longer = PrefillChunk(1, 10, [6] * 30, list(range(400, 430)), aux_slot=2, aux_source=AUX_CONTINUE)
+    assert prefill_groups([near_end, longer], True, svc.engine.max_padding, recurrent=True, pads_recurrent=True,
+                          mixed_starts=True) == [[near_end, longer]]
+    _, tokens = svc.engine._prefill_inputs([near_end, longer])
+    assert {len(t) for t in tokens} == {30}
+    svc.engine._prefill_batch([near_end, longer])
+    mx.eval(svc.engine._written())  # the forward runs
+    assert (2, 30, 270) in svc.engine.prefill_shapes

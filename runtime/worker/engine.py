@@ -274,8 +274,8 @@ class Engine:
         rows = len(group)
         padded = self.max_padding > 0 and (self.aux_pool is None or self.pads_recurrent)
         if padded:
-            # Padded even alone: every new (rows, length) shape costs kernel builds on a GPU.
-            n = min((continuation_length if start else prefill_length)(n), self.max_context - start)
+            # Padded even alone (a new shape costs kernel builds on a GPU); never below a row's length.
+            n = max(min((continuation_length if start else prefill_length)(n), self.max_context - start), n)
             # (A row span is per real row.) A hybrid's padding rows run from empty states, length 0.
             rows = padded_rows(rows) if self.paths.row_cache is None else rows
         for chunk in group:
