@@ -200,18 +200,17 @@ class AttentionPaths:
         there. ``pad_keys`` (paged-kernel models, on a GPU): past position 0 the gathered keys
         are rounded up too (``prefill_shapes.key_length``), padded at the front and masked.
         """
-        start = group[0].start
+        start = max(c.start for c in group)
         rows = max(rows, len(group))
+        # Keys each row gathers past position 0: rounded up where ``pad_keys``, else exact.
+        keys = key_length(start, length, self.max_context) if pad_keys and self.attention is not None else start + length
         if any(c.start != start for c in group):  # a hybrid's round (``Engine.mixed_starts``)
             assert self.row_cache is None and self.gather_window is None
-            top = max(c.start for c in group)
-            keys = key_length(top, length, self.max_context) if pad_keys and self.attention is not None else top + length
             return mixed_prefill_batch(self.slot_table, group, length, rows, keys, self.mask_rank)
         gather, mask, front_padding = None, None, None
         if start and self.row_cache is None:
             # Past position 0 a chunk attends to its prefix (the row cache has it in place).
-            keys = key_length(start, length, self.max_context) if pad_keys and self.attention is not None else 0
-            pad = max(keys - start - length, 0)
+            pad = keys - start - length
             index = np.zeros((rows, pad + start + length), dtype=np.int32)
             index[: len(group), pad:] = self.slot_table[[c.row for c in group], : start + length]
             for i, c in enumerate(group):
