@@ -155,6 +155,7 @@ def test_prefill_warm_up_runs_the_common_shapes_and_leaves_the_service_exact(fol
     assert shapes[:4] == [(1, 16, 0), (1, 32, 0), (1, 48, 0), (1, 64, 0)]
     assert (4, 16, 0) in shapes and (8, 16, 0) not in shapes
     assert (1, 16, 240) in shapes and (1, 32, 480) in shapes  # past position 0: 256 and 512 keys
+    assert (2, 32, 480) in shapes and (4, 16, 496) in shapes and (8, 16, 240) not in shapes  # 2 and 4 rows of them
     assert warm_prefill(svc.engine, 64, 32) == len(shapes)
     assert {(r, n, start + n) for r, n, start in shapes} <= svc.engine.prefill_shapes
     rng = random.Random(8)

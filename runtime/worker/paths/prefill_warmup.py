@@ -4,9 +4,12 @@ Only where padding makes prefill shapes recur (a GPU: ``Engine.max_padding``). F
 (position 0) are the shapes every service sees: each padded query length alone, and several
 rows of the lengths a step's chunks take together. Past position 0 (a long prompt's later
 chunks, a prefix hit's suffix) one row of each power-of-two query length at each rounded key
-length up to ``CONTINUATION_KEYS``. The list is fixed by the step limits (about 110 + 70
-shapes for 2048-token steps and 512-token chunks, 50-90 ms each on an H200), not by a clock,
-so every tensor-parallel rank runs the same forwards. Rarer shapes build on first use.
+length up to ``CONTINUATION_KEYS``, then 2 and 4 rows of them (a step's chunks of one start: two
+long prompts' second chunks, a prefix wave's suffixes; a hybrid's chunks of different starts).
+The list is fixed by the step limits (about 110 + 70 + 140 shapes for 2048-token steps and
+512-token chunks), not by a clock, so every tensor-parallel rank runs the same forwards. On an
+H100 a shape past position 0 took about 10 ms to warm through a Qwen3-Next's first 4 layers,
+one at position 0 about 200 ms (cuDNN builds a causal attention graph a shape; session 42's log). Rarer shapes build on first use.
 
 A hybrid (recurrent state) is warmed where its prompts are padded (``Engine.pads_recurrent``):
 each row takes a state slot no request holds yet (1, 2, ..), fresh at position 0 and its own
@@ -36,13 +39,15 @@ from runtime.worker.paths.warmup_layers import leading_layers_only
 
 MAX_ROWS = 16
 CONTINUATION_KEYS = 4096  # warm continuation shapes with at most this many keys
+CONTINUATION_ROWS = (2, 4)  # ... and these row counts of them besides one
 
 
 def common_shapes(max_step_tokens: int, prefill_chunk: int, max_rows: int, max_context: int = 0
                   ) -> Iterator[tuple[int, int, int]]:
     """(rows, length, start) of the prefill forwards a service runs most, most common first:
     one row at every padded length a step allows, then 2, 4, .. rows of a chunk's lengths,
-    then (with ``max_context``) one row past position 0 at every continuation length and key length."""
+    then (with ``max_context``) one row past position 0 at every continuation length and key
+    length, then ``CONTINUATION_ROWS`` rows of those."""
     lengths = sorted({prefill_length(n) for n in range(1, max_step_tokens + 1)})
     yield from ((1, n, 0) for n in lengths if n <= max_step_tokens)
     rows = 2
@@ -53,6 +58,10 @@ def common_shapes(max_step_tokens: int, prefill_chunk: int, max_rows: int, max_c
     keys = sorted({key_length(s, 1, limit) for s in range(1, limit)})
     queries = sorted({continuation_length(n) for n in range(1, prefill_chunk + 1)})
     yield from ((1, n, k - n) for n in queries for k in keys if k - n > 0 and k <= limit)
+    for rows in CONTINUATION_ROWS:
+        if rows <= max_rows:
+            yield from ((rows, n, k - n) for n in queries for k in keys
+                        if rows * n <= max_step_tokens and k - n > 0 and k <= limit)
 
 
 def warm_prefill(engine, max_step_tokens: int, prefill_chunk: int, log: Callable[[str], None] | None = None) -> int:
@@ -78,7 +87,7 @@ def _warm(engine, max_step_tokens: int, prefill_chunk: int, log: Callable[[str],
     max_rows = engine.paths.max_rows if aux is None else min(engine.paths.max_rows, aux.num_slots - 1)
     done = 0
     for rows, n, start in common_shapes(min(max_step_tokens, limit), prefill_chunk, max_rows, limit):
-        if rows * (start + n) > limit:
+        if start + rows * n >= engine.pool.num_slots:  # (the rows share the prefix's slots, then take their own)
             continue
         prefix = list(range(1, start + 1))
         chunks = [PrefillChunk(row=r, start=start, token_ids=[0] * n,
