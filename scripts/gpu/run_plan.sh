@@ -185,6 +185,7 @@ for item in "$@"; do
     8b-sweep) run "$item" 400 python3 -m runtime.bench --synthetic llama-8b --workloads sweep --concurrency 128 --json "$OUT/$item$tag.json" ;;
     1b-sweep) run "$item" 300 python3 -m runtime.bench --synthetic llama-1b --workloads sweep --concurrency 64,256 --json "$OUT/$item$tag.json" ;;
     1b-mixed-rt-short) run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --mixed-runtime-only --mixed-requests 150 --mixed-prefix-requests 32 --json "$OUT/$item$tag.json" ;;
+    1b-mixed-rt-trace) RUNTIME_WORKER_TRACE="$OUT/1b-mixed-worker-trace$tag" run "$item" 200 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --mixed-runtime-only --json "$OUT/$item$tag.json" ;;
     1b-mixed) run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --json "$OUT/$item$tag.json" ;;
     1b-mixed-10|1b-mixed-20)  # at a rate mlx_lm.server survives (at 30/s its generation thread died, session 39)
       run "$item" 400 python3 -m runtime.bench --synthetic llama-1b --workloads mixed --mixed-rate "${item##*-}" --json "$OUT/$item$tag.json" ;;
