@@ -64,6 +64,14 @@ for item in "$@"; do
     fuse-prefill)  # on this device copy only: the items after it run prefill and decode as one forward
       sed -i 's/^FUSE_PREFILL = False/FUSE_PREFILL = True/' runtime/worker/engine.py; fuse_tag=-fused
       echo "== fuse-prefill: $(grep -E '^FUSE_PREFILL =' runtime/worker/engine.py)" ;;
+    fuse-2048)  # on this device copy only: the items after it fuse steps of up to 2,048 prefill tokens with
+                # their decode rows (FUSE_MAX_TOKENS), not 512: steps of more ran 2-4 separate forwards, each waited for
+      sed -i 's/^FUSE_MAX_TOKENS = 512$/FUSE_MAX_TOKENS = 2048/' runtime/worker/engine.py; fuse_tag=-fuse2048
+      echo "== fuse-2048: $(grep -E '^FUSE_MAX_TOKENS =' runtime/worker/engine.py)" ;;
+    no-mixed-starts)  # on this device copy only: the items after it run a hybrid's prefill chunks of different
+                      # starts as separate forwards again (before session 42), for an A/B on one machine
+      sed -i 's/        self.mixed_starts = aux_pool is not None and /        self.mixed_starts = False and aux_pool is not None and /' runtime/worker/engine.py; hyb_tag=${hyb_tag:-}-bystart
+      echo "== no-mixed-starts: $(grep -E 'self.mixed_starts = ' runtime/worker/engine.py)" ;;
     unpadded)  # on this device copy only: the items after it run with worker.pad_shapes = "off" (mlx-lm's shapes)
       sed -i 's/self.padded_shapes = on_gpu if pad_shapes is None/self.padded_shapes = False if pad_shapes is None/' runtime/worker/engine.py; pad_tag=-unpadded
       echo "== unpadded: $(grep -E 'self.padded_shapes = ' runtime/worker/engine.py)" ;;
