@@ -42,7 +42,7 @@ for item in "$@"; do
   case $item in  # ITEM#N: the same item again, its log named ITEM-N
     *#[0-9]*) tag=$tag-${item#*#}; item=${item%#*} ;;
   esac
-  tag=$tag${fuse_tag:-}${cubin_tag:-}${pad_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}${win_tag:-}${sink_tag:-}${cpu_tag:-}${hyb_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
+  tag=$tag${fuse_tag:-}${cubin_tag:-}${pad_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}${win_tag:-}${sink_tag:-}${cpu_tag:-}${hyb_tag:-}${tree_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
   case $item in
     kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
     gemv-ab) run "$item" 150 python3 scripts/gemv_ab.py ;;
@@ -72,6 +72,11 @@ for item in "$@"; do
                       # starts as separate forwards again (before session 42), for an A/B on one machine
       sed -i 's/        self.mixed_starts = aux_pool is not None and /        self.mixed_starts = False and aux_pool is not None and /' runtime/worker/engine.py; hyb_tag=${hyb_tag:-}-bystart
       echo "== no-mixed-starts: $(grep -E 'self.mixed_starts = ' runtime/worker/engine.py)" ;;
+    s28-tree)  # the items after it run session 28's sources (8ee2341, packed by `git archive 8ee2341 runtime
+               # scripts` into .gpu/d/s28-tree.tgz; carry .gpu/d): a same-machine baseline for the mixed runs
+      mkdir -p /tmp/s28-tree && tar -xzf .gpu/d/s28-tree.tgz -C /tmp/s28-tree && cd /tmp/s28-tree || exit 5
+      export PYTHONPATH=/root/site:/root/site2:/tmp/s28-tree; tree_tag=-s28
+      echo "== s28-tree: $(pwd), sources sha256 $(find runtime scripts -name '*.py' | sort | xargs cat | sha256sum | cut -c1-16)" ;;
     unpadded)  # on this device copy only: the items after it run with worker.pad_shapes = "off" (mlx-lm's shapes)
       sed -i 's/self.padded_shapes = on_gpu if pad_shapes is None/self.padded_shapes = False if pad_shapes is None/' runtime/worker/engine.py; pad_tag=-unpadded
       echo "== unpadded: $(grep -E 'self.padded_shapes = ' runtime/worker/engine.py)" ;;
