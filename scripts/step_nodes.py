@@ -37,7 +37,7 @@ def _nodes(arrays: list[mx.array], path: Path) -> int:
 
 
 def _stand_in_kernels() -> None:
-    def append(self, inputs, scale, launch, rope=None):
+    def append(self, inputs, scale, launch, rope=None, sinks=None):
         queries, *_, tail_keys, tail_values, _, _, _ = inputs
         return mx.sort(queries, axis=-1), mx.sort(tail_keys, axis=-1), mx.sort(tail_values, axis=-1)
 
