@@ -165,6 +165,27 @@ def test_prefill_warm_up_runs_the_common_shapes_and_leaves_the_service_exact(fol
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, 8), r.rid
 
 
+def test_prefill_warm_up_skips_the_shapes_a_small_pool_cannot_hold(folder):
+    """Rows past position 0 share the prefix's slots and take their own after it: a shape
+    needs start + rows * length slots (slot 0 is padding), and those that need more are left out."""
+    from runtime.worker.paths.prefill_warmup import common_shapes, warm_prefill
+
+    svc = InProcessService(folder, max_step_tokens=64, prefill_chunk=32, max_running=8, row_cache=False,
+                           kv_slots=520)
+    svc.engine.max_padding = 0.25
+    slots = svc.engine.pool.num_slots
+    shapes = list(common_shapes(64, 32, 8, min(512, slots - 1)))
+    fit = [(r, n, start) for r, n, start in shapes if start + r * n < slots]
+    assert (2, 16, 496) in shapes and (2, 16, 496) not in fit and (1, 32, 480) in fit
+    assert warm_prefill(svc.engine, 64, 32) == len(fit)
+    assert {(r, n, start + n) for r, n, start in fit} <= svc.engine.prefill_shapes
+    rng = random.Random(10)
+    reqs = [svc.request(f"w{i}", [60 + i] + [rng.randrange(3, 250) for _ in range(18 + 5 * i)], 6) for i in range(3)]
+    svc.run({0: reqs})
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, 6), r.rid
+
+
 def test_prefill_warm_up_runs_one_layer_where_layers_are_alike_and_stays_exact(folder, monkeypatch):
     from runtime.worker.model.discovery import layers_owner
     from runtime.worker.paths import prefill_warmup
