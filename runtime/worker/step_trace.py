@@ -99,7 +99,7 @@ class StepTrace:
                     after = engine.shapes_built
                     self.slow.append((took, time.perf_counter() - self.started,
                                       f"step {built.step_id}: {what}; new prefill shapes {after[0] - before[0]}, "
-                                      f"new decode traces {after[1] - before[1]}{self._slow_detail(prepares, forwards)}"))
+                                      f"new decode traces {after[1] - before[1]}{self._slow_detail(prepares, forwards, took)}"))
                     self.slow.sort(key=lambda s: -s[0])
                     del self.slow[SLOW_KEPT:]
 
@@ -109,11 +109,13 @@ class StepTrace:
         if hasattr(engine, "_prefill_batch"):  # inside prepare: building one batched prefill forward
             engine._prefill_batch = self.timed("forward", engine._prefill_batch)
 
-    def _slow_detail(self, prepares_before: int, forwards_before: int) -> str:
-        """What a slow submit spent in ``prepare`` and in how many prefill forwards, and the
-        kernel files MLX wrote meanwhile."""
+    def _slow_detail(self, prepares_before: int, forwards_before: int, took: float) -> str:
+        """What a slow submit spent in ``prepare`` and in how many prefill forwards, the rest
+        (``mx.async_eval``: MLX encoding and queueing the step), and the kernel files MLX wrote meanwhile."""
         forwards = len(self.times["forward"]) - forwards_before
-        detail = f"; prepare {sum(self.times['prepare'][prepares_before:]) * 1e3:.1f} ms, {forwards} separate prefill forwards"
+        prepare = sum(self.times["prepare"][prepares_before:])
+        detail = (f"; prepare {prepare * 1e3:.1f} ms, {forwards} separate prefill forwards; "
+                  f"queueing {(took - prepare) * 1e3:.1f} ms")
         if self.kernel_dir:
             count = _file_count(self.kernel_dir)
             detail += f"; kernel cache files +{count - self._kernel_files} since the last slow submit"
