@@ -145,6 +145,18 @@ def test_padded_shapes_are_exact(folder):
         assert r.output_ids == reference_greedy(folder, r.prompt_ids, r.max_new), r.rid
 
 
+def _serves_exactly_after_warm_up(svc: InProcessService, folder, seed: int, first: int, base: int, step: int,
+                                  new: int) -> None:
+    """Three prompts of different lengths (distinct first tokens: no prefix hits) through the warmed
+    service, each token-exact against mlx-lm: the warm-up left nothing behind that a request reads."""
+    rng = random.Random(seed)
+    reqs = [svc.request(f"w{i}", [first + i] + [rng.randrange(3, 250) for _ in range(base + step * i)], new)
+            for i in range(3)]
+    svc.run({0: reqs})
+    for r in reqs:
+        assert r.output_ids == reference_greedy(folder, r.prompt_ids, new), r.rid
+
+
 def test_prefill_warm_up_runs_the_common_shapes_and_leaves_the_service_exact(folder):
     from runtime.worker.paths.prefill_warmup import common_shapes, warm_prefill
 
@@ -158,11 +170,7 @@ def test_prefill_warm_up_runs_the_common_shapes_and_leaves_the_service_exact(fol
     assert (2, 32, 480) in shapes and (4, 16, 496) in shapes and (8, 16, 240) not in shapes  # 2 and 4 rows of them
     assert warm_prefill(svc.engine, 64, 32) == len(shapes)
     assert {(r, n, start + n) for r, n, start in shapes} <= svc.engine.prefill_shapes
-    rng = random.Random(8)
-    reqs = [svc.request(f"w{i}", [40 + i] + [rng.randrange(3, 250) for _ in range(20 + 7 * i)], 8) for i in range(3)]
-    svc.run({0: reqs})
-    for r in reqs:
-        assert r.output_ids == reference_greedy(folder, r.prompt_ids, 8), r.rid
+    _serves_exactly_after_warm_up(svc, folder, seed=8, first=40, base=20, step=7, new=8)
 
 
 def test_prefill_warm_up_skips_the_shapes_a_small_pool_cannot_hold(folder):
@@ -179,11 +187,7 @@ def test_prefill_warm_up_skips_the_shapes_a_small_pool_cannot_hold(folder):
     assert (2, 16, 496) in shapes and (2, 16, 496) not in fit and (1, 32, 480) in fit
     assert warm_prefill(svc.engine, 64, 32) == len(fit)
     assert {(r, n, start + n) for r, n, start in fit} <= svc.engine.prefill_shapes
-    rng = random.Random(10)
-    reqs = [svc.request(f"w{i}", [60 + i] + [rng.randrange(3, 250) for _ in range(18 + 5 * i)], 6) for i in range(3)]
-    svc.run({0: reqs})
-    for r in reqs:
-        assert r.output_ids == reference_greedy(folder, r.prompt_ids, 6), r.rid
+    _serves_exactly_after_warm_up(svc, folder, seed=10, first=60, base=18, step=5, new=6)
 
 
 def test_prefill_warm_up_runs_one_layer_where_layers_are_alike_and_stays_exact(folder, monkeypatch):
@@ -202,11 +206,7 @@ def test_prefill_warm_up_runs_one_layer_where_layers_are_alike_and_stays_exact(f
     assert seen == [1] * len(shapes) and len(layers) > 1  # every warm-up forward through the first layer
     assert layers_owner(svc.engine.model)["layers"] is layers  # the model whole again
     monkeypatch.undo()
-    rng = random.Random(9)
-    reqs = [svc.request(f"w{i}", [50 + i] + [rng.randrange(3, 250) for _ in range(24 + 9 * i)], 8) for i in range(3)]
-    svc.run({0: reqs})
-    for r in reqs:
-        assert r.output_ids == reference_greedy(folder, r.prompt_ids, 8), r.rid
+    _serves_exactly_after_warm_up(svc, folder, seed=9, first=50, base=24, step=9, new=8)
 
 
 def test_layers_that_differ_keep_the_whole_model_in_the_warm_up(model_dir):
