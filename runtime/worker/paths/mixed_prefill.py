@@ -2,8 +2,8 @@
 
 Each row's new tokens sit at its own start: RoPE takes the starts as a (B,) offset, each row
 gathers its own positions 0..start+length from the pool (padding slot 0 past them), and an
-explicit mask shows every query the keys at or before its own position. Used where a row cache,
-a sliding window or a fused step would need one start (``Engine.mixed_starts``).
+explicit mask shows every query the keys at or before its own position. Not with a row cache,
+a sliding window or KV-shared layers, which need one start a forward (``Engine.mixed_starts``).
 """
 
 from __future__ import annotations
