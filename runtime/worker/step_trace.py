@@ -113,9 +113,10 @@ class StepTrace:
         """What a slow submit spent in ``prepare`` and in how many prefill forwards, the rest
         (``mx.async_eval``: MLX encoding and queueing the step), and the kernel files MLX wrote meanwhile."""
         forwards = len(self.times["forward"]) - forwards_before
+        building = sum(self.times["forward"][forwards_before:])
         prepare = sum(self.times["prepare"][prepares_before:])
-        detail = (f"; prepare {prepare * 1e3:.1f} ms, {forwards} separate prefill forwards; "
-                  f"queueing {(took - prepare) * 1e3:.1f} ms")
+        detail = (f"; prepare {prepare * 1e3:.1f} ms, {forwards} separate prefill forwards "
+                  f"(built in {building * 1e3:.1f} ms); queueing {(took - prepare) * 1e3:.1f} ms; {_memory()}")
         if self.kernel_dir:
             count = _file_count(self.kernel_dir)
             detail += f"; kernel cache files +{count - self._kernel_files} since the last slow submit"
@@ -150,6 +151,14 @@ class StepTrace:
         gc.callbacks.remove(self._on_gc)
         with open(self.path, "w") as f:
             f.write(self.summary())
+
+
+def _memory() -> str:
+    """MLX's device memory now: in use by arrays, held in its buffer cache, and its limit (GB)."""
+    import mlx.core as mx
+
+    return (f"memory {mx.get_active_memory() / 1e9:.1f} GB active, {mx.get_cache_memory() / 1e9:.1f} GB cached, "
+            f"limit {mx.get_memory_limit() / 1e9:.1f} GB")
 
 
 def _file_count(folder: str | None) -> int:

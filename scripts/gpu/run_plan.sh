@@ -12,6 +12,7 @@
 # shared: an item gets what is left. Set PLAN_BUDGET_S to change it.
 set -u
 source .gpu/c/env.sh || exit 3
+root=$PWD
 OUT=${OUT:-/tmp/plan-out}
 mkdir -p "$OUT"
 budget=${PLAN_BUDGET_S:-560}
@@ -74,9 +75,13 @@ for item in "$@"; do
       echo "== no-mixed-starts: $(grep -E 'self.mixed_starts = ' runtime/worker/engine.py)" ;;
     s28-tree)  # the items after it run session 28's sources (8ee2341, packed by `git archive 8ee2341 runtime
                # scripts` into .gpu/d/s28-tree.tgz; carry .gpu/d): a same-machine baseline for the mixed runs
-      mkdir -p /tmp/s28-tree && tar -xzf .gpu/d/s28-tree.tgz -C /tmp/s28-tree && cd /tmp/s28-tree || exit 5
+      tgz=.gpu/d/s28-tree.tgz; [ -f $tgz ] || tgz=/root/stash/s28-tree.tgz
+      mkdir -p /tmp/s28-tree && tar -xzf $tgz -C /tmp/s28-tree && cd /tmp/s28-tree || exit 5
       export PYTHONPATH=/root/site:/root/site2:/tmp/s28-tree; tree_tag=-s28
       echo "== s28-tree: $(pwd), sources sha256 $(find runtime scripts -name '*.py' | sort | xargs cat | sha256sum | cut -c1-16)" ;;
+    main-tree)  # back to this checkout's sources after s28-tree (an A/B in both orders in one call)
+      cd "$root" && export PYTHONPATH=/root/site:/root/site2:$root; tree_tag=
+      echo "== main-tree: $(pwd)" ;;
     unpadded)  # on this device copy only: the items after it run with worker.pad_shapes = "off" (mlx-lm's shapes)
       sed -i 's/self.padded_shapes = on_gpu if pad_shapes is None/self.padded_shapes = False if pad_shapes is None/' runtime/worker/engine.py; pad_tag=-unpadded
       echo "== unpadded: $(grep -E 'self.padded_shapes = ' runtime/worker/engine.py)" ;;
@@ -219,7 +224,7 @@ for item in "$@"; do
     pytest-residual) run "$item" 200 python3 -m pytest -q tests/test_fused_residual.py tests/test_service_exact.py ;;
     pytest-shapes)  # attention layers of several shapes, KV-shared layers (Gemma 4, Gemma 3n): token-exact on CUDA too
       run "$item" 400 python3 -m pytest -q tests/test_layer_shapes_exact.py tests/test_kv_read_back.py tests/test_kv_shared_paths.py ;;
-    *) echo "== $item: unknown (1b-mixed-rt-trace fuse-2048 no-mixed-starts s28-tree pytest-gated-delta pytest-hybrid qn-mixed mla-sweep-trace profile-mla qn-paired qn-sweep profile-qn qn-copies graph-diff encode-cost qn-mixed-rt-long-user qn-mixed-rt-trace delta-ops mla-paired mla-sweep cpu-streams path-diff sinks-gathered gpt-oss-paired gpt-oss-sweep pytest-sinks gemma-sweep-trace windowed-gathered pytest-windowed pytest-windowed-cuda gemma-mixed-rt-short gemma-first-user 1b-paired-short unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-mixed-10 1b-mixed-20 1b-mixed-c32 1b-mixed-20-c32 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
+    *) echo "== $item: unknown (main-tree 1b-mixed-rt-trace fuse-2048 no-mixed-starts s28-tree pytest-gated-delta pytest-hybrid qn-mixed mla-sweep-trace profile-mla qn-paired qn-sweep profile-qn qn-copies graph-diff encode-cost qn-mixed-rt-long-user qn-mixed-rt-trace delta-ops mla-paired mla-sweep cpu-streams path-diff sinks-gathered gpt-oss-paired gpt-oss-sweep pytest-sinks gemma-sweep-trace windowed-gathered pytest-windowed pytest-windowed-cuda gemma-mixed-rt-short gemma-first-user 1b-paired-short unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-mixed-10 1b-mixed-20 1b-mixed-c32 1b-mixed-20-c32 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then
