@@ -39,7 +39,7 @@ def shape(group, max_context: int) -> tuple[int, int, int]:
     return rows, n, max(keys, start + n)
 
 
-def simulate(args, mixed: bool) -> tuple[Counter, int, int]:
+def simulate(args, mixed: bool) -> tuple[Counter, int, int, Counter]:
     rng = random.Random(args.seed)
     draws = schedule(rng, MixedShape(requests=args.requests, rate=args.rate, prefix_requests=args.prefix_requests))
     prefix = [rng.randrange(3, 30000) for _ in range(2000)]
@@ -50,6 +50,7 @@ def simulate(args, mixed: bool) -> tuple[Counter, int, int]:
     pending = sorted(draws, key=lambda d: d.at)
     shapes: Counter = Counter()
     clock, steps, forwards = 0.0, 0, 0
+    tokens: Counter = Counter()  # prefill tokens: real, and as the padded forwards compute them
     queue = list(enumerate(pending))
     while queue or s.running or s.waiting:
         while queue and queue[0][1].at <= clock:
@@ -66,13 +67,17 @@ def simulate(args, mixed: bool) -> tuple[Counter, int, int]:
                                 mixed_starts=mixed and args.hybrid)
         for group in groups:
             if group[0].token_ids:
-                shapes[shape(group, args.max_context)] += 1
+                rows, n, _ = shape(group, args.max_context)
+                shapes[(rows, n, _)] += 1
                 forwards += 1
+                tokens["real"] += sum(len(c.token_ids) for c in group)
+                tokens["computed"] += rows * n
+                tokens["padding rows"] += (rows - len(group)) * n
         steps += 1
         clock += (args.prefill_ms if p.step.prefills else args.decode_ms) / 1000
         s.on_step_done(p.step.step_id, [7] * len(p.decode_reqs))
         s.pop_completed()
-    return shapes, steps, forwards
+    return shapes, steps, forwards, tokens
 
 
 def main() -> None:
@@ -94,11 +99,13 @@ def main() -> None:
                                                                   args.max_rows, args.max_context)}
     total = args.requests + args.prefix_requests
     for mixed in ((False, True) if args.hybrid else (False,)):
-        shapes, steps, forwards = simulate(args, mixed)
+        shapes, steps, forwards, tokens = simulate(args, mixed)
         new = {k: v for k, v in shapes.items() if k not in warm}
         print(f"{'mixed starts' if mixed else 'by start'}: {steps} steps, {forwards} prefill forwards, "
               f"{len(shapes)} shapes, {len(new)} not warmed ({1000 * len(new) / total:.0f} per 1,000 requests), "
               f"{sum(new.values())} forwards of them")
+        print(f"  prefill tokens: {tokens['real']} real, {tokens['computed']} computed "
+              f"({tokens['computed'] / max(1, tokens['real']):.2f}x; padding rows {tokens['padding rows']})")
         for (rows, n, keys), count in sorted(new.items(), key=lambda kv: -kv[1])[:args.show]:
             print(f"  rows {rows:3d} queries {n:5d} keys {keys:5d}: {count}")
 
