@@ -21,10 +21,21 @@ def test_fused_steps_decode_as_mlx_lm(arch, prefill_chunk, padded, model_dir, mo
     past position 0 padded at the front and masked), which the CPU does not do by itself."""
     _reference_kernels(monkeypatch)
     fused: list[tuple[int, int]] = []  # (prefill groups, decode rows) of every fused step
-    run_fused = Engine._fused_logits
+    submitting: list[bool] = []  # whether each fused forward was built inside ``submit``
+    run_fused, submit = Engine._fused_logits, Engine.submit
     monkeypatch.setattr(Engine, "_fused_logits",
                         lambda self, groups, decode: fused.append((len(groups), len(decode.rows)))
-                        or run_fused(self, groups, decode))
+                        or submitting.append(self.submitting) or run_fused(self, groups, decode))
+
+    def flagged_submit(self, built):
+        self.submitting = True
+        try:
+            return submit(self, built)
+        finally:
+            self.submitting = False
+
+    monkeypatch.setattr(Engine, "submit", flagged_submit)
+    monkeypatch.setattr(Engine, "submitting", False, raising=False)
     heads: list[int] = []  # the rows the output head computed in each fused forward
     first_rows = OutputHead.first_rows
     monkeypatch.setattr(OutputHead, "first_rows", lambda self, rows: heads.append(rows) or first_rows(self, rows))
@@ -46,6 +57,7 @@ def test_fused_steps_decode_as_mlx_lm(arch, prefill_chunk, padded, model_dir, mo
     # group of rows, fused beside busy's decode.
     svc.run({0: [busy], 1: [follow] + fresh})
     assert fused and any(rows >= 2 for _, rows in fused)
+    assert not any(submitting)  # built with ``build``, while the step before it could still run
     assert svc.engine.output_head.found and len(heads) == len(fused)
     assert all(decode_rows <= rows < decode_rows + 8 for (_, decode_rows), rows in zip(fused, heads))  # padding rows only
     assert prefill_chunk > 16 or any(groups >= 2 for groups, _ in fused)  # chunks of several starts in one forward
@@ -62,14 +74,20 @@ def test_fusing_is_on_by_default_and_only_on_the_kernel_path(model_dir, monkeypa
     assert svc.engine.compiled_paged is not None and svc.engine.fuse_prefill
 
 
-def test_a_step_of_many_prefill_tokens_runs_its_forwards_apart(model_dir, monkeypatch):
+@pytest.mark.parametrize("early", [True, False], ids=["built-early", "built-in-prepare"])
+def test_a_step_of_many_prefill_tokens_runs_its_forwards_apart(model_dir, monkeypatch, early):
+    """(``early``: ``BUILD_FUSED_EARLY``, the fused forward built by ``build`` or by ``prepare``.)"""
     from runtime.worker import engine as engine_mod
 
     _reference_kernels(monkeypatch)
     monkeypatch.setattr(engine_mod, "FUSE_MAX_TOKENS", 8)
-    fused = []
-    run_fused = Engine._fused_logits
-    monkeypatch.setattr(Engine, "_fused_logits", lambda self, *a: fused.append(1) or run_fused(self, *a))
+    monkeypatch.setattr(engine_mod, "BUILD_FUSED_EARLY", early)
+    fused = []  # whether each fused forward was built by ``prepare``
+    run_fused, prepare = Engine._fused_logits, Engine.prepare
+    monkeypatch.setattr(Engine, "prepare", lambda self, launched: setattr(self, "preparing", True)
+                        or prepare(self, launched) or setattr(self, "preparing", False))
+    monkeypatch.setattr(Engine, "preparing", False, raising=False)
+    monkeypatch.setattr(Engine, "_fused_logits", lambda self, *a: fused.append(self.preparing) or run_fused(self, *a))
     folder = model_dir("llama")
     svc = InProcessService(folder, max_running=8, row_cache=False)
     svc.engine.fuse_prefill = True
@@ -77,6 +95,6 @@ def test_a_step_of_many_prefill_tokens_runs_its_forwards_apart(model_dir, monkey
     small = svc.request("small", list(range(40, 46)), 4)  # 5 tokens before the last: fused
     large = svc.request("large", list(range(60, 90)), 4)  # 29: apart
     svc.run({0: [busy], 1: [small], 5: [large]})
-    assert len(fused) == 1
+    assert fused == [not early]
     for r in (busy, small, large):
         assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)

@@ -30,6 +30,8 @@ def _stub_engine(tail: object | None, order: list[str]) -> SimpleNamespace:
         _written=lambda: "written",
         _build_decode=lambda launched: order.append("decode"),
     )
+    engine._groups = lambda chunks: Engine._groups(engine, chunks)
+    engine.fuses = lambda step: Engine.fuses(engine, step)
     return engine
 
 

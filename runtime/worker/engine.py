@@ -53,6 +53,8 @@ KERNEL_ROPE = True
 # the decode rows only, ``OutputHead``), which pays where a step's fixed host cost dominates:
 # 38-47 ms for 1-512 prefill tokens against 13 ms for the decode alone (session 21's trace).
 FUSE_MAX_TOKENS = 512
+# A fused step's forward is built by ``build``, while the step before it runs (off: by ``prepare``).
+BUILD_FUSED_EARLY = True
 
 
 class Engine:
@@ -223,17 +225,29 @@ class Engine:
         return draws
 
     def build(self, step: Step) -> LaunchedStep:
-        """Build a decode-only step's lazy graph, chained on the previous step's lazy tokens.
-
-        A step with prefill chunks is only recorded here: ``prepare`` runs it once the
-        previous step has been read back.
-        """
+        """Build a decode-only or fused step's lazy graph (``fuses``: a fused one's building overlaps
+        the previous step's run; it is submitted after that step's read-back, when its pool writes
+        run in place), chained on the previous step's lazy tokens. Other prefill steps are only
+        recorded here: ``prepare`` runs them once the previous step has been read back."""
         if step.samplings:
             self.sampler.configure(step.samplings)
         launched = LaunchedStep(step.step_id, step=step, first_tokens=bool(step.prefills))
         if not step.prefills:
             self._build_decode(launched)
+        elif BUILD_FUSED_EARLY and self.fuses(step):
+            self.paths.flush()
+            self._build_decode(launched, self._fused_logits(self._groups(step.prefills), step.decode))
         return launched
+
+    def fuses(self, step: Step) -> bool:
+        """Whether a step's prefill chunks run in its decode forward (``fused_step``)."""
+        return (self.fuse_prefill and step.decode is not None and bool(step.decode.rows)
+                and sum(len(c.token_ids) for c in step.prefills) <= FUSE_MAX_TOKENS
+                and not any(c.logprob_targets for c in step.prefills))  # fused: no prefill logits
+
+    def _groups(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+        return prefill_groups(chunks, batchable=True, max_padding=self.max_padding, recurrent=self.aux_pool is not None,
+                              pads_recurrent=self.pads_recurrent, mixed_starts=self.mixed_starts)
 
     def prepare(self, launched: LaunchedStep) -> None:
         """Run a step's prefill chunks, then build its decode (after the previous read-back).
@@ -247,15 +261,9 @@ class Engine:
         if launched.step is None or not launched.step.prefills:
             return
         self.paths.flush()
-        groups = prefill_groups(launched.step.prefills, batchable=True, max_padding=self.max_padding,
-                                recurrent=self.aux_pool is not None, pads_recurrent=self.pads_recurrent,
-                                mixed_starts=self.mixed_starts)
-        decode = launched.step.decode
-        if (self.fuse_prefill and decode is not None and decode.rows
-                and sum(len(c.token_ids) for c in launched.step.prefills) <= FUSE_MAX_TOKENS
-                and not any(c.logprob_targets for c in launched.step.prefills)):  # fused: no prefill logits
-            self._build_decode(launched, self._fused_logits(groups, decode))
-            return
+        groups = self._groups(launched.step.prefills)
+        if self.fuses(launched.step):  # (built here only where ``BUILD_FUSED_EARLY`` is off)
+            return self._build_decode(launched, self._fused_logits(groups, launched.step.decode))
         appends_only = self.paths.tail is not None
         for i, group in enumerate(groups):
             if group[0].token_ids:
@@ -368,11 +376,7 @@ class Engine:
         extra = draws.arrays()[1:] if draws is not None else []
         mx.eval([t for t in (launched.tokens, launched.written) if t is not None] + extra)
         if draws is not None and draws.token_logprobs is not None:
-            launched.logprobs = (
-                draws.token_logprobs.tolist(),
-                draws.top_ids.tolist() if draws.top_ids is not None else [],
-                draws.top_logprobs.tolist() if draws.top_logprobs is not None else [],
-            )
+            launched.logprobs = draws.read_logprobs()
         launched.draws = None
         return launched.tokens.tolist()
 
@@ -380,11 +384,6 @@ class Engine:
         """Every array a step updates in place (KV pool, aux pool, the paths' tables and caches)."""
         arrays = self.pool.arrays() + (self.aux_pool.arrays() if self.aux_pool is not None else [])
         return arrays + self.paths.state_arrays()
-
-    @property
-    def state_bytes(self) -> int:
-        """Bytes of every array a step updates in place (KV pool, aux pool, table, row cache)."""
-        return sum(a.nbytes for a in self.state_arrays())
 
     @property
     def shapes_built(self) -> tuple[int, int]:

@@ -190,7 +190,7 @@ def serve(config: Config, address: str, trace_path: str | None = None, role: Ran
         return 1
     sock.send(worker_encoder.encode(ready))
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
-    overlap = overlap_submit(on_gpu, engine.state_bytes, config.worker.overlap_submit_max_mb,
+    overlap = overlap_submit(on_gpu, sum(a.nbytes for a in engine.state_arrays()), config.worker.overlap_submit_max_mb,
                              engine.compiled is not None)
     clock = IdleClock()
     send, recv, poll = sock.send, sock.recv, sock.poll

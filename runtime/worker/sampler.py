@@ -45,6 +45,13 @@ class StepDraws:
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.tokens, self.token_logprobs, self.top_ids, self.top_logprobs) if a is not None]
 
+    def read_logprobs(self) -> tuple[list, list, list] | None:
+        """The logprobs as plain lists (chosen, top ids, top values), once evaluated; None if no row asked."""
+        if self.token_logprobs is None:
+            return None
+        return (self.token_logprobs.tolist(), self.top_ids.tolist() if self.top_ids is not None else [],
+                self.top_logprobs.tolist() if self.top_logprobs is not None else [])
+
 
 @dataclass(frozen=True)
 class _BatchParams:
