@@ -46,6 +46,39 @@ class DeferredSteps:
         self._key = key
         self._steps.append((rows, positions, slots))
 
+    def kept_rows(self, decode: DecodeBatch, pad: int) -> list[int] | None:
+        """For a batch that only dropped rows of the recorded one (the rest each advance by one
+        chained token), where each of its rows sits in the recorded padded batch (-1 for its
+        padding rows); None for any other batch, or when nothing is recorded."""
+        if not self._steps or max(decode.token_ids) >= 0:
+            return None
+        assert self._key is not None
+        where = {row: i for i, row in enumerate(self._key[0])}
+        if any(row not in where for row in decode.rows):
+            return None
+        return [where[row] for row in decode.rows] + [-1] * pad
+
+    def narrow(self, kept: list[int], rows: np.ndarray, decode: DecodeBatch, pad: int
+               ) -> tuple[list[int], tuple[mx.array, mx.array, mx.array] | None]:
+        """Keep only the recorded entries of ``kept`` (``kept_rows``; padding rows get ``rows``'
+        padding row, position 0 and slot 0) as the record of the new batch (``rows`` padded).
+        Returns where the dropped real rows sat and their entries (rows, positions, slots,
+        step-major; None where none was dropped)."""
+        assert self._key is not None
+        staying = set(kept)
+        dropped = [i for i in range(len(self._key[0])) if i not in staying]
+        take = np.array([i if i >= 0 else 0 for i in kept])
+        padding = np.array([i < 0 for i in kept])
+        steps = [(rows, np.where(padding, 0, positions[take]), np.where(padding, 0, np.asarray(slots)[take]).tolist())
+                 for _, positions, slots in self._steps]
+        left = None
+        if dropped:
+            left = (mx.array(np.concatenate([r[dropped] for r, _, _ in self._steps]).astype(np.int32)),
+                    mx.array(np.concatenate([p[dropped] for _, p, _ in self._steps]).astype(np.int32)),
+                    mx.array(np.concatenate([np.asarray(s)[dropped] for _, _, s in self._steps]).astype(np.int32)))
+        self._steps, self._key = steps, (tuple(decode.rows), pad)
+        return dropped, left
+
     def take(self) -> tuple[mx.array, mx.array, mx.array] | None:
         """Rows, positions and slots of every recorded step, step-major; None when empty."""
         if not self._steps:

@@ -7,8 +7,10 @@ write), and the device would wait for the host to encode every step. With the ta
 step writes nothing in place: its new K/V are appended to these small per-batch arrays
 (a new array per step, written by the paged kernel itself), which it reads after the pool
 positions. The tail is flushed into the pool (and the device slot table) by the first step
-that changes the batch — new rows, a prefill, a row that left — or after ``max_steps``
-steps; only such a step waits for the read-back.
+that changes the batch — new rows, a prefill — or after ``max_steps`` steps; only such a
+step waits for the read-back. A batch that only lost rows keeps the tail (``narrow``): the
+rows that left move to ``left`` and reach the pool with the next flush, which comes before
+anything reads their slots (a prefill flushes first; a failed step's reset flushes too).
 
 Each layer's tail has room for ``capacity_for(rows)`` positions (a fixed shape per row count)
 and holds ``len(steps)`` of them: the paged kernels take the length as an array, so a compiled
@@ -20,7 +22,7 @@ every step, so it stays at ``max_steps``.
 
 Invariant: for every row of the batch, its last ``len(steps)`` positions are the first
 ``len(steps)`` of the tail (in step order) and not yet in the pool or the slot table; all
-earlier positions are.
+earlier positions are, but for those of rows that left, which ``left`` holds.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class DecodeTail:
         self.max_steps = max_steps
         self.steps = DeferredSteps(max_steps, self.capacity_for)
         self._empty: dict[tuple, mx.array] = {}  # an unused tail per shape, for a batch's first step
+        # Rows that left the batch with positions still here (``narrow``): (rows, positions,
+        # slots, every layer's keys, values), step-major; written into the pool first by ``flush``.
+        self.left: list[tuple[mx.array, mx.array, mx.array, list[mx.array], list[mx.array]]] = []
 
     def capacity_for(self, rows: int) -> int:
         """Positions a tail of ``rows`` rows (padding included) holds before it is flushed."""
@@ -91,23 +96,79 @@ class DecodeTail:
         assert keys.shape[2] == self.capacity, "a tail of the full capacity"
         self.keys[layer], self.values[layer] = keys, values
 
+    def narrow(self, kept: list[int], rows, decode, pad: int) -> bool:
+        """Make the tail the new batch's where that batch only dropped rows (``kept``, from
+        ``steps.kept_rows``) and its capacity holds one more step: the rows left are taken out
+        (into ``left``, for the next flush) and nothing is written in place, so the step need
+        not wait for the one before it. False (nothing changed) where it cannot."""
+        held = len(self.steps)
+        capacity = self.capacity_for(len(kept))
+        if held >= capacity or any(k is None for k in self.keys):
+            return False
+        index = mx.array([i if i >= 0 else 0 for i in kept], dtype=mx.int32)
+        dropped, left = self.steps.narrow(kept, rows, decode, pad)
+        if left is not None:
+            out = mx.array(dropped, dtype=mx.int32)
+            keys, values = [k[out, :, :held] for k in self.keys], [v[out, :, :held] for v in self.values]
+            mx.async_eval(keys + values)  # copied out now: held lazily they would keep the old tails alive
+            self.left.append((*left, keys, values))
+        self.steps.max_steps = capacity
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            self.keys[layer], self.values[layer] = (self._resized(a[index], capacity, held) for a in (k, v))
+        return True
+
+    @staticmethod
+    def _resized(tail: mx.array, capacity: int, held: int) -> mx.array:
+        if tail.shape[2] == capacity:
+            return tail
+        kept = tail[:, :, :held]
+        return mx.concatenate([kept, mx.zeros((*kept.shape[:2], capacity - held, kept.shape[3]), dtype=kept.dtype)],
+                              axis=2)
+
     def flush(self, pool: KVPool, device_table: mx.array) -> bool:
-        """Write the tail into the pool and the slot table; False when it was empty."""
+        """Write the rows that left (``narrow``), then the tail, into the pool and the slot
+        table; False when there was nothing to write."""
+        wrote = bool(self.left)
+        for rows, positions, slots, keys, values in self.left:
+            _write(pool, device_table, rows, positions, slots, keys, values)
+        self.left = []
         steps = len(self.steps)
         taken = self.steps.take()
         if taken is None:
-            return False
-        rows, positions, slots = taken  # step-major, like the K/V below
-        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
-            assert k is not None and v is not None
-            b, h, _, d = k.shape
-            pool.write(layer, slots, k[:, :, :steps].transpose(2, 0, 1, 3).reshape(steps * b, h, d),
-                       v[:, :, :steps].transpose(2, 0, 1, 3).reshape(steps * b, h, d))
-        device_table[rows, positions] = slots
+            return wrote
+        _write(pool, device_table, *taken, [k[:, :, :steps] for k in self.keys],  # type: ignore[index]
+               [v[:, :, :steps] for v in self.values])  # type: ignore[index]
         self.clear()
         return True
 
+    def abandon(self, pool: KVPool, device_table: mx.array) -> None:
+        """After a failed step: write what the tail holds where its arrays evaluate (a request
+        that finished before the failure was cached when its last step came back; the failed
+        step's rows fail, so what reaches their slots is never read), else drop it."""
+        held = [a for a in self.keys + self.values if a is not None]
+        held += [a for entry in self.left for a in entry[3] + entry[4]]
+        try:
+            mx.eval(held)
+        except Exception:  # (the failure's own arrays): their requests were not cached
+            self.clear()
+            return
+        if len(self.steps) and any(k is None for k in self.keys):
+            self.steps.clear()  # a new batch's first step failed before any layer: nothing of it to write
+        self.flush(pool, device_table)
+
     def clear(self) -> None:
+        """Forget the tail (after a flush)."""
         self.keys = [None] * len(self.keys)
         self.values = [None] * len(self.values)
         self.steps.clear()
+        self.left = []
+
+
+def _write(pool: KVPool, device_table: mx.array, rows: mx.array, positions: mx.array, slots: mx.array,
+           keys: list[mx.array], values: list[mx.array]) -> None:
+    """Write (B, n_kv_heads, steps, head_dim) K/V per layer at their step-major slots, and the table."""
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        b, h, steps, d = k.shape
+        pool.write(layer, slots, k.transpose(2, 0, 1, 3).reshape(steps * b, h, d),
+                   v.transpose(2, 0, 1, 3).reshape(steps * b, h, d))
+    device_table[rows, positions] = slots

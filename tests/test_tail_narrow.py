@@ -1,0 +1,82 @@
+"""A decode batch that only lost rows keeps the kernel path's decode tail (``DecodeTail.narrow``):
+nothing is written in place, so the step need not wait for the one before it; the rows that left
+reach the pool at the next flush, before anything reads their slots. Run on the CPU with the
+CUDA kernels replaced by their reference computations."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from harness import InProcessService
+from near_tie import assert_greedy_like_mlx
+from test_paged_attention import _reference_kernels
+
+from runtime.worker.paths import attention_paths
+from runtime.worker.paths.cuda import decode_tail
+from runtime.worker.paths.cuda.decode_tail import DecodeTail
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "traced-each-step"])
+@pytest.mark.parametrize("small_tail", [False, True], ids=["default-tail", "capacity-grows"])
+def test_rows_that_leave_keep_the_tail_and_reach_the_pool_later(model_dir, monkeypatch, small_tail, compiled):
+    """``small_tail``: tails of a few positions, so a batch that shrinks to a smaller row class
+    gets a tail of a larger capacity (its held positions copied over). ``compiled``: the decode
+    step compiled (``CompiledPagedDecode``) or built layer by layer."""
+    _reference_kernels(monkeypatch)
+    if small_tail:
+        monkeypatch.setattr(attention_paths, "TAIL_STEPS", 3)
+        monkeypatch.setattr(decode_tail, "TAIL_POSITIONS", 32)
+    narrowed: list[tuple[int, int, bool]] = []  # (rows before, rows after, kept the tail)
+    narrow = DecodeTail.narrow
+    monkeypatch.setattr(DecodeTail, "narrow", lambda self, kept, *a: narrowed.append(
+        (self.keys[0].shape[0], len(kept), (result := narrow(self, kept, *a)))) or result)
+    folder = model_dir("llama")
+    svc = InProcessService(folder, max_running=8, row_cache=False, compile_decode=compiled)
+    assert (svc.engine.compiled_paged is not None) == compiled
+    rng = random.Random(5)
+    reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(9 + 3 * i)], 4 + 3 * i) for i in range(6)]
+    svc.run({0: reqs})  # all admitted together: afterwards rows only leave, one every few steps
+    held = len(svc.engine.paths.tail.steps) + len(svc.engine.paths.tail.left)
+    # A step failing now (before any prefill flushed the tail) must not lose the K/V of
+    # requests that finished and were cached: the engine resets as after a failed step.
+    svc.engine.reset_chain()
+    # Prompts that extend finished requests' whole sequences read the K/V of their last decode
+    # steps, which were in the tail when those rows left (the last one: when it finished).
+    ended = [reqs[0], reqs[2], reqs[-1]]
+    follows = [svc.request(f"follow{i}", r.prompt_ids + r.output_ids[:-1] + [5, 6, 7], 5) for i, r in enumerate(ended)]
+    svc.run({0: follows})
+    assert held  # something was still in the tail when the step failed
+    kept = [entry for entry in narrowed if entry[2]]
+    assert len(kept) >= 3, narrowed
+    if small_tail:  # from a row class of 8 down to 4 and 2: capacity 4 -> 8 -> 12
+        assert any(before > after for before, after, _ in kept)
+    assert all(f.prefix_len > len(r.prompt_ids) for f, r in zip(follows, ended))
+    for r in reqs + follows:
+        assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)
+
+
+def test_a_batch_with_new_rows_still_flushes(model_dir, monkeypatch):
+    """Only dropping rows keeps the tail: a batch that gained one (or reordered a chained row
+    into a new one) is not a narrowing, and the flush runs as before."""
+    from runtime.protocol.worker import DecodeBatch
+    from runtime.worker.paths.deferred_steps import DeferredSteps
+
+    import numpy as np
+
+    steps = DeferredSteps(16)
+    first = DecodeBatch(rows=[3, 5, 9], token_ids=[-1, -1, -1], positions=[10, 4, 7], slot_ids=[30, 50, 90],
+                        temperatures=[0.0] * 3)
+    steps.add(first, 1, np.array([3, 5, 9, 99]), np.array([10, 4, 7, 0]), [30, 50, 90, 0])
+    dropped = DecodeBatch(rows=[3, 9], token_ids=[-1, -1], positions=[11, 8], slot_ids=[31, 91], temperatures=[0.0] * 2)
+    assert steps.kept_rows(dropped, 0) == [0, 2]
+    gained = DecodeBatch(rows=[3, 9, 4], token_ids=[-1, -1, 17], positions=[11, 8, 2], slot_ids=[31, 91, 42],
+                         temperatures=[0.0] * 3)
+    assert steps.kept_rows(gained, 1) is None  # a new row (with its own first token)
+    fresh_token = DecodeBatch(rows=[3], token_ids=[12], positions=[11], slot_ids=[31], temperatures=[0.0])
+    assert steps.kept_rows(fresh_token, 0) is None  # not chained
+    where, left = steps.narrow([0, 2, -1, -1], np.array([3, 9, 99, 99]), dropped, 2)
+    assert where == [1]
+    rows, positions, slots = (a.tolist() for a in left)
+    assert (rows, positions, slots) == ([5], [4], [50])  # the row that left, to be written at the next flush
+    assert steps.take()[2].tolist() == [30, 90, 0, 0]  # the rest, padding rows to slot 0
