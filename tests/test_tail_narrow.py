@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from harness import InProcessService
 from near_tie import assert_greedy_like_mlx
@@ -61,8 +62,6 @@ def test_a_batch_with_new_rows_still_flushes(model_dir, monkeypatch):
     into a new one) is not a narrowing, and the flush runs as before."""
     from runtime.protocol.worker import DecodeBatch
     from runtime.worker.paths.deferred_steps import DeferredSteps
-
-    import numpy as np
 
     steps = DeferredSteps(16)
     first = DecodeBatch(rows=[3, 5, 9], token_ids=[-1, -1, -1], positions=[10, 4, 7], slot_ids=[30, 50, 90],
