@@ -262,17 +262,24 @@ def test_a_steady_decode_batch_keeps_its_states_out_of_the_pool(row_writes):
     the same order: the next ``batch_states`` returns them without touching the pool, and the pool
     still holds the old values until another batch comes."""
     pool = _filled(row_writes)
-    first = pool.batch_states([3, 1])
-    assert first[0][1].tolist() == [[3, 3], [1, 1]]
+    first, wrote = pool.batch_states([3, 1])
+    assert first[0][1].tolist() == [[3, 3], [1, 1]] and not wrote
     new = [[first[0][0] + 10, first[0][1] + 10]]
     pool.keep([3, 1], new)
-    assert pool.batch_states([3, 1]) is new  # resident: no gather
+    assert pool.batch_states([3, 1]) == (new, False)  # resident: no gather
     assert pool._read(0, mx.array([3, 1]))[1].tolist() == [[3, 3], [1, 1]]  # the pool is stale meanwhile
     assert len(pool.arrays()) == 4  # the write marker covers the resident states too
-    # Another batch (one row left): the resident states go into the pool first.
-    assert pool.batch_states([1])[0][1].tolist() == [[11, 11]]
-    assert pool.resident_slots is None
-    assert pool._read(0, mx.array([3]))[1].tolist() == [[13, 13]]
+    # A batch that only lost a row (and gained a padding row, slot 0) keeps the rest resident;
+    # the row that left is written before anything reads its slot.
+    states, wrote = pool.batch_states([1, 0])
+    assert states[0][1][:1].tolist() == [[11, 11]] and not wrote and pool.resident_slots == (1, 0)
+    assert pool._read(0, mx.array([3]))[1].tolist() == [[3, 3]] and len(pool.arrays()) == 6
+    assert pool.read(0, mx.array([3]))[1].tolist() == [[13, 13]]  # an access flushes first
+    assert pool.resident_slots is None and not pool.left
+    # Another batch (a new slot): the resident states go into the pool first, a write in place.
+    pool.keep([1], [[mx.zeros((1, 3, 4)), mx.full((1, 2), 21.0)]])
+    states, wrote = pool.batch_states([1, 2])
+    assert wrote and states[0][1].tolist() == [[21, 21], [2, 2]] and pool.resident_slots is None
 
 
 @pytest.mark.parametrize("row_writes", [False, True], ids=["scatter", "row-writes"])
@@ -297,7 +304,7 @@ def test_an_access_to_a_resident_slot_writes_the_batch_back_first(row_writes):
     pool.keep([2], [[mx.zeros((1, 3, 4)), mx.full((1, 2), 7.0)]])
     restored = AuxPool.wrap([[mx.ones((1, 3, 4)), mx.full((1, 2), 6.0)]])
     pool.store(restored, mx.array([2]))  # a prefill's states, written over the resident row's
-    assert pool.batch_states([2])[0][1].tolist() == [[6, 6]]
+    assert pool.batch_states([2])[0][0][1].tolist() == [[6, 6]]
     pool.keep([4], [[mx.zeros((1, 3, 4)), mx.full((1, 2), 9.0)]])
-    pool.drop()  # a failed step: its rows are not read again
-    assert pool.batch_states([4])[0][1].tolist() == [[40, 40]]
+    pool.drop()  # a failed step: what evaluates reaches the pool (a finished row's state was cached)
+    assert pool.resident_slots is None and pool.batch_states([4])[0][0][1].tolist() == [[9, 9]]

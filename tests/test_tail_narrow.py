@@ -79,3 +79,30 @@ def test_a_batch_with_new_rows_still_flushes(model_dir, monkeypatch):
     rows, positions, slots = (a.tolist() for a in left)
     assert (rows, positions, slots) == ([5], [4], [50])  # the row that left, to be written at the next flush
     assert steps.take()[2].tolist() == [30, 90, 0, 0]  # the rest, padding rows to slot 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "falcon_h1"])
+def test_a_hybrid_batch_that_loses_rows_keeps_its_states_resident(arch, model_dir, monkeypatch):
+    """A hybrid's recurrent states stay resident when rows leave (``AuxPool._narrowed``): the
+    rows that left are written before anything reads their slots, so prompts that extend
+    finished requests restore their states exactly, also after a failed step's reset."""
+    from runtime.worker.pools.aux_pool import AuxPool
+
+    _reference_kernels(monkeypatch)
+    narrowed: list[int] = []  # rows that left, at each narrowing
+    narrow = AuxPool._narrowed
+    monkeypatch.setattr(AuxPool, "_narrowed", lambda self, slots: (result := narrow(self, slots)) and narrowed.append(
+        len(self.left[-1][0]) if self.left else 0) or result)
+    folder = model_dir(arch)
+    svc = InProcessService(folder, max_running=8, aux_slots=64, row_cache=False)
+    rng = random.Random(7)
+    reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(9 + 3 * i)], 3 + 3 * i) for i in range(5)]
+    svc.run({0: reqs})
+    svc.engine.reset_chain()  # as after a failed step, before any prefill flushed
+    ended = [reqs[0], reqs[1], reqs[-1]]
+    follows = [svc.request(f"follow{i}", r.prompt_ids + r.output_ids[:-1] + [5, 6, 7], 4) for i, r in enumerate(ended)]
+    svc.run({0: follows})
+    assert sum(1 for n in narrowed if n) >= 2, narrowed
+    assert all(f.prefix_len > len(r.prompt_ids) for f, r in zip(follows, ended))
+    for r in reqs + follows:
+        assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)

@@ -176,12 +176,11 @@ class Engine:
 
     def _decode_forward(self, decode: DecodeBatch) -> tuple[mx.array, bool]:
         plan = self._plan(decode)
-        # A hybrid's states: the last step's, kept batch-ordered while the batch is unchanged
-        # (else the pool's, the last batch's written back first: a write in place).
+        # A hybrid's states: the last step's, kept batch-ordered while the batch is unchanged or
+        # only lost rows (else the pool's, the last batch's written back first: a write in place).
         states, flushes = None, False
         if self.aux_pool is not None:
-            flushes = self.aux_pool.resident_slots not in (None, tuple(plan.aux_slots))
-            states = self.aux_pool.batch_states(plan.aux_slots)
+            states, flushes = self.aux_pool.batch_states(plan.aux_slots)
         if self.compiled is not None:
             self.paths.defer_dense(decode, plan)
             inputs = self.chain.inputs(decode)
@@ -396,4 +395,4 @@ class Engine:
         self.chain.reset()
         self.paths.reset()
         if self.aux_pool is not None:
-            self.aux_pool.drop()  # (the failed step's requests fail: their states are not read again)
+            self.aux_pool.drop()  # (what evaluates reaches the pool: finished requests' states were cached)

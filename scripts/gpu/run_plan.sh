@@ -72,7 +72,8 @@ for item in "$@"; do
     no-narrow-tail)  # on this device copy only: the items after it flush the decode tail (and wait for the step before)
                      # whenever rows leave the batch, as before session 44, not only at prefill steps and full tails
       sed -i 's/^NARROW_TAIL = True$/NARROW_TAIL = False/' runtime/worker/paths/attention_paths.py; tail_tag=-flush-on-leave
-      echo "== no-narrow-tail: $(grep -E '^NARROW_TAIL =' runtime/worker/paths/attention_paths.py)" ;;
+      sed -i 's/^NARROW_BATCH = True$/NARROW_BATCH = False/' runtime/worker/pools/aux_pool.py  # (a hybrid's resident states too)
+      echo "== no-narrow-tail: $(grep -hE '^NARROW_(TAIL|BATCH) =' runtime/worker/paths/attention_paths.py runtime/worker/pools/aux_pool.py | tr '\n' ' ')" ;;
     fuse-late)  # on this device copy only: the items after it build a fused step's forward after the previous step's
                 # read-back (in prepare), as before session 44, not while that step runs
       sed -i 's/^BUILD_FUSED_EARLY = True$/BUILD_FUSED_EARLY = False/' runtime/worker/engine.py; fuse_tag=${fuse_tag:-}-late

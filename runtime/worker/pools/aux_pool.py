@@ -9,6 +9,11 @@ from mlx_lm.models.cache import ArraysCache
 from runtime.worker.model.discovery import CacheLayout
 
 
+# A decode batch that only lost rows keeps the rest resident (``AuxPool._narrowed``) rather than write
+# the batch back and read it again, a write in place that waits for the step before.
+NARROW_BATCH = True
+
+
 class AuxPool:
     """``states[k][j]``: (num_slots, *shape) array for state j of the k-th auxiliary cache entry.
 
@@ -27,8 +32,11 @@ class AuxPool:
     one of their slots. A steady batch then neither gathers nor scatters its states: on an H100
     MLX's CUDA gather and scatter of Qwen3-Next's 2 MB-per-row states took 4.6 of a 16-row
     step's 15 ms of kernels (docs/BENCHMARKS.md, session 35).
-    Invariant: a slot in ``resident_slots`` holds a stale value in the pool; every method but
-    ``batch_states``/``keep``/``arrays`` flushes before touching such a slot.
+    A batch that only lost rows of the resident one keeps the rest resident (``NARROW_BATCH``):
+    the rows that left are copied out (``left``) and written with the next flush, so that step
+    writes nothing in place either.
+    Invariant: a slot in ``resident_slots`` or ``left`` holds a stale value in the pool; every
+    method but ``batch_states``/``keep``/``arrays`` flushes before touching such a slot.
     """
 
     def __init__(self, states: list[list[mx.array]], row_writes: bool = False) -> None:
@@ -38,6 +46,7 @@ class AuxPool:
         self.row_writes = row_writes
         self.resident_slots: tuple[int, ...] | None = None
         self.resident: list[list[mx.array]] = []  # per entry, per state: (B, ...) in batch order
+        self.left: list[tuple[list[int], list[list[mx.array]]]] = []  # rows that left it: (slots, states)
 
     @classmethod
     def allocate(cls, templates: list[list[tuple[tuple[int, ...], mx.Dtype]]], num_slots: int,
@@ -76,15 +85,35 @@ class AuxPool:
     def nbytes(self) -> int:
         return sum(a.nbytes for entry in self.states for a in entry)
 
-    def batch_states(self, slots: list[int]) -> list[list[mx.array]]:
+    def batch_states(self, slots: list[int]) -> tuple[list[list[mx.array]], bool]:
         """A decode batch's states at ``slots`` (per entry, per state, batch-major): the resident
-        ones if the last kept batch had exactly these slots, else read from the pool (the
-        resident batch written back first)."""
-        if self.resident_slots == tuple(slots):
-            return self.resident
-        self.flush()
+        ones if the last kept batch had these slots (or more: ``_narrowed``), else read from the
+        pool (the resident batch written back first); and whether that wrote the pool in place."""
+        if self.resident_slots == tuple(slots) or (NARROW_BATCH and self._narrowed(slots)):
+            return self.resident, False
+        wrote = self.flush()
         index = mx.array(slots, dtype=mx.int32)
-        return [self._read(k, index) for k in range(len(self.states))]
+        return [self._read(k, index) for k in range(len(self.states))], wrote
+
+    def _narrowed(self, slots: list[int]) -> bool:
+        """Make a batch whose real slots (slot 0 pads) are all resident the resident batch, the rows
+        that left copied out into ``left``; False (nothing changed) for any other batch."""
+        if self.resident_slots is None:
+            return False
+        where = {slot: i for i, slot in enumerate(self.resident_slots) if slot}
+        if any(slot and slot not in where for slot in slots):
+            return False
+        staying = set(slots)
+        gone = [i for i, slot in enumerate(self.resident_slots) if slot and slot not in staying]
+        if gone:
+            out = mx.array(gone, dtype=mx.int32)
+            states = [[a[out] for a in entry] for entry in self.resident]
+            mx.async_eval([a for entry in states for a in entry])  # copied out now: the old batch is freed
+            self.left.append(([self.resident_slots[i] for i in gone], states))
+        take = mx.array([where.get(slot, 0) for slot in slots], dtype=mx.int32)  # (padding rows: any state)
+        self.resident = [[a[take] for a in entry] for entry in self.resident]
+        self.resident_slots = tuple(slots)
+        return True
 
     def zero_batch(self, rows: int) -> list[list[mx.array]]:
         """Zero states of ``rows`` rows, batch-major (a warm-up trace's inputs)."""
@@ -97,25 +126,40 @@ class AuxPool:
         self.resident_slots, self.resident = tuple(slots), states
 
     def flush(self) -> bool:
-        """Write the resident batch into the pool; whether there was one (a write in place)."""
+        """Write the rows that left, then the resident batch, into the pool; whether there was
+        any (a write in place)."""
+        wrote = bool(self.left)
+        for slots, states in self.left:
+            index = mx.array(slots, dtype=mx.int32)
+            for k, values in enumerate(states):
+                self._write(k, index, values)
+        self.left = []
         if self.resident_slots is None:
-            return False
+            return wrote
         index = mx.array(self.resident_slots, dtype=mx.int32)
         for k, values in enumerate(self.resident):
             self._write(k, index, values)
-        self.drop()
+        self.resident_slots, self.resident = None, []
         return True
 
     def drop(self) -> None:
-        """Forget the resident batch (its requests failed: their slots are not read again)."""
-        self.resident_slots, self.resident = None, []
+        """After a failed step: write the resident and left states where they evaluate (a request
+        that finished before the failure was cached with its slot; the failed step's rows fail,
+        so what reaches their slots is never read), else forget them."""
+        try:
+            mx.eval(self.arrays()[len(self.pool_arrays()):])
+        except Exception:  # (the failure's own arrays): their requests were not cached
+            self.resident_slots, self.resident, self.left = None, [], []
+            return
+        self.flush()
 
     def _touch(self, slots: mx.array | list[int] | int) -> None:
-        """Flush first where an access touches a resident slot."""
-        if self.resident_slots is None:
+        """Flush first where an access touches a resident slot (or one that left it)."""
+        if self.resident_slots is None and not self.left:
             return
         wanted = {slots} if isinstance(slots, int) else set(slots if isinstance(slots, list) else slots.tolist())
-        if wanted & set(self.resident_slots):
+        held = set(self.resident_slots or ()).union(*(set(s) for s, _ in self.left))
+        if wanted & held:
             self.flush()
 
     def read(self, k: int, slots: mx.array) -> list[mx.array]:
@@ -180,6 +224,11 @@ class AuxPool:
             for a in entry:
                 a[slot : slot + 1] = mx.zeros((1, *a.shape[1:]), dtype=a.dtype)
 
+    def pool_arrays(self) -> list[mx.array]:
+        return [a for entry in self.states for a in entry]
+
     def arrays(self) -> list[mx.array]:
-        """The pool's arrays and the resident batch's (what a step's pool-write marker covers)."""
-        return [a for entry in self.states + self.resident for a in entry]
+        """The pool's arrays, the resident batch's and those of rows that left it (what a step's
+        pool-write marker covers)."""
+        return self.pool_arrays() + [a for entry in self.resident for a in entry] + [
+            a for _, states in self.left for entry in states for a in entry]
