@@ -106,3 +106,73 @@ def test_a_hybrid_batch_that_loses_rows_keeps_its_states_resident(arch, model_di
     assert all(f.prefix_len > len(r.prompt_ids) for f, r in zip(follows, ended))
     for r in reqs + follows:
         assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tail_bookkeeping_under_random_joins_and_leaves(seed, monkeypatch):
+    """The decode tail's record against a plain model of where every (row, position) lives:
+    random batches that continue, lose rows (``narrow``) or gain rows (a flush), with padding
+    rows and small capacities. Every step the tail holds each row's last positions in order;
+    after a final flush the pool and the slot table hold every position's K/V (a value made
+    from its slot)."""
+    import mlx.core as mx
+
+    from runtime.protocol.worker import DecodeBatch
+    from runtime.worker.model.discovery import AttentionShape
+    from runtime.worker.pools.kv_pool import KVPool
+
+    monkeypatch.setattr(decode_tail, "TAIL_POSITIONS", 16)
+    rng = random.Random(seed)
+    layers, padding_row, max_pos = 2, 31, 128
+    pool = KVPool(layers, 4096, AttentionShape(n_heads=1, n_kv_heads=1, head_dim=2), mx.float32)
+    table = mx.zeros((padding_row + 1, max_pos), dtype=mx.int32)
+    tail = DecodeTail(layers, max_steps=3)
+    active: dict[int, int] = {}  # row -> next position
+    written: dict[tuple[int, int], int] = {}  # (row, position) -> slot
+    next_slot, narrowed = 1, 0
+    for _ in range(120):
+        move = rng.random()
+        if not active or move < 0.15:  # new rows join (a batch change the tail flushes for)
+            for row in rng.sample([r for r in range(padding_row) if r not in active], rng.randint(1, 3)):
+                active[row] = rng.randint(20, 40)
+        elif move < 0.35 and len(active) > 1:  # rows leave
+            for row in rng.sample(sorted(active), rng.randint(1, len(active) - 1)):
+                del active[row]
+        rows = sorted(active, key=lambda r: (r * 7919 + seed) % 31)  # a stable, unsorted order
+        pad = (1 << (len(rows) - 1).bit_length()) - len(rows)
+        slots = list(range(next_slot, next_slot + len(rows)))
+        next_slot += len(rows)
+        positions = [active[r] for r in rows]
+        decode = DecodeBatch(rows=rows, token_ids=[-1] * len(rows), positions=positions, slot_ids=slots,
+                             temperatures=[0.0] * len(rows))
+        plan_rows = np.array(rows + [padding_row] * pad)
+        plan_positions = np.array(positions + [0] * pad)
+        if not tail.steps.continues(decode, pad):
+            kept = tail.steps.kept_rows(decode, pad)
+            if kept is not None and tail.narrow(kept, plan_rows, decode, pad):
+                narrowed += 1
+            else:
+                tail.flush(pool, table)
+        tail.steps.add(decode, pad, plan_rows, plan_positions, slots + [0] * pad)
+        keys, values = tail.old(len(plan_rows), 1, 2, mx.float32)
+        at = len(tail.steps) - 1
+        value = mx.array([float(s) for s in slots + [0] * pad])[:, None, None, None].astype(mx.float32)
+        for layer in range(layers):  # what the appending kernel writes: the step's K/V at the tail's end
+            column = (mx.arange(keys[layer].shape[2]) == at)[None, None, :, None]
+            tail.set(layer, mx.where(column, value + layer, keys[layer]), mx.where(column, -value - layer, values[layer]))
+        for row, position, slot in zip(rows, positions, slots):
+            written[(row, position)] = slot
+            active[row] = position + 1
+        # Every row of the batch: its last len(steps) positions, in order, are the tail's first.
+        held = len(tail.steps)
+        assert tail.keys[0].shape[2] == tail.capacity >= held
+        for i, row in enumerate(rows):
+            expected = [float(written[(row, active[row] - held + j)]) for j in range(held)]
+            assert tail.keys[0][i, 0, :held, 0].tolist() == expected
+    tail.flush(pool, table)
+    assert narrowed >= 5 and not tail.left and len(tail.steps) == 0
+    for (row, position), slot in written.items():
+        assert table[row, position].item() == slot
+        for layer in range(layers):
+            assert pool.keys[layer][slot, 0, 0].item() == slot + layer
+            assert pool.values[layer][slot, 0, 0].item() == -slot - layer
