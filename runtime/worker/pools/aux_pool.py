@@ -225,6 +225,7 @@ class AuxPool:
                 a[slot : slot + 1] = mx.zeros((1, *a.shape[1:]), dtype=a.dtype)
 
     def pool_arrays(self) -> list[mx.array]:
+        """The pool's own arrays (every slot's state)."""
         return [a for entry in self.states for a in entry]
 
     def arrays(self) -> list[mx.array]:

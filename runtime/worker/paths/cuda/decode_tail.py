@@ -28,7 +28,9 @@ earlier positions are, but for those of rows that left, which ``left`` holds.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
+from runtime.protocol.worker import DecodeBatch
 from runtime.worker.paths.deferred_steps import DeferredSteps
 from runtime.worker.pools.kv_pool import KVPool
 
@@ -96,7 +98,7 @@ class DecodeTail:
         assert keys.shape[2] == self.capacity, "a tail of the full capacity"
         self.keys[layer], self.values[layer] = keys, values
 
-    def narrow(self, kept: list[int], rows, decode, pad: int) -> bool:
+    def narrow(self, kept: list[int], rows: np.ndarray, decode: DecodeBatch, pad: int) -> bool:
         """Make the tail the new batch's where that batch only dropped rows (``kept``, from
         ``steps.kept_rows``) and its capacity holds one more step: the rows left are taken out
         (into ``left``, for the next flush) and nothing is written in place, so the step need
