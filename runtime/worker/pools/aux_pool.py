@@ -8,7 +8,6 @@ from mlx_lm.models.cache import ArraysCache
 
 from runtime.worker.model.discovery import CacheLayout
 
-
 # A decode batch that only lost rows keeps the rest resident (``AuxPool._narrowed``) rather than write
 # the batch back and read it again, a write in place that waits for the step before.
 NARROW_BATCH = True

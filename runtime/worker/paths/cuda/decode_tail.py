@@ -34,7 +34,6 @@ from runtime.protocol.worker import DecodeBatch
 from runtime.worker.paths.deferred_steps import DeferredSteps
 from runtime.worker.pools.kv_pool import KVPool
 
-
 # Rows x positions a tail holds at most, past ``max_steps`` positions a row: small batches get
 # up to ``FEW_ROWS_FACTOR`` times ``max_steps`` (8 rows x 64 positions of an 8B model's K/V is
 # 2 MiB a layer, each step copies what it holds).
