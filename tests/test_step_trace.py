@@ -74,3 +74,19 @@ def test_step_times_are_tabled_by_what_the_steps_held(tmp_path) -> None:
              if line.startswith("  prefill")}
     assert table == {"prefill 257-512, decode 2-8": 1, "prefill 0, decode 2-8": 1,
                      "prefill 0, decode 2-8, in place": 1}
+
+
+def test_tail_and_state_events_are_counted_from_when_the_trace_began(tmp_path) -> None:
+    from collections import Counter
+
+    engine = FakeEngine()
+    engine.paths = SimpleNamespace(tail=SimpleNamespace(events=Counter({"continued": 40, "flushed (full)": 2})))
+    engine.aux_pool = SimpleNamespace(events=Counter({"resident": 5}))
+    trace = StepTrace(str(tmp_path / "trace"))
+    trace.wrap_engine(engine)  # (the warm-up's events came before)
+    engine.paths.tail.events.update({"continued": 7, "narrowed": 3})
+    engine.aux_pool.events.update({"narrowed": 2, "written back": 1})
+    trace.write()
+    text = (tmp_path / "trace").read_text()
+    assert "decode tail: continued 7, narrowed 3\n" in text
+    assert "recurrent states: narrowed 2, written back 1\n" in text

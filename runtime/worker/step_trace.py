@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 
@@ -104,6 +104,11 @@ class StepTrace:
                     del self.slow[SLOW_KEPT:]
 
         engine.build, engine.submit, engine.finalize = traced_build, timed_submit, timed_finalize
+        # What decode steps did to the decode tail and a hybrid's resident states (counted from here on).
+        tail = getattr(getattr(engine, "paths", None), "tail", None)
+        aux = getattr(engine, "aux_pool", None)
+        self._events = [(name, holder.events, Counter(holder.events)) for name, holder in
+                        (("decode tail", tail), ("recurrent states", aux)) if holder is not None]
         if hasattr(engine, "prepare"):  # inside submit: a step's prefill forwards and the waits between them
             engine.prepare = self.timed("prepare", engine.prepare)
         if hasattr(engine, "_prefill_batch"):  # inside prepare: building one batched prefill forward
@@ -138,6 +143,9 @@ class StepTrace:
         for kind, values in sorted(self.steps.items()):
             v = np.array(values) * 1e3
             lines.append(f"  {kind:44s} {len(v):7d}  {v.mean():7.2f} {np.percentile(v, 50):7.2f} {np.percentile(v, 95):7.2f}")
+        for name, events, before_events in getattr(self, "_events", []):
+            counts = {event: n - before_events.get(event, 0) for event, n in sorted(events.items())}
+            lines.append(f"{name}: " + ", ".join(f"{event} {n}" for event, n in counts.items() if n))
         before, now = self._threads, _thread_cpu()
         used = sorted(((now[t] - before.get(t, 0.0), t) for t in now), reverse=True)
         for took, at, what in self.slow:

@@ -272,11 +272,15 @@ class AttentionPaths:
         # A batch that only advances every row by one chained token extends the tail and
         # writes nothing in place, as does one that also dropped rows (``DecodeTail.narrow``);
         # any other batch first moves the tail into the pool.
-        in_place = False
+        in_place, event = False, "continued"
         if not self.tail.steps.continues(decode, plan.pad):
             kept = self.tail.steps.kept_rows(decode, plan.pad) if NARROW_TAIL else None
+            event = "narrowed"
             if kept is None or not self.tail.narrow(kept, rows, decode, plan.pad):
+                full = len(self.tail.steps) >= self.tail.capacity and self.tail.steps.kept_rows(decode, plan.pad)
                 in_place = self.tail.flush(self.pool, self.device_table)
+                event = "flushed (full)" if full else "flushed (rows joined)" if in_place else "started"
+        self.tail.events[event] += 1
         self.tail.steps.add(decode, plan.pad, rows, positions, plan.slot_ids)
         batch = ForwardBatch(write_slots=write_slots, gather_index=None, offset=offsets, mask=mask,
                              lengths=mx.array(positions32 + 1), attention=self.attention, table=self.device_table,
@@ -322,7 +326,7 @@ class AttentionPaths:
         """Bring the pool up to date (before a prefill reads it)."""
         if self.tail is not None:
             assert self.device_table is not None
-            self.tail.flush(self.pool, self.device_table)
+            self.tail.events["flushed (prefill)"] += self.tail.flush(self.pool, self.device_table)
         self.flush_pending()
 
     def warm_up(self, length_bucket: int) -> int:

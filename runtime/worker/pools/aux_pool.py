@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
@@ -46,6 +48,7 @@ class AuxPool:
         self.resident_slots: tuple[int, ...] | None = None
         self.resident: list[list[mx.array]] = []  # per entry, per state: (B, ...) in batch order
         self.left: list[tuple[list[int], list[list[mx.array]]]] = []  # rows that left it: (slots, states)
+        self.events: Counter[str] = Counter()  # decode batches by how they got their states (the worker trace's)
 
     @classmethod
     def allocate(cls, templates: list[list[tuple[tuple[int, ...], mx.Dtype]]], num_slots: int,
@@ -88,9 +91,14 @@ class AuxPool:
         """A decode batch's states at ``slots`` (per entry, per state, batch-major): the resident
         ones if the last kept batch had these slots (or more: ``_narrowed``), else read from the
         pool (the resident batch written back first); and whether that wrote the pool in place."""
-        if self.resident_slots == tuple(slots) or (NARROW_BATCH and self._narrowed(slots)):
+        if self.resident_slots == tuple(slots):
+            self.events["resident"] += 1
+            return self.resident, False
+        if NARROW_BATCH and self._narrowed(slots):
+            self.events["narrowed"] += 1
             return self.resident, False
         wrote = self.flush()
+        self.events["written back" if wrote else "read"] += 1
         index = mx.array(slots, dtype=mx.int32)
         return [self._read(k, index) for k in range(len(self.states))], wrote
 

@@ -27,6 +27,8 @@ earlier positions are, but for those of rows that left, which ``left`` holds.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import mlx.core as mx
 import numpy as np
 
@@ -58,6 +60,7 @@ class DecodeTail:
         # Rows that left the batch with positions still here (``narrow``): (rows, positions,
         # slots, every layer's keys, values), step-major; written into the pool first by ``flush``.
         self.left: list[tuple[mx.array, mx.array, mx.array, list[mx.array], list[mx.array]]] = []
+        self.events: Counter[str] = Counter()  # decode steps by what they did to the tail (the worker trace's)
 
     def capacity_for(self, rows: int) -> int:
         """Positions a tail of ``rows`` rows (padding included) holds before it is flushed."""
