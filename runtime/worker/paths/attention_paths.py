@@ -279,7 +279,7 @@ class AttentionPaths:
             if kept is None or not self.tail.narrow(kept, rows, decode, plan.pad):
                 full = len(self.tail.steps) >= self.tail.capacity and self.tail.steps.kept_rows(decode, plan.pad)
                 in_place = self.tail.flush(self.pool, self.device_table)
-                event = "flushed (full)" if full else "flushed (rows joined)" if in_place else "started"
+                event = "flushed (full)" if full else "flushed (batch changed)" if in_place else "started"
         self.tail.events[event] += 1
         self.tail.steps.add(decode, plan.pad, rows, positions, plan.slot_ids)
         batch = ForwardBatch(write_slots=write_slots, gather_index=None, offset=offsets, mask=mask,
