@@ -29,6 +29,7 @@ def _stub_engine(tail: object | None, order: list[str]) -> SimpleNamespace:
         _prefill=lambda chunk: order.append("hit"),
         _written=lambda: "written",
         _build_decode=lambda launched: order.append("decode"),
+        settle=lambda: order.append("settle"),
     )
     engine._groups = lambda chunks: Engine._groups(engine, chunks)
     engine.fuses = lambda step: Engine.fuses(engine, step)
@@ -52,8 +53,8 @@ def test_last_prefill_group_is_left_to_the_submit_only_with_a_tail(monkeypatch, 
     Engine.prepare(engine, LaunchedStep(step.step_id, step=step, first_tokens=True))
     assert len(evals) == expected_evals
     # The flush comes first and the decode last; every group but (with a tail) the last is
-    # evaluated before the next group's writes are built.
+    # evaluated, and the engine settled, before the next group's writes are built.
     if tail is not None:
-        assert order == ["flush", "prefill 0", "eval", "prefill 64", "decode"]
+        assert order == ["flush", "prefill 0", "eval", "settle", "prefill 64", "decode"]
     else:
-        assert order == ["flush", "prefill 0", "eval", "prefill 64", "eval", "decode"]
+        assert order == ["flush", "prefill 0", "eval", "settle", "prefill 64", "eval", "settle", "decode"]

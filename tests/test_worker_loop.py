@@ -40,9 +40,15 @@ class FakeEngine:
     def reset_chain(self) -> None:
         pass
 
+    def settle(self) -> None:
+        if self.settles:
+            self.events.append("settle")
 
-def _run(commands: list, overlap: bool = False) -> list[str]:
-    engine = FakeEngine()
+    settles: bool = False  # record ``settle`` calls (only the test about them asks)
+
+
+def _run(commands: list, overlap: bool = False, settles: bool = False) -> list[str]:
+    engine = FakeEngine(settles=settles)
     inbox = [worker_encoder.encode(c) for c in commands]
 
     def send(data: bytes) -> None:
@@ -72,6 +78,15 @@ def test_first_tokens_are_reported_before_the_next_submit_steady_decode_after(ov
     # ...while a decode step's result waits for the next submit, so the device is never idle for it.
     assert events.index("submit 3") < events.index("send 2")
     assert [e for e in events if e.startswith("send")] == ["send 1", "send 2", "send 3"]
+
+
+def test_an_in_place_step_is_submitted_after_the_read_back_and_a_settle():
+    """A step that writes the pools in place goes to the device only after the step before it was
+    read back and the engine settled (on CUDA: that step's hold on the pools released)."""
+    prefill = Step(step_id=2, prefills=[PrefillChunk(row=1, start=0, token_ids=[1, 2, 3], slot_ids=[1, 2, 3])],
+                   decode=DecodeBatch(rows=[0], token_ids=[-1], positions=[9], slot_ids=[10], temperatures=[0.0]))
+    events = _run([_decode(1), prefill, Shutdown()], settles=True)
+    assert events.index("finalize 1") < events.index("settle", events.index("finalize 1")) < events.index("submit 2")
 
 
 @dataclass
@@ -113,3 +128,21 @@ def test_a_load_that_runs_out_of_device_memory_says_what_to_change():
     oom = load_error(RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory"))
     assert oom.startswith("RuntimeError: cudaMallocAsync") and "[cache] kv_slots" in oom
     assert load_error(ValueError("no config.json")) == "ValueError: no config.json"  # others as they are
+
+
+def test_settling_waits_for_mlx_to_release_finished_work_only_on_cuda(monkeypatch):
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from runtime.worker import engine as engine_mod
+    from runtime.worker.engine import Engine
+    from runtime.worker.paths.cuda import released
+
+    calls: list[str] = []
+    monkeypatch.setattr(mx, "synchronize", lambda *a: calls.append("synchronize"))
+    monkeypatch.setattr(engine_mod, "release_finished", released.release_finished)
+    Engine.settle(SimpleNamespace(cuda=False))
+    assert calls == []  # a CPU (or Metal) engine: nothing to wait for
+    Engine.settle(SimpleNamespace(cuda=True))
+    assert calls == ["synchronize"]

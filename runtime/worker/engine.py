@@ -23,6 +23,7 @@ from runtime.worker.paths.attention_paths import AttentionPaths
 from runtime.worker.paths.cuda.compiled_paged import CompiledPagedDecode
 from runtime.worker.paths.cuda.fused_step import fused_logits
 from runtime.worker.paths.cuda.gated_delta_check import kernel_for
+from runtime.worker.paths.cuda.released import release_finished
 from runtime.worker.paths.decode_plan import DecodePlan, plan_decode
 from runtime.worker.paths.pool_cache import ForwardBatch, PoolLayerCache
 from runtime.worker.paths.prefill_groups import prefill_groups
@@ -40,21 +41,17 @@ from runtime.worker.prompt_logprobs import prompt_logprobs, read_prompt_logprobs
 from runtime.worker.sampler import RowSampler, StepDraws
 from runtime.worker.token_chain import TokenChain
 
-# A step with prefill chunks and decode rows as one forward on the kernel path (``fused_step``):
-# on since session 22's A/B on an H200 (both run orders, 8B mixed at 10 requests/s: TPOT p50
-# 15.5 / 11.5 ms fused against 15.7 / 15.7 apart; docs/BENCHMARKS.md).
+# A step with prefill chunks and decode rows as one forward on the kernel path (``fused_step``): on since
+# session 22's A/B on an H200 (8B mixed at 10/s, TPOT p50 15.5 / 11.5 ms fused, 15.7 / 15.7 apart).
 FUSE_PREFILL = True
-# The compiled decode step's kernel rotates the queries and new keys (``kernel_rope``) where the
-# model allows it and the rotating kernel matches MLX's rope bit for bit at start-up: two MLX
-# kernel launches fewer per layer and step on a host-bound one-row step.
+# The compiled decode step's kernel rotates the queries and new keys (``kernel_rope``) where that matches
+# MLX's rope bit for bit at start-up: two kernel launches fewer per layer on a host-bound one-row step.
 KERNEL_ROPE = True
-# ... for steps of at most this many prefill tokens: a fused forward also runs the last layer's
-# attention and MLP over the prefill rows (a layer's worth more prefill work; the LM head takes
-# the decode rows only, ``OutputHead``), which pays where a step's fixed host cost dominates:
-# 38-47 ms for 1-512 prefill tokens against 13 ms for the decode alone (session 21's trace).
+# ... for steps of at most this many prefill tokens: a fused forward also runs the last layer's attention
+# and MLP over the prefill rows (the LM head takes the decode rows only, ``OutputHead``), which pays where
+# a step's fixed host cost dominates (session 21: 38-47 ms for 1-512 prefill tokens, 13 for the decode).
 FUSE_MAX_TOKENS = 512
-# A fused step's forward is built by ``build``, while the step before it runs (off: by ``prepare``).
-BUILD_FUSED_EARLY = True
+BUILD_FUSED_EARLY = True  # a fused step's forward built by ``build``, while the step before runs (off: ``prepare``)
 
 
 class Engine:
@@ -84,6 +81,7 @@ class Engine:
         pad_shapes: bool | None = None,
     ) -> None:
         on_gpu = mx.default_device().type == mx.DeviceType.gpu
+        self.cuda = on_gpu and mx.cuda.is_available()
         # Whether forwards are padded to recurring shapes (``worker.pad_shapes``; None: on a GPU, where a
         # step costs its launch overhead more than its arithmetic and a new shape kernel builds).
         self.padded_shapes = on_gpu if pad_shapes is None else pad_shapes
@@ -249,14 +247,11 @@ class Engine:
                               pads_recurrent=self.pads_recurrent, mixed_starts=self.mixed_starts)
 
     def prepare(self, launched: LaunchedStep) -> None:
-        """Run a step's prefill chunks, then build its decode (after the previous read-back).
-
-        Each chunk is evaluated before the next is built: a later chunk's pool write would
-        otherwise find the pools held by the earlier chunk's graph and copy them whole. The
-        last one is not where the decode only appends to the tail (emptied by the flush here):
-        nothing after it writes the pools, so the host encodes the decode while the device
-        runs the prefill.
-        """
+        """Run a step's prefill chunks, then build its decode (after the previous read-back). Each
+        chunk is evaluated (and ``settle``d) before the next is built: a later chunk's pool write would
+        otherwise find the pools held by the earlier chunk's graph and copy them whole. Not the last
+        where the decode only appends to the tail (emptied by the flush here): nothing after it writes
+        the pools, so the host encodes the decode while the device runs the prefill."""
         if launched.step is None or not launched.step.prefills:
             return
         self.paths.flush()
@@ -271,7 +266,13 @@ class Engine:
                 self._prefill(group[0])
             if i + 1 < len(groups) or not appends_only:
                 mx.eval(self._written())
+                self.settle()
         self._build_decode(launched)
+
+    def settle(self) -> None:
+        """On CUDA, let finished work release its buffers: the writes after it stay in place (``released``)."""
+        if self.cuda:
+            release_finished()
 
     def _prefill_inputs(self, group: list[PrefillChunk]) -> tuple[ForwardBatch, list[list[int]]]:
         """Admit chunks (of one start, or a hybrid's round) and address them as one padded batch: the

@@ -270,6 +270,7 @@ def _loop(engine, send, recv, poll, overlap: bool, clock: IdleClock, parent: int
                 report(pending)
         else:
             previous = _read_back(engine, pending, clock) if pending is not None else None
+            engine.settle()  # (the read-back step's hold on the pools released: the writes stay in place)
             clock.busy()
             engine.submit(built)
             if previous is not None:

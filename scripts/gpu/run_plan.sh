@@ -43,7 +43,7 @@ for item in "$@"; do
   case $item in  # ITEM#N: the same item again, its log named ITEM-N
     *#[0-9]*) tag=$tag-${item#*#}; item=${item%#*} ;;
   esac
-  tag=$tag${fuse_tag:-}${cubin_tag:-}${pad_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}${win_tag:-}${sink_tag:-}${cpu_tag:-}${hyb_tag:-}${tree_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
+  tag=$tag${fuse_tag:-}${cubin_tag:-}${pad_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}${win_tag:-}${sink_tag:-}${cpu_tag:-}${hyb_tag:-}${tree_tag:-}${settle_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
   case $item in
     kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
     gemv-ab) run "$item" 150 python3 scripts/gemv_ab.py ;;
@@ -69,6 +69,10 @@ for item in "$@"; do
                 # their decode rows (FUSE_MAX_TOKENS), not 512: steps of more ran 2-4 separate forwards, each waited for
       sed -i 's/^FUSE_MAX_TOKENS = 512$/FUSE_MAX_TOKENS = 2048/' runtime/worker/engine.py; fuse_tag=-fuse2048
       echo "== fuse-2048: $(grep -E '^FUSE_MAX_TOKENS =' runtime/worker/engine.py)" ;;
+    no-settle)  # on this device copy only: the items after it evaluate pool writes right after a read-back, without
+                # waiting for MLX's completion thread to release the step's buffers (before session 44: a race)
+      sed -i 's/^        self.cuda = on_gpu and mx.cuda.is_available()$/        self.cuda = False/' runtime/worker/engine.py; settle_tag=-unsettled
+      echo "== no-settle: $(grep -E '^        self.cuda = ' runtime/worker/engine.py)" ;;
     no-narrow-tail)  # on this device copy only: the items after it flush the decode tail (and wait for the step before)
                      # whenever rows leave the batch, as before session 44, not only at prefill steps and full tails
       sed -i 's/^NARROW_TAIL = True$/NARROW_TAIL = False/' runtime/worker/paths/attention_paths.py; tail_tag=-flush-on-leave
@@ -233,7 +237,7 @@ for item in "$@"; do
     pytest-residual) run "$item" 200 python3 -m pytest -q tests/test_fused_residual.py tests/test_service_exact.py ;;
     pytest-shapes)  # attention layers of several shapes, KV-shared layers (Gemma 4, Gemma 3n): token-exact on CUDA too
       run "$item" 400 python3 -m pytest -q tests/test_layer_shapes_exact.py tests/test_kv_read_back.py tests/test_kv_shared_paths.py ;;
-    *) echo "== $item: unknown (no-narrow-tail fuse-late main-tree 1b-mixed-rt-trace fuse-2048 no-mixed-starts s28-tree pytest-gated-delta pytest-hybrid qn-mixed mla-sweep-trace profile-mla qn-paired qn-sweep profile-qn qn-copies graph-diff encode-cost qn-mixed-rt-long-user qn-mixed-rt-trace delta-ops mla-paired mla-sweep cpu-streams path-diff sinks-gathered gpt-oss-paired gpt-oss-sweep pytest-sinks gemma-sweep-trace windowed-gathered pytest-windowed pytest-windowed-cuda gemma-mixed-rt-short gemma-first-user 1b-paired-short unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-mixed-10 1b-mixed-20 1b-mixed-c32 1b-mixed-20-c32 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
+    *) echo "== $item: unknown (no-settle no-narrow-tail fuse-late main-tree 1b-mixed-rt-trace fuse-2048 no-mixed-starts s28-tree pytest-gated-delta pytest-hybrid qn-mixed mla-sweep-trace profile-mla qn-paired qn-sweep profile-qn qn-copies graph-diff encode-cost qn-mixed-rt-long-user qn-mixed-rt-trace delta-ops mla-paired mla-sweep cpu-streams path-diff sinks-gathered gpt-oss-paired gpt-oss-sweep pytest-sinks gemma-sweep-trace windowed-gathered pytest-windowed pytest-windowed-cuda gemma-mixed-rt-short gemma-first-user 1b-paired-short unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-mixed-10 1b-mixed-20 1b-mixed-c32 1b-mixed-20-c32 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then

@@ -95,6 +95,7 @@ def _warm(engine, max_step_tokens: int, prefill_chunk: int, log: Callable[[str],
                                slot_ids=list(range(1 + start + r * n, 1 + start + (r + 1) * n)), prefix_slots=prefix,
                                **_state_fields(aux is not None, r, start, fresh=not layers))
                   for r in range(rows)]
+        engine.settle()  # (the last shape's hold on the pools released: this one writes them in place)
         engine.finalize(engine.launch(Step(step_id=0, prefills=chunks, decode=None)))
         done += 1
         if log is not None and done % 20 == 0:
