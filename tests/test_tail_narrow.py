@@ -178,3 +178,22 @@ def test_tail_bookkeeping_under_random_joins_and_leaves(seed, monkeypatch):
         for layer in range(layers):
             assert pool.keys[layer][slot, 0, 0].item() == slot + layer
             assert pool.values[layer][slot, 0, 0].item() == -slot - layer
+
+
+def test_a_failed_steps_reset_keeps_finished_requests_rows_on_the_row_cache_path(model_dir):
+    """The CPU's row-cache path defers decode K/V into the pool too (``AttentionPaths.pending``): a
+    reset after a failed step writes what evaluates, so prompts that extend finished (cached)
+    requests read their last positions' K/V exactly."""
+    folder = model_dir("llama")
+    svc = InProcessService(folder, max_running=8, row_cache=True)
+    assert svc.engine.paths.row_cache is not None
+    rng = random.Random(9)
+    reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(9 + 3 * i)], 4 + 3 * i) for i in range(4)]
+    svc.run({0: reqs})
+    assert len(svc.engine.paths.pending)  # the last rows' decode K/V not in the pool yet
+    svc.engine.reset_chain()
+    follows = [svc.request(f"follow{i}", r.prompt_ids + r.output_ids[:-1] + [5, 6, 7], 4) for i, r in enumerate(reqs)]
+    svc.run({0: follows})
+    assert all(f.prefix_len > len(r.prompt_ids) for f, r in zip(follows, reqs))
+    for r in reqs + follows:
+        assert_greedy_like_mlx(folder, r.prompt_ids, r.output_ids, r.max_new, r.rid)

@@ -351,9 +351,17 @@ class AttentionPaths:
         return arrays + (self.row_cache.arrays() if self.row_cache is not None else [])
 
     def reset(self) -> None:
-        """After a failed step: the tail's K/V reach the pool where they evaluate (``DecodeTail.abandon``);
-        the row cache's deferred K/V are forgotten (their requests failed with the step)."""
+        """After a failed step, the deferred decode K/V (the tail's, the row cache's) reach the pool
+        where they evaluate: a request that finished before the failure was cached when its last
+        step came back; the failed step's rows fail, so what reaches their slots is never read."""
         if self.tail is not None:
             assert self.device_table is not None
             self.tail.abandon(self.pool, self.device_table)
+        if len(self.pending) and self.row_cache is not None:
+            try:
+                mx.eval(self.row_cache.arrays())
+            except Exception:  # (the failure's own arrays): their requests were not cached
+                self.pending.clear()
+                return
+            self.flush_pending()
         self.pending.clear()
