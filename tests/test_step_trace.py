@@ -54,7 +54,7 @@ def test_slow_submits_are_described(tmp_path, monkeypatch) -> None:
     assert ("step 4: 2 prefill chunks (4 tokens), 2 decode rows (sampled or masked); new prefill shapes 2, "
             "new decode traces 1; prepare ") in text
     assert " ms, 2 separate prefill forwards (built in " in text and " ms); queueing " in text
-    assert " GB active, " in text and " GB cached, limit " in text
+    assert " GB active, peak " in text and " GB in the submit, " in text and " GB cached, limit " in text
     assert "kernel cache files +1 since the last slow submit" in text  # the one the step's prepare wrote
 
 

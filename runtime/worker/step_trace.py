@@ -90,6 +90,7 @@ class StepTrace:
                 submitted.clear()  # steps whose finalize never came (a failed step)
             submitted[built.step_id] = (t0, kind)
             prepares, forwards = len(self.times["prepare"]), len(self.times["forward"])
+            _reset_peak()  # (a step whose writes copy a pool layer instead of writing in place peaks above active)
             try:
                 return submit(built)
             finally:
@@ -161,12 +162,20 @@ class StepTrace:
             f.write(self.summary())
 
 
-def _memory() -> str:
-    """MLX's device memory now: in use by arrays, held in its buffer cache, and its limit (GB)."""
+def _reset_peak() -> None:
     import mlx.core as mx
 
-    return (f"memory {mx.get_active_memory() / 1e9:.1f} GB active, {mx.get_cache_memory() / 1e9:.1f} GB cached, "
-            f"limit {mx.get_memory_limit() / 1e9:.1f} GB")
+    mx.reset_peak_memory()
+
+
+def _memory() -> str:
+    """MLX's device memory now: in use by arrays, the most in use since the submit began (buffers a
+    step allocates as it is encoded: a pool layer copied instead of written in place shows here),
+    held in its buffer cache, and its limit (GB)."""
+    import mlx.core as mx
+
+    return (f"memory {mx.get_active_memory() / 1e9:.1f} GB active, peak {mx.get_peak_memory() / 1e9:.1f} GB in "
+            f"the submit, {mx.get_cache_memory() / 1e9:.1f} GB cached, limit {mx.get_memory_limit() / 1e9:.1f} GB")
 
 
 def _file_count(folder: str | None) -> int:

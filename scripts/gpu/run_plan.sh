@@ -43,7 +43,7 @@ for item in "$@"; do
   case $item in  # ITEM#N: the same item again, its log named ITEM-N
     *#[0-9]*) tag=$tag-${item#*#}; item=${item%#*} ;;
   esac
-  tag=$tag${fuse_tag:-}${cubin_tag:-}${pad_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}${win_tag:-}${sink_tag:-}${cpu_tag:-}${hyb_tag:-}${tree_tag:-}${settle_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
+  tag=$tag${fuse_tag:-}${cubin_tag:-}${pad_tag:-}${tail_tag:-}${rope_tag:-}${loop_tag:-}${win_tag:-}${sink_tag:-}${cpu_tag:-}${hyb_tag:-}${tree_tag:-}${settle_tag:-}${res_tag:-}  # after fuse-prefill / no-fuse-prefill: -fused / -apart; after tail-xN: -tailxN; after rope-off / rope-on: -rope-off / -rope-on
   case $item in
     kernel-ab) run "$item" 300 python3 scripts/paged_kernel_ab.py ;;
     gemv-ab) run "$item" 150 python3 scripts/gemv_ab.py ;;
@@ -69,6 +69,10 @@ for item in "$@"; do
                 # their decode rows (FUSE_MAX_TOKENS), not 512: steps of more ran 2-4 separate forwards, each waited for
       sed -i 's/^FUSE_MAX_TOKENS = 512$/FUSE_MAX_TOKENS = 2048/' runtime/worker/engine.py; fuse_tag=-fuse2048
       echo "== fuse-2048: $(grep -E '^FUSE_MAX_TOKENS =' runtime/worker/engine.py)" ;;
+    no-fused-residual)  # on this device copy only: the items after it keep MLX's two kernels for each residual add and the
+                        # RMSNorm after it (before session 32's fused_residual): a suspect for the 1B's slow prefill forwards
+      sed -i "s/^    if group is None:  # a sharded model's blocks add partial sums/    if False:  # a sharded model's blocks add partial sums/" runtime/worker/loader.py; res_tag=-unfused-residual
+      echo "== no-fused-residual: $(grep -E "^    if (False|group is None):  # a sharded model's blocks add" runtime/worker/loader.py)" ;;
     no-settle)  # on this device copy only: the items after it evaluate pool writes right after a read-back, without
                 # waiting for MLX's completion thread to release the step's buffers (before session 44: a race)
       sed -i 's/^        self.cuda = on_gpu and mx.cuda.is_available()$/        self.cuda = False/' runtime/worker/engine.py; settle_tag=-unsettled
@@ -80,7 +84,7 @@ for item in "$@"; do
       echo "== no-narrow-tail: $(grep -hE '^NARROW_(TAIL|BATCH) =' runtime/worker/paths/attention_paths.py runtime/worker/pools/aux_pool.py | tr '\n' ' ')" ;;
     fuse-late)  # on this device copy only: the items after it build a fused step's forward after the previous step's
                 # read-back (in prepare), as before session 44, not while that step runs
-      sed -i 's/^BUILD_FUSED_EARLY = True$/BUILD_FUSED_EARLY = False/' runtime/worker/engine.py; fuse_tag=${fuse_tag:-}-late
+      sed -i 's/^BUILD_FUSED_EARLY = True\b/BUILD_FUSED_EARLY = False/' runtime/worker/engine.py; fuse_tag=${fuse_tag:-}-late
       echo "== fuse-late: $(grep -E '^BUILD_FUSED_EARLY =' runtime/worker/engine.py)" ;;
     no-mixed-starts)  # on this device copy only: the items after it run a hybrid's prefill chunks of different
                       # starts as separate forwards again (before session 42), for an A/B on one machine
@@ -237,7 +241,7 @@ for item in "$@"; do
     pytest-residual) run "$item" 200 python3 -m pytest -q tests/test_fused_residual.py tests/test_service_exact.py ;;
     pytest-shapes)  # attention layers of several shapes, KV-shared layers (Gemma 4, Gemma 3n): token-exact on CUDA too
       run "$item" 400 python3 -m pytest -q tests/test_layer_shapes_exact.py tests/test_kv_read_back.py tests/test_kv_shared_paths.py ;;
-    *) echo "== $item: unknown (no-settle no-narrow-tail fuse-late main-tree 1b-mixed-rt-trace fuse-2048 no-mixed-starts s28-tree pytest-gated-delta pytest-hybrid qn-mixed mla-sweep-trace profile-mla qn-paired qn-sweep profile-qn qn-copies graph-diff encode-cost qn-mixed-rt-long-user qn-mixed-rt-trace delta-ops mla-paired mla-sweep cpu-streams path-diff sinks-gathered gpt-oss-paired gpt-oss-sweep pytest-sinks gemma-sweep-trace windowed-gathered pytest-windowed pytest-windowed-cuda gemma-mixed-rt-short gemma-first-user 1b-paired-short unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-mixed-10 1b-mixed-20 1b-mixed-c32 1b-mixed-20-c32 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
+    *) echo "== $item: unknown (no-fused-residual no-settle no-narrow-tail fuse-late main-tree 1b-mixed-rt-trace fuse-2048 no-mixed-starts s28-tree pytest-gated-delta pytest-hybrid qn-mixed mla-sweep-trace profile-mla qn-paired qn-sweep profile-qn qn-copies graph-diff encode-cost qn-mixed-rt-long-user qn-mixed-rt-trace delta-ops mla-paired mla-sweep cpu-streams path-diff sinks-gathered gpt-oss-paired gpt-oss-sweep pytest-sinks gemma-sweep-trace windowed-gathered pytest-windowed pytest-windowed-cuda gemma-mixed-rt-short gemma-first-user 1b-paired-short unpadded 1b-mixed-rt-short pytest-cubin gemma-bisect gemma-paired-trace gemma-paired gemma-sweep cubin-on pytest-residual-kernel pytest-residual kernel-layout split-loop-LOOP loop-LOOP rope-off rope-on pytest-rope tail-xN kernel-scale kernel-ab gemv-ab long-prefill pytest-kernel pytest-kernel-mma use-best-loop fuse-prefill no-fuse-prefill kernel-gpu kernel-regs use-best-regs kernel-gpu-mma kernel-ncu imports 1b-mixed-10 1b-mixed-20 1b-mixed-c32 1b-mixed-20-c32 1b-paired 1b-paired-trace profile-8b-64 profile-1b-1 profile-8b-32k kernel-32k 8b-first 8b-long 8b-long-warm 8b-long-trace 8b-mixed 8b-mixed-rt 8b-mixed-rt-trace 8b-4bit-sweep 8b-sweep 1b-sweep 1b-mixed 1b-first pytest-gpu pytest-shapes)" ;;
   esac
 done
 if [ -d ~/.cache/runtime/mlx-kernels ]; then
