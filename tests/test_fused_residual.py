@@ -65,6 +65,27 @@ def test_the_check_says_where_the_kernel_does_not_apply():
     assert "take MLX's own kernels" in AddRmsNorm(True).check(8200, mx.bfloat16)
 
 
+def test_the_kernel_takes_a_decode_steps_rows_and_leaves_a_prefills_to_mlx(monkeypatch):
+    """Up to ``MAX_KERNEL_ROWS`` rows (a decode step) go to the kernel; a prefill forward's many rows
+    keep MLX's two kernels (the same bits)."""
+    launched: list[int] = []
+
+    def fake_kernel(**build):
+        def run(inputs, grid, threadgroup, **launch):
+            launched.append(grid[0] // threadgroup[0])  # one block a row
+            return add_rms_norm.reference(inputs[0], inputs[1], inputs[2], inputs[3].item())
+        return run
+
+    monkeypatch.setattr(add_rms_norm, "cuda_kernel", fake_kernel)
+    fused = AddRmsNorm(True)
+    w = mx.ones((64,), dtype=mx.bfloat16)
+    for shape in ((1, 1, 64), (add_rms_norm.MAX_KERNEL_ROWS, 1, 64), (4, 300, 64)):
+        x = mx.ones(shape, dtype=mx.bfloat16)
+        h, out = fused(x, x, w, 1e-5)
+        assert mx.array_equal(out, add_rms_norm.reference(x, x, w, 1e-5)[1]).item()
+    assert launched == [1, add_rms_norm.MAX_KERNEL_ROWS]  # not the 1,200 rows of the prefill
+
+
 def test_a_llama_model_takes_the_fused_blocks_and_keeps_its_logits_and_parameters(model_dir):
     model, vocab = _fresh(model_dir, "llama")
     tokens = mx.array([[5, 9, 2, 7, 11]], dtype=mx.uint32)

@@ -120,6 +120,13 @@ def launch_geometry(width: int, itemsize: int) -> tuple[int, int] | None:
     return 128, min(8, -(-vectors // 128))
 
 
+# Rows the kernel takes at most (a decode step's); a prefill forward's thousands keep MLX's two kernels.
+# The kernel pays on host-bound steps of few rows (one launch for two, session 29: a 1B one-row step
+# 1.22x mlx-lm's); its time over many rows was never measured, and in session 44 the 1B's separate
+# prefill forwards ran 2-5 times slower than before the kernel came (session 28's sources, one H100).
+MAX_KERNEL_ROWS = 256
+
+
 def reference(x: mx.array, r: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
     """The sum and its RMSNorm by MLX's own kernels (what every device computes without the kernel)."""
     h = x + r
@@ -139,7 +146,8 @@ class AddRmsNorm:
     def _launch(self, x: mx.array, r: mx.array, weight: mx.array) -> tuple[int, int] | None:
         """The kernel's (threads, vectors a thread) for these arrays, or None where it does not apply."""
         if not (self.use_kernel and x.dtype == r.dtype == weight.dtype and x.dtype in (mx.bfloat16, mx.float16)
-                and x.shape == r.shape and weight.ndim == 1 and weight.shape[0] == x.shape[-1]):
+                and x.shape == r.shape and weight.ndim == 1 and weight.shape[0] == x.shape[-1]
+                and x.size // max(x.shape[-1], 1) <= MAX_KERNEL_ROWS):
             return None
         return launch_geometry(x.shape[-1], x.dtype.size)
 
