@@ -277,7 +277,7 @@ class AttentionPaths:
             kept = self.tail.steps.kept_rows(decode, plan.pad) if NARROW_TAIL else None
             event = "narrowed"
             if kept is None or not self.tail.narrow(kept, rows, decode, plan.pad):
-                full = len(self.tail.steps) >= self.tail.capacity and self.tail.steps.kept_rows(decode, plan.pad)
+                full = len(self.tail.steps) >= self.tail.capacity
                 in_place = self.tail.flush(self.pool, self.device_table)
                 event = "flushed (full)" if full else "flushed (batch changed)" if in_place else "started"
         self.tail.events[event] += 1
