@@ -97,6 +97,8 @@ def test_a_hybrid_batch_that_loses_rows_keeps_its_states_resident(arch, model_di
         len(self.left[-1][0]) if self.left else 0) or result)
     folder = model_dir(arch)
     svc = InProcessService(folder, max_running=8, aux_slots=64, row_cache=False)
+    assert not svc.aux_pool.narrows  # a CPU's pool keeps no narrowed batch: the GPU's choice, taken here
+    svc.aux_pool.narrows = True
     rng = random.Random(7)
     reqs = [svc.request(f"r{i}", [rng.randrange(3, 250) for _ in range(9 + 3 * i)], 3 + 3 * i) for i in range(5)]
     svc.run({0: reqs})

@@ -40,11 +40,13 @@ class AuxPool:
     method but ``batch_states``/``keep``/``arrays`` flushes before touching such a slot.
     """
 
-    def __init__(self, states: list[list[mx.array]], row_writes: bool = False) -> None:
-        """A pool over existing state arrays (``allocate`` makes new ones)."""
+    def __init__(self, states: list[list[mx.array]], row_writes: bool = False, narrows: bool = True) -> None:
+        """A pool over existing state arrays (``allocate`` makes new ones); ``narrows``: a batch that
+        only lost rows keeps the rest resident (``_narrowed``, where ``NARROW_BATCH`` allows it)."""
         self.states = states
         self.num_slots = states[0][0].shape[0]
         self.row_writes = row_writes
+        self.narrows = narrows
         self.resident_slots: tuple[int, ...] | None = None
         self.resident: list[list[mx.array]] = []  # per entry, per state: (B, ...) in batch order
         self.left: list[tuple[list[int], list[list[mx.array]]]] = []  # rows that left it: (slots, states)
@@ -52,10 +54,10 @@ class AuxPool:
 
     @classmethod
     def allocate(cls, templates: list[list[tuple[tuple[int, ...], mx.Dtype]]], num_slots: int,
-                 row_writes: bool = False) -> AuxPool:
+                 row_writes: bool = False, narrows: bool = True) -> AuxPool:
         states = [[mx.zeros((num_slots, *shape), dtype=dtype) for shape, dtype in entry] for entry in templates]
         mx.eval(states)
-        return cls(states, row_writes)
+        return cls(states, row_writes, narrows)
 
     @staticmethod
     def probe(model: nn.Module, layout: CacheLayout) -> list[list[tuple[tuple[int, ...], mx.Dtype]]]:
@@ -94,7 +96,7 @@ class AuxPool:
         if self.resident_slots == tuple(slots):
             self.events["resident"] += 1
             return self.resident, False
-        if NARROW_BATCH and self._narrowed(slots):
+        if NARROW_BATCH and self.narrows and self._narrowed(slots):
             self.events["narrowed"] += 1
             return self.resident, False
         wrote = self.flush()
